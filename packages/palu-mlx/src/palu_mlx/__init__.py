@@ -1,3 +1,42 @@
-"""palu-mlx: low-rank latent KV cache for mlx-lm (features land in their own issue)."""
+"""palu-mlx: a low-rank latent KV cache for mlx-lm.
+
+Keys and values of each layer are projected onto group-head low-rank bases
+fitted on the first tokens (PALU-style group-head SVD), coded with a mixed-bit
+latent coder, and reconstructed only at attention time::
+
+    from palu_mlx import KVCacheConfig, KVCacheBuilder
+
+    config = KVCacheConfig(method="palu", head_dim=64)
+    caches = KVCacheBuilder.for_model(model, config)
+    mlx_lm.generate(model, tokenizer, prompt, prompt_cache=caches)
+"""
+
+from .builder import KVCacheBuilder, load_prompt_cache, model_kv_dims, save_prompt_cache
+from .cache import PaluKVCache
+from .config import KVCacheConfig
+from .lowrank import GroupProjection, fit_group_projection, project, reconstruct, select_rank
+from .mixed_bit import BitAllocationPolicy, FixedSplitPolicy, MixedBitCoder, Segment, UniformPolicy
+from .naive import NaiveQuantKVCache, naive_roundtrip
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "KVCacheConfig",
+    "KVCacheBuilder",
+    "PaluKVCache",
+    "NaiveQuantKVCache",
+    "naive_roundtrip",
+    "save_prompt_cache",
+    "load_prompt_cache",
+    "model_kv_dims",
+    "GroupProjection",
+    "fit_group_projection",
+    "project",
+    "reconstruct",
+    "select_rank",
+    "BitAllocationPolicy",
+    "FixedSplitPolicy",
+    "UniformPolicy",
+    "MixedBitCoder",
+    "Segment",
+]

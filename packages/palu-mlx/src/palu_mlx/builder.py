@@ -1,0 +1,187 @@
+"""Wiring palu caches into mlx-lm models, and saving / loading prompt caches.
+
+``KVCacheBuilder.for_model(model, config)`` returns one cache per layer, ready for
+``generate(..., prompt_cache=caches)``, ``stream_generate`` or ``generate_step``.
+``KVCacheBuilder.install(model, config)`` sets ``model.make_cache`` so every
+mlx-lm call that builds its own cache gets fresh palu caches.
+
+mlx-lm's ``load_prompt_cache`` only knows its own cache classes, so this module
+has its own :func:`save_prompt_cache` / :func:`load_prompt_cache`. The file is a
+``.safetensors`` with each layer's ``state`` arrays under ``"<layer>.<name>"`` and,
+in the metadata, each layer's class and ``meta_state``. Layers that are mlx-lm
+caches (e.g. a model mixing rotating and full attention) are stored through
+their own ``state`` / ``from_state`` the way mlx-lm does it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from kvspec import KVConfigError
+from mlx.utils import tree_flatten, tree_unflatten
+from mlx_lm.models import cache as mlx_cache
+
+from .cache import PaluKVCache
+from .config import KVCacheConfig
+from .mixed_bit import BitAllocationPolicy
+from .naive import NaiveQuantKVCache
+
+__all__ = ["KVCacheBuilder", "model_kv_dims", "save_prompt_cache", "load_prompt_cache"]
+
+_OURS: dict[str, type] = {"PaluKVCache": PaluKVCache, "NaiveQuantKVCache": NaiveQuantKVCache}
+_FORMAT = "palu-mlx.prompt-cache.v1"
+
+
+def model_kv_dims(model: nn.Module) -> tuple[int | None, int | None]:
+    """``(head_dim, n_kv_heads)`` of an mlx-lm model from its ``args`` (None where unknown)."""
+    args = getattr(model, "args", None)
+    n_heads = getattr(args, "num_attention_heads", None)
+    head_dim = getattr(args, "head_dim", None)
+    if head_dim is None and n_heads and getattr(args, "hidden_size", None):
+        head_dim = args.hidden_size // n_heads
+    n_kv = getattr(args, "num_key_value_heads", None) or n_heads
+    return head_dim, n_kv
+
+
+class KVCacheBuilder:
+    """Builds per-layer palu (or naive baseline) caches for an mlx-lm model."""
+
+    @staticmethod
+    def make_layer_cache(
+        config: KVCacheConfig, allocation_policy: BitAllocationPolicy | None = None
+    ) -> PaluKVCache | NaiveQuantKVCache:
+        """One layer's cache for ``config`` (``method`` "palu" or "naive")."""
+        if config.method == "naive":
+            return NaiveQuantKVCache(config.naive_bits, config.naive_group_size, config.palu_check_finite)
+        return PaluKVCache(config, allocation_policy)
+
+    @staticmethod
+    def for_model(
+        model: nn.Module,
+        config: KVCacheConfig,
+        allocation_policy: BitAllocationPolicy | None = None,
+    ) -> list[Any]:
+        """One cache per layer of ``model``.
+
+        Layers whose default cache is mlx-lm's plain ``KVCache`` get a palu cache;
+        other layer caches the model asks for (rotating windows, SSM state) are kept.
+        Raises ``KVConfigError`` when ``config.head_dim`` differs from the model's
+        head dim or its KV head count is not divisible by ``palu_n_head_groups``.
+        """
+        if not isinstance(config, KVCacheConfig):
+            raise KVConfigError(f"config must be a KVCacheConfig; got {type(config).__name__}")
+        head_dim, n_kv = model_kv_dims(model)
+        if head_dim is not None and head_dim != config.head_dim:
+            raise KVConfigError(f"head_dim={config.head_dim} does not match the model's head_dim {head_dim}")
+        if config.method == "palu" and n_kv is not None and n_kv % config.palu_n_head_groups:
+            raise KVConfigError(
+                f"palu_n_head_groups={config.palu_n_head_groups} must divide the model's "
+                f"{n_kv} key/value heads; allowed: a divisor of {n_kv}"
+            )
+        defaults = _default_caches(model)
+        replaceable = (mlx_cache.KVCache, PaluKVCache, NaiveQuantKVCache)
+        caches = [
+            KVCacheBuilder.make_layer_cache(config, allocation_policy) if type(c) in replaceable else c
+            for c in defaults
+        ]
+        if not any(isinstance(c, (PaluKVCache, NaiveQuantKVCache)) for c in caches):
+            raise KVConfigError("the model has no full-attention KVCache layer a palu cache could replace")
+        return caches
+
+    @staticmethod
+    def install(
+        model: nn.Module,
+        config: KVCacheConfig,
+        allocation_policy: BitAllocationPolicy | None = None,
+    ) -> Callable[[], list[Any]]:
+        """Set ``model.make_cache`` to build fresh palu caches on every call; returns that factory.
+
+        Validates ``config`` against the model first (see :meth:`for_model`).
+        """
+        KVCacheBuilder.for_model(model, config, allocation_policy)
+
+        def make_cache(*_args: Any, **_kwargs: Any) -> list[Any]:
+            return KVCacheBuilder.for_model(model, config, allocation_policy)
+
+        make_cache._palu_original = _original_make_cache(model)  # type: ignore[attr-defined]
+        model.make_cache = make_cache
+        return make_cache
+
+
+def _original_make_cache(model: nn.Module) -> Callable[[], list[Any]] | None:
+    current = getattr(model, "make_cache", None)
+    # Re-installing must not wrap our own factory: keep the model's real default.
+    return getattr(current, "_palu_original", current)
+
+
+def _default_caches(model: nn.Module) -> list[Any]:
+    original = _original_make_cache(model)
+    if original is not None:
+        return list(original())
+    return [mlx_cache.KVCache() for _ in model.layers]
+
+
+# --------------------------------------------------------------------------- persistence
+def save_prompt_cache(file_name: str, cache: list[Any], metadata: dict[str, str] | None = None) -> None:
+    """Save a prompt cache (palu, naive and mlx-lm layers) to a ``.safetensors`` file."""
+    arrays: dict[str, mx.array] = {}
+    layers: list[dict[str, Any]] = []
+    for i, layer in enumerate(cache):
+        name = type(layer).__name__
+        if name in _OURS:
+            for key, arr in layer.state.items():
+                arrays[f"{i}.{key}"] = arr
+            layers.append({"class": name, "meta_state": list(layer.meta_state)})
+            continue
+        if not hasattr(mlx_cache, name):
+            raise KVConfigError(f"layer {i}: cannot save a {name}; not a palu-mlx or mlx-lm cache")
+        scalars: dict[str, Any] = {}
+        for key, value in tree_flatten(layer.state):
+            if isinstance(value, mx.array):
+                arrays[f"{i}.{key}"] = value
+            elif value is None or isinstance(value, (bool, int, float, str)):
+                scalars[key] = value
+            else:
+                raise KVConfigError(f"layer {i} ({name}): state entry {key!r} is not serializable")
+        layers.append({"class": name, "scalars": scalars})
+    meta = {"format": _FORMAT, "layers": json.dumps(layers), "metadata": json.dumps(metadata or {})}
+    mx.save_safetensors(file_name, arrays, meta)
+
+
+def load_prompt_cache(file_name: str, return_metadata: bool = False) -> Any:
+    """Load a prompt cache written by :func:`save_prompt_cache`.
+
+    Returns the list of layer caches, or ``(caches, metadata)`` when ``return_metadata``.
+    """
+    arrays, meta = mx.load(file_name, return_metadata=True)
+    if meta.get("format") != _FORMAT:
+        raise KVConfigError(
+            f"{file_name} is not a palu-mlx prompt cache (format {meta.get('format')!r}); "
+            "use mlx_lm.models.cache.load_prompt_cache for mlx-lm's own files"
+        )
+    layers = json.loads(meta["layers"])
+    per_layer: list[dict[str, mx.array]] = [{} for _ in layers]
+    for key, arr in arrays.items():
+        index, name = key.split(".", 1)
+        per_layer[int(index)][name] = arr
+    caches = []
+    for entry, state in zip(layers, per_layer):
+        cls_name = entry["class"]
+        if cls_name in _OURS:
+            caches.append(_OURS[cls_name].from_state(state, tuple(entry["meta_state"])))
+            continue
+        flat = list(state.items()) + list(entry["scalars"].items())
+        flat.sort(key=lambda kv: _flat_key_order(kv[0]))
+        caches.append(getattr(mlx_cache, cls_name).from_state(tree_unflatten(flat)))
+    if return_metadata:
+        return caches, json.loads(meta["metadata"])
+    return caches
+
+
+def _flat_key_order(key: str) -> tuple:
+    # tree_unflatten rebuilds lists from "0", "1", ...; sort numerically so "10" follows "9".
+    return tuple((0, int(p)) if p.isdigit() else (1, p) for p in key.split("."))

@@ -1,0 +1,434 @@
+"""PaluKVCache: an mlx-lm cache layer that stores keys and values as low-rank latent codes.
+
+Life of a layer's cache:
+
+1. **Exact phase.** Tokens are kept exactly (input dtype, ``[B, H, S, D]``) until
+   ``config.min_fit_tokens`` have arrived (default ``head_dim``). A one-token or
+   short prompt therefore never fixes a degenerate projection.
+2. **Fit.** On the call that reaches that count, group-head projections are
+   fitted on every token held (keys and values separately), all held tokens are
+   projected and coded, and the exact buffers are dropped. This happens once:
+   later prefill chunks (``S > 1``) and decode steps are projected into the
+   stored projections, never refit.
+3. **Latent phase.** The cache holds only packed latent codes ``[B, H, S, ·]``,
+   the projections and means. Full K/V are reconstructed (``L V_gᵀ + μ_g``) for
+   each attention call and not kept.
+
+Buffers grow in steps of :attr:`step` tokens (as mlx-lm's ``KVCache``): one
+O(S) copy per ``step`` tokens, none per decoded token.
+
+The class deliberately has no ``bits`` attribute: mlx-lm sends any cache with
+one to its quantized attention, which expects ``mx.quantize`` tuples.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from kvspec import (
+    KVConfigError,
+    KVDtypeError,
+    KVShapeError,
+    KVTrimError,
+    KVValueError,
+    StorageStats,
+    check_kv_pair,
+)
+from mlx_lm.models.cache import create_attention_mask
+
+from .config import UNQUANTIZED_BITS, KVCacheConfig
+from .lowrank import GroupProjection, fit_group_projection, project, reconstruct
+from .mixed_bit import BitAllocationPolicy, FixedSplitPolicy, MixedBitCoder, Segment, UniformPolicy
+
+__all__ = ["PaluKVCache", "SUPPORTED_DTYPES"]
+
+SUPPORTED_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
+
+
+def dtype_name(dtype: mx.Dtype) -> str:
+    return str(dtype).split(".")[-1]
+
+
+def dtype_from_name(name: str) -> mx.Dtype:
+    dtype = getattr(mx, name, None)
+    if dtype not in SUPPORTED_DTYPES:
+        raise KVDtypeError(f"dtype {name!r} is not one of float16, bfloat16, float32")
+    return dtype
+
+
+def write_rows(buffer: mx.array | None, new: mx.array, prev: int, step: int) -> mx.array:
+    """Write ``new [B, H, s, w]`` at token positions ``[prev, prev + s)`` of ``buffer``.
+
+    Grows the buffer to the next multiple of ``step`` tokens when needed, keeping
+    its first ``prev`` tokens. Returns the (possibly new) buffer.
+    """
+    end = prev + new.shape[2]
+    if buffer is None or end > buffer.shape[2]:
+        capacity = -(-end // step) * step
+        grown = mx.zeros((*new.shape[:2], capacity, new.shape[3]), dtype=new.dtype)
+        if buffer is not None and prev > 0:
+            grown[..., :prev, :] = buffer[..., :prev, :]
+        buffer = grown
+    buffer[..., prev:end, :] = new
+    return buffer
+
+
+def _sum_nbytes(arrays: Any) -> int:
+    if arrays is None:
+        return 0
+    if isinstance(arrays, dict):
+        return sum(_sum_nbytes(a) for a in arrays.values())
+    if isinstance(arrays, GroupProjection):
+        return arrays.nbytes
+    return arrays.nbytes
+
+
+class PaluKVCache:
+    """One attention layer's palu cache (mlx-lm cache interface and :class:`kvspec.KVCacheLayer`).
+
+    Args:
+        config: a :class:`KVCacheConfig` with ``method="palu"``.
+        allocation_policy: how latent channels get their bit widths; defaults to
+            :class:`FixedSplitPolicy` from the config's hi/lo fields. Value latents
+            use ``UniformPolicy(16)`` (unquantized) when ``palu_quantize_values`` is False.
+    """
+
+    step = 256
+
+    def __init__(self, config: KVCacheConfig, allocation_policy: BitAllocationPolicy | None = None):
+        if not isinstance(config, KVCacheConfig):
+            raise KVConfigError(f"config must be a KVCacheConfig; got {type(config).__name__}")
+        if config.method != "palu":
+            raise KVConfigError(f"PaluKVCache needs config.method='palu'; got {config.method!r}")
+        self.config = config
+        self.allocation_policy = allocation_policy or FixedSplitPolicy(
+            config.palu_hi_bit, config.palu_lo_bit, config.palu_hi_fraction
+        )
+        self.offset = 0
+        self._shape: tuple[int, int, int, int] | None = None  # (B, H, D, Dv), fixed by the first call
+        self._dtype: mx.Dtype | None = None
+        self._exact_keys: mx.array | None = None
+        self._exact_values: mx.array | None = None
+        self._key_proj: GroupProjection | None = None
+        self._value_proj: GroupProjection | None = None
+        self._key_coder: MixedBitCoder | None = None
+        self._value_coder: MixedBitCoder | None = None
+        self._key_codes: dict[str, mx.array] | None = None
+        self._value_codes: dict[str, mx.array] | None = None
+
+    # ------------------------------------------------------------------ validation
+    def _validate(self, keys: Any, values: Any) -> tuple[int, int, int, int, int]:
+        if not isinstance(keys, mx.array) or not isinstance(values, mx.array):
+            raise KVDtypeError(
+                f"keys and values must be mlx.core.array; got {type(keys).__name__}, {type(values).__name__}"
+            )
+        b, h, s, d, dv = check_kv_pair(keys.shape, values.shape, keys.dtype, values.dtype, self._shape)
+        if keys.dtype not in SUPPORTED_DTYPES:
+            raise KVDtypeError(
+                f"keys dtype {keys.dtype} is not supported; allowed: float16, bfloat16, float32"
+            )
+        if self._dtype is not None and keys.dtype != self._dtype:
+            raise KVDtypeError(f"keys dtype {keys.dtype} differs from the cache's dtype {self._dtype}")
+        if d != self.config.head_dim:
+            raise KVShapeError(f"keys head dim {d} does not match config head_dim={self.config.head_dim}")
+        if h % self.config.palu_n_head_groups != 0:
+            raise KVConfigError(
+                f"palu_n_head_groups={self.config.palu_n_head_groups} must divide the key/value head "
+                f"count {h}; allowed: a divisor of {h}"
+            )
+        if self.config.palu_rank is not None and self.config.palu_rank > dv:
+            raise KVConfigError(f"palu_rank={self.config.palu_rank} exceeds the value head dim {dv}")
+        if self.config.palu_check_finite:
+            finite = mx.all(mx.isfinite(keys)) & mx.all(mx.isfinite(values))
+            if not finite.item():
+                raise KVValueError(
+                    "keys or values contain NaN or infinity; the cache only accepts finite values"
+                )
+        return b, h, s, d, dv
+
+    # ------------------------------------------------------------------ update
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Append ``keys [B, H, S, D]`` and ``values [B, H, S, Dv]`` (fp16 / bf16 / fp32).
+
+        Returns the keys ``[B, H, offset, D]`` and values ``[B, H, offset, Dv]`` held
+        so far in the input dtype: exact before the fit, reconstructed from the
+        latent codes after it. A call that raises leaves the cache unchanged.
+        """
+        b, h, _, d, dv = self._validate(keys, values)
+        prev = self.offset
+        end = prev + keys.shape[2]
+        if self._key_proj is None:
+            exact_keys = write_rows(self._exact_keys, keys, prev, self.step)
+            exact_values = write_rows(self._exact_values, values, prev, self.step)
+            if end >= self.config.min_fit_tokens:
+                self._fit(exact_keys[..., :end, :], exact_values[..., :end, :], keys.dtype)
+                self._exact_keys = self._exact_values = None
+            else:
+                self._exact_keys, self._exact_values = exact_keys, exact_values
+        else:
+            self._key_codes = self._append_codes(self._key_codes, self._key_coder, self._key_proj, keys, prev)
+            self._value_codes = self._append_codes(
+                self._value_codes, self._value_coder, self._value_proj, values, prev
+            )
+        self._shape, self._dtype = (b, h, d, dv), keys.dtype
+        self.offset = end
+        return self._fetch()
+
+    def _append_codes(
+        self,
+        buffers: dict[str, mx.array] | None,
+        coder: MixedBitCoder,
+        projection: GroupProjection,
+        x: mx.array,
+        prev: int,
+    ) -> dict[str, mx.array]:
+        coded = coder.encode(project(x, projection))
+        held = buffers or {}
+        return {name: write_rows(held.get(name), arr, prev, self.step) for name, arr in coded.items()}
+
+    def _fit(self, keys: mx.array, values: mx.array, dtype: mx.Dtype) -> None:
+        """Fit projections on every held token, code them all, and switch to the latent phase."""
+        cfg = self.config
+        key_proj = fit_group_projection(
+            keys, cfg.palu_n_head_groups, cfg.palu_rank, cfg.palu_energy_threshold
+        )
+        value_proj = fit_group_projection(
+            values, cfg.palu_n_head_groups, cfg.palu_rank, cfg.palu_energy_threshold
+        )
+        key_coder = MixedBitCoder(
+            self.allocation_policy.allocate(np.array(key_proj.singular_values)), cfg.palu_group_size, dtype
+        )
+        value_policy = self.allocation_policy if cfg.palu_quantize_values else UniformPolicy(UNQUANTIZED_BITS)
+        value_coder = MixedBitCoder(
+            value_policy.allocate(np.array(value_proj.singular_values)), cfg.palu_group_size, dtype
+        )
+        self._key_codes = self._append_codes(None, key_coder, key_proj, keys, 0)
+        self._value_codes = self._append_codes(None, value_coder, value_proj, values, 0)
+        self._key_proj, self._value_proj = key_proj, value_proj
+        self._key_coder, self._value_coder = key_coder, value_coder
+
+    def _fetch(self) -> tuple[mx.array, mx.array]:
+        n = self.offset
+        if self._key_proj is None:
+            return self._exact_keys[..., :n, :], self._exact_values[..., :n, :]
+        return (
+            self._reconstruct(self._key_codes, self._key_coder, self._key_proj, n),
+            self._reconstruct(self._value_codes, self._value_coder, self._value_proj, n),
+        )
+
+    def _reconstruct(self, buffers, coder: MixedBitCoder, projection: GroupProjection, n: int) -> mx.array:
+        latents = coder.decode({name: buf[..., :n, :] for name, buf in buffers.items()})
+        return reconstruct(latents, projection, self._dtype)
+
+    # ------------------------------------------------------------------ mlx-lm interface
+    def size(self) -> int:
+        return self.offset
+
+    def empty(self) -> bool:
+        """True when no token has been added yet."""
+        return self._shape is None
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        """Drop the last ``n`` tokens (clamped to ``offset``); returns how many were dropped.
+
+        The projections stay fitted: trimming back below the fit point does not refit.
+        """
+        if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 0:
+            raise KVTrimError(f"trim(n={n!r}): n must be a non-negative integer")
+        n = min(self.offset, int(n))
+        self.offset -= n
+        return n
+
+    def make_mask(self, *args, **kwargs):
+        """The attention mask for ``N`` new queries (same rules as mlx-lm's ``KVCache``)."""
+        return create_attention_mask(*args, offset=self.offset, **kwargs)
+
+    # ------------------------------------------------------------------ state
+    @property
+    def fitted(self) -> bool:
+        """Whether the projections have been fitted (the cache holds latents, not exact tokens)."""
+        return self._key_proj is not None
+
+    @property
+    def state(self) -> dict[str, mx.array]:
+        """Every array needed to rebuild the cache, cut to ``offset`` tokens.
+
+        Before the fit: ``exact_keys``, ``exact_values``. After: ``key.basis``,
+        ``key.mean``, ``key.singular_values``, ``key.seg<i>.<field>`` (and ``value.*``).
+        """
+        n = self.offset
+        if self._shape is None:
+            return {}
+        if self._key_proj is None:
+            return {
+                "exact_keys": self._exact_keys[..., :n, :],
+                "exact_values": self._exact_values[..., :n, :],
+            }
+        out: dict[str, mx.array] = {}
+        for prefix, proj, codes in (
+            ("key", self._key_proj, self._key_codes),
+            ("value", self._value_proj, self._value_codes),
+        ):
+            for name, arr in proj.arrays().items():
+                out[f"{prefix}.{name}"] = arr
+            for name, arr in codes.items():
+                out[f"{prefix}.{name}"] = arr[..., :n, :]
+        return out
+
+    @property
+    def meta_state(self) -> tuple[str, str]:
+        """``(config JSON, runtime JSON)``: offset, shape, dtype and the segment layouts."""
+        runtime = {
+            "class": type(self).__name__,
+            "offset": self.offset,
+            "shape": list(self._shape) if self._shape else None,
+            "dtype": dtype_name(self._dtype) if self._dtype is not None else None,
+            "key_segments": _segments_to_list(self._key_coder),
+            "value_segments": _segments_to_list(self._value_coder),
+        }
+        return self.config.to_json(), json.dumps(runtime, sort_keys=True)
+
+    @classmethod
+    def from_state(
+        cls,
+        state: dict[str, mx.array],
+        meta_state: tuple[str, str] | list[str],
+        allocation_policy: BitAllocationPolicy | None = None,
+    ) -> PaluKVCache:
+        """Rebuild a cache from :attr:`state` and :attr:`meta_state` (bitwise the same arrays)."""
+        if len(meta_state) != 2:
+            raise KVConfigError(
+                f"meta_state must be (config JSON, runtime JSON); got {len(meta_state)} items"
+            )
+        config = KVCacheConfig.from_json(meta_state[0])
+        runtime = json.loads(meta_state[1])
+        cache = cls(config, allocation_policy)
+        if runtime["shape"] is None:
+            return cache
+        cache._shape = tuple(runtime["shape"])
+        cache._dtype = dtype_from_name(runtime["dtype"])
+        offset = int(runtime["offset"])
+        try:
+            if runtime["key_segments"] is None:
+                cache._exact_keys = write_rows(None, state["exact_keys"], 0, cls.step)
+                cache._exact_values = write_rows(None, state["exact_values"], 0, cls.step)
+            else:
+                for prefix in ("key", "value"):
+                    proj = GroupProjection(
+                        basis=state[f"{prefix}.basis"],
+                        mean=state[f"{prefix}.mean"],
+                        singular_values=state[f"{prefix}.singular_values"],
+                    )
+                    segments = tuple(Segment(*s) for s in runtime[f"{prefix}_segments"])
+                    coder = MixedBitCoder(segments, config.palu_group_size, cache._dtype)
+                    codes = {
+                        name: write_rows(None, state[f"{prefix}.{name}"], 0, cls.step)
+                        for name in coder.field_widths()
+                    }
+                    setattr(cache, f"_{prefix}_proj", proj)
+                    setattr(cache, f"_{prefix}_coder", coder)
+                    setattr(cache, f"_{prefix}_codes", codes)
+        except KeyError as missing:
+            raise KVConfigError(f"state is missing array {missing} needed by meta_state") from None
+        cache.offset = offset
+        return cache
+
+    # ------------------------------------------------------------------ measured storage
+    def _key_side(self) -> list[Any]:
+        return [self._exact_keys, self._key_proj, self._key_codes]
+
+    def _value_side(self) -> list[Any]:
+        return [self._exact_values, self._value_proj, self._value_codes]
+
+    @property
+    def compressed_key_bytes(self) -> int:
+        """Bytes held for keys: codes, scales, biases (or exact pre-fit keys), basis, mean, singular values."""
+        return sum(_sum_nbytes(a) for a in self._key_side())
+
+    @property
+    def compressed_value_bytes(self) -> int:
+        """Bytes held for values, counted like :attr:`compressed_key_bytes`."""
+        return sum(_sum_nbytes(a) for a in self._value_side())
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every array held (buffers at their full grown capacity)."""
+        return self.compressed_key_bytes + self.compressed_value_bytes
+
+    def _elements(self, which: str) -> int:
+        if self._shape is None:
+            return 0
+        b, h, d, dv = self._shape
+        return b * h * self.offset * (d if which == "k" else dv)
+
+    @property
+    def fp16_key_bytes(self) -> int:
+        """Bytes the same keys would take as fp16 (``B*H*offset*D*2``, a formula)."""
+        return 2 * self._elements("k")
+
+    @property
+    def fp16_value_bytes(self) -> int:
+        """Bytes the same values would take as fp16 (``B*H*offset*Dv*2``, a formula)."""
+        return 2 * self._elements("v")
+
+    @property
+    def raw_nbytes(self) -> int:
+        """Bytes an uncompressed cache of the input dtype would hold for the same tokens."""
+        itemsize = self._dtype.size if self._dtype is not None else 2
+        return itemsize * (self._elements("k") + self._elements("v"))
+
+    @property
+    def effective_bits_per_element(self) -> float:
+        """Measured rate: ``8 * nbytes`` over all K and V elements held (nan when empty)."""
+        elements = self._elements("k") + self._elements("v")
+        return 8.0 * self.nbytes / elements if elements else float("nan")
+
+    def storage_stats(self) -> StorageStats:
+        """Measured storage as a :class:`kvspec.StorageStats`."""
+        return StorageStats(
+            tokens=self.offset,
+            nbytes=self.nbytes,
+            raw_nbytes=self.raw_nbytes,
+            elements=self._elements("k") + self._elements("v"),
+        )
+
+    @property
+    def key_rank(self) -> int | None:
+        return None if self._key_proj is None else self._key_proj.rank
+
+    @property
+    def value_rank(self) -> int | None:
+        return None if self._value_proj is None else self._value_proj.rank
+
+    @property
+    def assigned_avg_bits(self) -> float:
+        """Assigned code bits per original element, the larger of keys and values (a formula).
+
+        ``(r / D) * mean assigned bits per latent channel`` per tensor, without
+        scale/bias or projection overhead (see :attr:`effective_bits_per_element`
+        for the measured rate). Before the fit: the input dtype's bit width.
+        """
+        if self._shape is None:
+            return float("nan")
+        if self._key_proj is None:
+            return float(8 * self._dtype.size)
+        _, _, d, dv = self._shape
+        key_rate = self._key_coder.rank / d * self._key_coder.assigned_avg_bits
+        value_rate = self._value_coder.rank / dv * self._value_coder.assigned_avg_bits
+        return max(key_rate, value_rate)
+
+    def __repr__(self) -> str:
+        phase = f"fitted r_k={self.key_rank} r_v={self.value_rank}" if self.fitted else "exact"
+        return f"PaluKVCache(offset={self.offset}, {phase})"
+
+
+def _segments_to_list(coder: MixedBitCoder | None) -> list[list[int]] | None:
+    if coder is None:
+        return None
+    return [[s.start, s.stop, s.bits] for s in coder.segments]

@@ -1,0 +1,155 @@
+"""KVCacheConfig: every knob of the palu cache, checked once in ``__post_init__``.
+
+A bad value raises :class:`kvspec.KVConfigError` naming the field, the value
+given and what is allowed, so a typo fails at construction instead of deep in
+a model forward.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from kvspec import KVConfigError
+
+__all__ = ["KVCacheConfig", "PACKABLE_BITS", "UNQUANTIZED_BITS", "METHODS"]
+
+#: Bit widths the mixed-bit coder can pack (the same set ``mx.quantize`` accepts).
+PACKABLE_BITS: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 8)
+#: A "bit width" of 16 means: store those latent channels unquantized, in the input dtype.
+UNQUANTIZED_BITS = 16
+#: ``"palu"`` is the low-rank latent cache; ``"naive"`` the uniform group-quant baseline.
+METHODS: tuple[str, ...] = ("palu", "naive")
+
+
+def _is_int(value: Any) -> bool:
+    # bool is an int subclass; True as a rank or bit width is always a mistake.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class KVCacheConfig:
+    """Configuration of a palu (or naive baseline) KV cache.
+
+    Attributes:
+        method: ``"palu"`` (low-rank latent cache) or ``"naive"`` (uniform group
+            quantization of the full K/V, the comparison baseline).
+        head_dim: the model's key head dimension ``D``; checked against the model
+            and against every ``update_and_fetch``.
+        palu_rank: explicit latent rank ``r`` in ``[1, head_dim]``; ``None`` selects the
+            rank from ``palu_energy_threshold``.
+        palu_energy_threshold: fraction in ``(0, 1]`` of the squared singular value
+            energy each head group must retain when ``palu_rank`` is None. One rank per
+            tensor is used: the minimum over groups (buffers share one shape).
+        palu_n_head_groups: NUMBER of contiguous head groups per layer; each group
+            shares one projection. The layer's key/value head count must be divisible by it.
+        palu_hi_bit, palu_lo_bit: bit widths of the top ``palu_hi_fraction`` latent
+            channels (by singular value) and of the rest. One of 1, 2, 3, 4, 5, 6, 8,
+            or 16 for "keep those channels unquantized".
+        palu_hi_fraction: fraction in ``[0, 1]`` of latent channels coded at ``palu_hi_bit``
+            (``ceil(fraction * r)`` channels).
+        palu_group_size: channels sharing one scale/bias inside a bit-width segment
+            (a positive integer; a segment whose width is not a multiple of it ends in a
+            smaller group).
+        palu_quantize_values: False keeps value latents unquantized (input dtype; fp16
+            for fp16 models), still low-rank.
+        palu_min_fit_tokens: tokens held exactly before the projections are fitted;
+            ``None`` means ``head_dim`` tokens, so every group sees at least ``head_dim``
+            rows and a short prompt cannot lock in a degenerate low-rank subspace.
+        palu_check_finite: reject NaN / inf keys and values (costs one device sync per
+            layer call); False skips the check for speed.
+        naive_bits, naive_group_size: bit width and group size of the ``"naive"`` baseline
+            (uniform ``mx.quantize`` of the full K/V; group size 32, 64 or 128).
+    """
+
+    method: str = "palu"
+    head_dim: int | None = None
+    palu_rank: int | None = None
+    palu_energy_threshold: float = 0.90
+    palu_n_head_groups: int = 4
+    palu_hi_bit: int = 4
+    palu_lo_bit: int = 2
+    palu_hi_fraction: float = 0.25
+    palu_group_size: int = 32
+    palu_quantize_values: bool = True
+    palu_min_fit_tokens: int | None = None
+    palu_check_finite: bool = True
+    naive_bits: int = 2
+    naive_group_size: int = 64
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise KVConfigError(f"method={self.method!r} is not supported; allowed: {', '.join(METHODS)}")
+        if not _is_int(self.head_dim) or self.head_dim < 1:
+            raise KVConfigError(
+                f"head_dim={self.head_dim!r} must be a positive integer (the model's head dim)"
+            )
+        if self.palu_rank is not None and (
+            not _is_int(self.palu_rank) or not 1 <= self.palu_rank <= self.head_dim
+        ):
+            raise KVConfigError(
+                f"palu_rank={self.palu_rank!r} must be None or an integer in [1, head_dim={self.head_dim}]"
+            )
+        t = self.palu_energy_threshold
+        if not _is_real(t) or not math.isfinite(t) or not 0.0 < t <= 1.0:
+            raise KVConfigError(f"palu_energy_threshold={t!r} must be a number in (0, 1]")
+        if not _is_int(self.palu_n_head_groups) or self.palu_n_head_groups < 1:
+            raise KVConfigError(
+                f"palu_n_head_groups={self.palu_n_head_groups!r} must be a positive integer "
+                "(the number of head groups; the layer's KV head count must be divisible by it)"
+            )
+        allowed = (*PACKABLE_BITS, UNQUANTIZED_BITS)
+        for name in ("palu_hi_bit", "palu_lo_bit"):
+            value = getattr(self, name)
+            if not _is_int(value) or value not in allowed:
+                raise KVConfigError(
+                    f"{name}={value!r} cannot be packed; allowed: {', '.join(map(str, allowed))} "
+                    "(16 = keep unquantized)"
+                )
+        f = self.palu_hi_fraction
+        if not _is_real(f) or not math.isfinite(f) or not 0.0 <= f <= 1.0:
+            raise KVConfigError(f"palu_hi_fraction={f!r} must be a number in [0, 1]")
+        if not _is_int(self.palu_group_size) or self.palu_group_size < 1:
+            raise KVConfigError(f"palu_group_size={self.palu_group_size!r} must be a positive integer")
+        if not isinstance(self.palu_quantize_values, bool):
+            raise KVConfigError(f"palu_quantize_values={self.palu_quantize_values!r} must be True or False")
+        if self.palu_min_fit_tokens is not None and (
+            not _is_int(self.palu_min_fit_tokens) or self.palu_min_fit_tokens < 1
+        ):
+            raise KVConfigError(
+                f"palu_min_fit_tokens={self.palu_min_fit_tokens!r} must be None (= head_dim) "
+                "or a positive integer"
+            )
+        if not isinstance(self.palu_check_finite, bool):
+            raise KVConfigError(f"palu_check_finite={self.palu_check_finite!r} must be True or False")
+        if not _is_int(self.naive_bits) or self.naive_bits not in PACKABLE_BITS:
+            raise KVConfigError(
+                f"naive_bits={self.naive_bits!r} cannot be packed; allowed: {', '.join(map(str, PACKABLE_BITS))}"
+            )
+        if self.naive_group_size not in (32, 64, 128) or not _is_int(self.naive_group_size):
+            raise KVConfigError(f"naive_group_size={self.naive_group_size!r} must be 32, 64 or 128")
+
+    @property
+    def min_fit_tokens(self) -> int:
+        """Tokens held exactly before fitting (``palu_min_fit_tokens`` or ``head_dim``)."""
+        return self.head_dim if self.palu_min_fit_tokens is None else self.palu_min_fit_tokens
+
+    def to_json(self) -> str:
+        """The configuration as a JSON string (used in ``meta_state``)."""
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> KVCacheConfig:
+        """Inverse of :meth:`to_json`; unknown keys raise ``KVConfigError``."""
+        data = json.loads(text)
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise KVConfigError(f"unknown KVCacheConfig fields {unknown}; known: {sorted(known)}")
+        return cls(**data)

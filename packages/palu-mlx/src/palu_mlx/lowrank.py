@@ -1,0 +1,161 @@
+"""Group-head low-rank decomposition (PALU's G-LRD), fitted on the tokens at hand.
+
+The ``H`` key (or value) heads of a layer are split into ``G`` contiguous
+groups of ``H / G`` heads. Per group, the rows of every head, token and batch
+item are stacked into one ``[N, D]`` matrix, mean-centred, and decomposed:
+its right singular vectors ``V_g [D, D]`` (ordered by singular value) and
+singular values give the shared projection and the rank decision.
+
+The SVD is taken through the eigendecomposition of the ``D x D`` Gram matrix
+``X_cᵀ X_c``: it has the same right singular vectors and ``σ² `` eigenvalues,
+and avoids materialising the ``N x N`` left factor ``mx.linalg.svd`` returns.
+All fitting and projection math runs in float32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+from kvspec import KVConfigError
+
+__all__ = [
+    "GroupProjection",
+    "group_spectrum",
+    "select_rank",
+    "fit_group_projection",
+    "project",
+    "reconstruct",
+]
+
+
+@dataclass(frozen=True)
+class GroupProjection:
+    """Shared per-group projections of one tensor (keys or values) of one layer.
+
+    Attributes:
+        basis: ``[G, D, r]`` float32, orthonormal columns ordered by singular value.
+        mean: ``[G, D]`` float32, the per-group mean subtracted before projecting.
+        singular_values: ``[G, r]`` float32, descending, of the centred stacked rows.
+    """
+
+    basis: mx.array
+    mean: mx.array
+    singular_values: mx.array
+
+    @property
+    def n_groups(self) -> int:
+        return self.basis.shape[0]
+
+    @property
+    def dim(self) -> int:
+        return self.basis.shape[1]
+
+    @property
+    def rank(self) -> int:
+        return self.basis.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the basis, mean and singular values."""
+        return self.basis.nbytes + self.mean.nbytes + self.singular_values.nbytes
+
+    def arrays(self) -> dict[str, mx.array]:
+        return {"basis": self.basis, "mean": self.mean, "singular_values": self.singular_values}
+
+
+def _check_groups(n_heads: int, n_groups: int) -> int:
+    if n_heads % n_groups != 0:
+        raise KVConfigError(
+            f"palu_n_head_groups={n_groups} must divide the layer's key/value head count {n_heads}; "
+            f"allowed: a divisor of {n_heads}"
+        )
+    return n_heads // n_groups
+
+
+def _grouped_rows(x: mx.array, n_groups: int) -> mx.array:
+    """``[B, H, S, D]`` -> ``[G, B * (H/G) * S, D]`` float32: each group's rows stacked."""
+    b, h, s, d = x.shape
+    per_group = _check_groups(h, n_groups)
+    x = x.astype(mx.float32).reshape(b, n_groups, per_group, s, d)
+    return x.transpose(1, 0, 2, 3, 4).reshape(n_groups, b * per_group * s, d)
+
+
+def group_spectrum(x: mx.array, n_groups: int) -> tuple[mx.array, mx.array, mx.array]:
+    """Full spectrum of each head group of ``x [B, H, S, D]``.
+
+    Returns ``(vectors [G, D, D], singular_values [G, D], mean [G, D])``, all
+    float32, columns of ``vectors`` ordered by descending singular value.
+    """
+    rows = _grouped_rows(x, n_groups)
+    mean = mx.mean(rows, axis=1)
+    centred = rows - mean[:, None, :]
+    gram = centred.transpose(0, 2, 1) @ centred
+    # eigh is CPU-only in MLX; ascending order, flipped to descending below.
+    eigenvalues, vectors = mx.linalg.eigh(gram, stream=mx.cpu)
+    eigenvalues = eigenvalues[:, ::-1]
+    vectors = vectors[:, :, ::-1]
+    singular_values = mx.sqrt(mx.maximum(eigenvalues, 0.0))
+    return vectors, singular_values, mean
+
+
+def select_rank(singular_values: mx.array | np.ndarray, energy_threshold: float) -> int:
+    """Smallest rank keeping ``energy_threshold`` of ``σ²`` energy, minimised over groups.
+
+    ``singular_values`` is ``[G, D]`` (descending per row). A group with zero
+    energy (constant data) needs rank 1. Returns an int in ``[1, D]``.
+    """
+    sv = np.asarray(singular_values, dtype=np.float64)
+    energy = sv**2
+    total = energy.sum(axis=1, keepdims=True)
+    cumulative = np.cumsum(energy, axis=1) / np.where(total > 0, total, 1.0)
+    # 1e-6 slack so an exact-rank signal with float32 noise in the tail is not pushed to D.
+    reached = cumulative >= energy_threshold - 1e-6
+    ranks = np.where(total[:, 0] > 0, reached.argmax(axis=1) + 1, 1)
+    return int(max(1, min(ranks.min(), sv.shape[1])))
+
+
+def fit_group_projection(
+    x: mx.array,
+    n_groups: int,
+    rank: int | None = None,
+    energy_threshold: float = 0.90,
+) -> GroupProjection:
+    """Fit shared group projections to ``x [B, H, S, D]`` (any float dtype).
+
+    ``rank`` fixes ``r``; None selects it with :func:`select_rank`. One ``r`` is
+    used for every group so the latent buffers share one shape.
+    """
+    vectors, singular_values, mean = group_spectrum(x, n_groups)
+    d = x.shape[-1]
+    if rank is None:
+        rank = select_rank(np.array(singular_values), energy_threshold)
+    if not 1 <= rank <= d:
+        raise KVConfigError(f"palu_rank={rank} must be in [1, {d}] (the head dimension of this tensor)")
+    basis = mx.contiguous(vectors[:, :, :rank])
+    sv = mx.contiguous(singular_values[:, :rank])
+    mx.eval(basis, mean, sv)
+    return GroupProjection(basis=basis, mean=mean, singular_values=sv)
+
+
+def project(x: mx.array, projection: GroupProjection) -> mx.array:
+    """Latents ``L = (x - μ_g) V_g``: ``[B, H, S, D]`` -> ``[B, H, S, r]`` float32."""
+    b, h, s, d = x.shape
+    g = projection.n_groups
+    per_group = _check_groups(h, g)
+    x = x.astype(mx.float32).reshape(b, g, per_group, s, d)
+    centred = x - projection.mean[None, :, None, None, :]
+    latents = centred @ projection.basis[None, :, None, :, :]
+    return latents.reshape(b, h, s, projection.rank)
+
+
+def reconstruct(latents: mx.array, projection: GroupProjection, dtype: mx.Dtype) -> mx.array:
+    """``L V_gᵀ + μ_g``: ``[B, H, S, r]`` float32 -> ``[B, H, S, D]`` in ``dtype``."""
+    b, h, s, r = latents.shape
+    g = projection.n_groups
+    per_group = h // g
+    latents = latents.astype(mx.float32).reshape(b, g, per_group, s, r)
+    basis_t = projection.basis.transpose(0, 2, 1)
+    full = latents @ basis_t[None, :, None, :, :] + projection.mean[None, :, None, None, :]
+    return full.reshape(b, h, s, projection.dim).astype(dtype)

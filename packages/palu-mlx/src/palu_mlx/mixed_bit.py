@@ -1,0 +1,258 @@
+"""Mixed-bit coder for latent channels, with a pluggable bit-allocation policy.
+
+Latent channels arrive ordered by singular value (channel 0 carries the most
+energy). A :class:`BitAllocationPolicy` cuts them into contiguous
+:class:`Segment`\\ s, each with one bit width; the seed policy,
+:class:`FixedSplitPolicy`, gives the top ``hi_fraction`` of channels
+``hi_bit`` and the rest ``lo_bit``. A later policy (e.g. reverse water-filling
+over the singular values) only has to return another segment list.
+
+Storage of a segment of ``n`` channels at ``b`` bits, per token and head:
+
+* groups of ``group_size`` consecutive channels share one affine scale and
+  bias (``x ≈ q * scale + bias``, ``q`` in ``[0, 2^b - 1]``), stored in the
+  input dtype like ``mx.quantize`` does. When ``n`` is not a multiple of
+  ``group_size`` the last group is smaller: its min/max are taken over its own
+  channels only (the padding replicates its last channel and is never stored).
+* codes are really packed: ``8 // b`` per ``uint8`` for b in {1, 2, 4, 8} and
+  ``32 // b`` per ``uint32`` for b in {3, 5, 6} (2 bits of each word unused);
+  the last word of a row is zero-padded.
+* ``b = 16`` stores the channels unquantized in the input dtype.
+
+Quantization works along the channel axis of each token independently, so a
+token's codes never change when later tokens arrive.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import mlx.core as mx
+import numpy as np
+from kvspec import KVConfigError
+
+from .config import PACKABLE_BITS, UNQUANTIZED_BITS
+
+__all__ = [
+    "Segment",
+    "BitAllocationPolicy",
+    "FixedSplitPolicy",
+    "UniformPolicy",
+    "MixedBitCoder",
+    "pack_codes",
+    "unpack_codes",
+]
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Latent channels ``[start, stop)`` coded at ``bits`` (16 = unquantized)."""
+
+    start: int
+    stop: int
+    bits: int
+
+    @property
+    def width(self) -> int:
+        return self.stop - self.start
+
+
+@runtime_checkable
+class BitAllocationPolicy(Protocol):
+    """Decides the bit width of every latent channel of one tensor."""
+
+    def allocate(self, singular_values: np.ndarray) -> tuple[Segment, ...]:
+        """``singular_values [G, r]`` (descending per group) -> segments covering ``[0, r)``."""
+        ...
+
+
+def _merge(segments: list[Segment]) -> tuple[Segment, ...]:
+    merged: list[Segment] = []
+    for seg in segments:
+        if seg.width <= 0:
+            continue
+        if merged and merged[-1].bits == seg.bits and merged[-1].stop == seg.start:
+            merged[-1] = Segment(merged[-1].start, seg.stop, seg.bits)
+        else:
+            merged.append(seg)
+    return tuple(merged)
+
+
+@dataclass(frozen=True)
+class FixedSplitPolicy:
+    """The seed policy: ``ceil(hi_fraction * r)`` top channels at ``hi_bit``, the rest at ``lo_bit``."""
+
+    hi_bit: int
+    lo_bit: int
+    hi_fraction: float
+
+    def allocate(self, singular_values: np.ndarray) -> tuple[Segment, ...]:
+        rank = int(np.shape(singular_values)[-1])
+        # The small epsilon keeps 0.25 * 16 = 4 from becoming 5 through float error.
+        n_hi = min(rank, math.ceil(self.hi_fraction * rank - 1e-9))
+        return _merge([Segment(0, n_hi, self.hi_bit), Segment(n_hi, rank, self.lo_bit)])
+
+
+@dataclass(frozen=True)
+class UniformPolicy:
+    """Every channel at one bit width (16 keeps the latents unquantized)."""
+
+    bits: int
+
+    def allocate(self, singular_values: np.ndarray) -> tuple[Segment, ...]:
+        return _merge([Segment(0, int(np.shape(singular_values)[-1]), self.bits)])
+
+
+# --------------------------------------------------------------------------- packing
+def _word(bits: int) -> tuple[mx.Dtype, int]:
+    """Storage word and codes per word for ``bits``."""
+    if 8 % bits == 0:
+        return mx.uint8, 8 // bits
+    return mx.uint32, 32 // bits
+
+
+def pack_codes(codes: mx.array, bits: int) -> mx.array:
+    """Pack integer codes ``[..., n]`` (each ``< 2**bits``) into words ``[..., ceil(n / per_word)]``."""
+    dtype, per_word = _word(bits)
+    n = codes.shape[-1]
+    n_words = -(-n // per_word)
+    pad = n_words * per_word - n
+    codes = codes.astype(dtype)
+    if pad:
+        codes = mx.concatenate([codes, mx.zeros((*codes.shape[:-1], pad), dtype=dtype)], axis=-1)
+    codes = codes.reshape(*codes.shape[:-1], n_words, per_word)
+    shifts = (mx.arange(per_word) * bits).astype(dtype)
+    # Fields are disjoint, so the sum equals the bitwise OR and cannot carry.
+    return mx.sum(codes << shifts, axis=-1).astype(dtype)
+
+
+def unpack_codes(words: mx.array, bits: int, n: int) -> mx.array:
+    """Inverse of :func:`pack_codes`: words ``[..., W]`` -> codes ``[..., n]`` (same word dtype)."""
+    dtype, per_word = _word(bits)
+    shifts = (mx.arange(per_word) * bits).astype(dtype)
+    mask = mx.array((1 << bits) - 1, dtype=dtype)
+    codes = (words[..., None] >> shifts) & mask
+    return codes.reshape(*words.shape[:-1], words.shape[-1] * per_word)[..., :n]
+
+
+# --------------------------------------------------------------------------- coder
+class MixedBitCoder:
+    """Codes latents ``[..., r]`` float32 into packed per-segment arrays and back.
+
+    Args:
+        segments: contiguous segments covering ``[0, r)``.
+        group_size: channels per scale/bias group (positive int).
+        store_dtype: dtype of scales, biases and unquantized channels (the input dtype).
+    """
+
+    def __init__(self, segments: tuple[Segment, ...], group_size: int, store_dtype: mx.Dtype):
+        if not segments or segments[0].start != 0:
+            raise KVConfigError(f"segments={segments!r} must be non-empty and start at channel 0")
+        for prev, seg in zip(segments, segments[1:]):
+            if seg.start != prev.stop:
+                raise KVConfigError(f"segments={segments!r} must be contiguous")
+        for seg in segments:
+            if seg.width < 1 or seg.bits not in (*PACKABLE_BITS, UNQUANTIZED_BITS):
+                raise KVConfigError(
+                    f"segment {seg!r}: width must be >= 1 and bits one of "
+                    f"{(*PACKABLE_BITS, UNQUANTIZED_BITS)}"
+                )
+        if not isinstance(group_size, int) or group_size < 1:
+            raise KVConfigError(f"group_size={group_size!r} must be a positive integer")
+        self.segments = tuple(segments)
+        self.group_size = group_size
+        self.store_dtype = store_dtype
+
+    @property
+    def rank(self) -> int:
+        return self.segments[-1].stop
+
+    @property
+    def assigned_avg_bits(self) -> float:
+        """Mean bits assigned per latent channel (code bits only, no scale overhead)."""
+        return sum(s.width * s.bits for s in self.segments) / self.rank
+
+    def _n_groups(self, seg: Segment) -> int:
+        return -(-seg.width // self.group_size)
+
+    def field_widths(self) -> dict[str, tuple[int, mx.Dtype]]:
+        """Name -> (last-axis width, dtype) of every array one coded token row holds."""
+        out: dict[str, tuple[int, mx.Dtype]] = {}
+        for i, seg in enumerate(self.segments):
+            if seg.bits == UNQUANTIZED_BITS:
+                out[f"seg{i}.values"] = (seg.width, self.store_dtype)
+                continue
+            dtype, per_word = _word(seg.bits)
+            out[f"seg{i}.codes"] = (-(-seg.width // per_word), dtype)
+            out[f"seg{i}.scales"] = (self._n_groups(seg), self.store_dtype)
+            out[f"seg{i}.biases"] = (self._n_groups(seg), self.store_dtype)
+        return out
+
+    def empty(self, lead_shape: tuple[int, ...]) -> dict[str, mx.array]:
+        """Zero-filled buffers ``[*lead_shape, width]`` for every field."""
+        return {
+            name: mx.zeros((*lead_shape, width), dtype=dtype)
+            for name, (width, dtype) in self.field_widths().items()
+        }
+
+    def encode(self, latents: mx.array) -> dict[str, mx.array]:
+        """Latents ``[..., r]`` (float) -> ``{field: array [..., width]}``."""
+        if latents.shape[-1] != self.rank:
+            raise ValueError(f"latents have {latents.shape[-1]} channels; coder rank is {self.rank}")
+        latents = latents.astype(mx.float32)
+        out: dict[str, mx.array] = {}
+        for i, seg in enumerate(self.segments):
+            x = latents[..., seg.start : seg.stop]
+            if seg.bits == UNQUANTIZED_BITS:
+                out[f"seg{i}.values"] = x.astype(self.store_dtype)
+                continue
+            codes, scales, biases = self._quantize(x, seg.bits)
+            out[f"seg{i}.codes"] = pack_codes(codes, seg.bits)
+            out[f"seg{i}.scales"] = scales
+            out[f"seg{i}.biases"] = biases
+        return out
+
+    def decode(self, coded: dict[str, mx.array]) -> mx.array:
+        """``{field: array [..., width]}`` -> latents ``[..., r]`` float32."""
+        parts = []
+        for i, seg in enumerate(self.segments):
+            if seg.bits == UNQUANTIZED_BITS:
+                parts.append(coded[f"seg{i}.values"].astype(mx.float32))
+                continue
+            codes = unpack_codes(coded[f"seg{i}.codes"], seg.bits, seg.width).astype(mx.float32)
+            parts.append(self._dequantize(codes, coded[f"seg{i}.scales"], coded[f"seg{i}.biases"], seg.width))
+        return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
+
+    # -- affine group quantization along the channel axis
+    def _grouped(self, x: mx.array, fill_edge: bool) -> mx.array:
+        """``[..., n]`` -> ``[..., n_groups, group_size]``, padding the last group."""
+        n = x.shape[-1]
+        n_groups = -(-n // self.group_size)
+        pad = n_groups * self.group_size - n
+        if pad:
+            edge = x[..., -1:] if fill_edge else mx.zeros_like(x[..., -1:])
+            x = mx.concatenate([x, mx.repeat(edge, pad, axis=-1)], axis=-1)
+        return x.reshape(*x.shape[:-1], n_groups, self.group_size)
+
+    def _quantize(self, x: mx.array, bits: int) -> tuple[mx.array, mx.array, mx.array]:
+        levels = (1 << bits) - 1
+        # Replicating the last channel leaves the short group's min/max unchanged.
+        groups = self._grouped(x, fill_edge=True)
+        lo = mx.min(groups, axis=-1)
+        hi = mx.max(groups, axis=-1)
+        # Quantize against the stored (rounded) scale and bias so decode sees the same numbers.
+        biases = lo.astype(self.store_dtype)
+        scales = ((hi - lo) / levels).astype(self.store_dtype)
+        scale32 = scales.astype(mx.float32)
+        safe = mx.where(scale32 > 0, scale32, 1.0)
+        q = mx.round((groups - biases.astype(mx.float32)[..., None]) / safe[..., None])
+        q = mx.clip(q, 0, levels).astype(mx.uint32)
+        codes = q.reshape(*q.shape[:-2], -1)[..., : x.shape[-1]]
+        return codes, scales, biases
+
+    def _dequantize(self, codes: mx.array, scales: mx.array, biases: mx.array, n: int) -> mx.array:
+        groups = self._grouped(codes, fill_edge=False)
+        x = groups * scales.astype(mx.float32)[..., None] + biases.astype(mx.float32)[..., None]
+        return x.reshape(*x.shape[:-2], -1)[..., :n]
