@@ -1,3 +1,33 @@
-"""flashcodec: KV cache that codes the sequence axis like an image (features land in their own issue)."""
+"""flashcodec: a KV cache that codes the sequence axis like an image.
+
+``mode="jpeg"``: block DCT-II along the tokens, keep the lowest ``K`` frequencies (optionally int8).
+``mode="png"``: per-block anchor + first-order deltas (lossless tier, optional Top-M pruning).
+
+    from flashcodec import CodecKVCache
+    cache = CodecKVCache(mode="jpeg", block_size=8, keep_freqs=2)
+    k, v = cache.forward(k_seq, v_seq)       # full-sequence fill, [B, H, S, D]
+    k, v = cache.decode_step(new_k, new_v)   # incremental decode
+
+Importing this package never imports transformers or triton.
+"""
+
+from .cache import SUPPORTED_DTYPES, CodecKVCache
+from .codecs import BlockCodec, JPEGCodec, PNGCodec, dct_matrix, delta_variance_ratio, make_codec
+from .storage import CodecStorage
+from .stream import CodecStream
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "CodecKVCache",
+    "CodecStream",
+    "CodecStorage",
+    "BlockCodec",
+    "JPEGCodec",
+    "PNGCodec",
+    "make_codec",
+    "dct_matrix",
+    "delta_variance_ratio",
+    "SUPPORTED_DTYPES",
+    "__version__",
+]

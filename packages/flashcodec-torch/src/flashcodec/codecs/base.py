@@ -1,0 +1,139 @@
+"""What every block codec shares: the block reshape along ``dim=-2`` and config validation.
+
+A codec is a pure tensor map. It turns a sequence ``x [..., S, D]`` whose length is a
+whole number of blocks (``S = n * r``) into a tuple of stored *parts*, each of shape
+``[..., n, *part_shape]``, and back. It holds configuration only, never cache state, so
+one codec object serves every layer, batch and device.
+
+Every codec is linear along the sequence axis inside a block: a block of ``r`` tokens is
+``block = A @ rows`` where ``rows [..., n, R, D]`` are the stored rows (see
+:meth:`BlockCodec.stored_rows`) and ``A [r, R]`` is :meth:`BlockCodec.synthesis_matrix`.
+That is what lets attention run on the stored rows directly: ``q . K[p] = (q . rows^T) @ A[p]``.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+from kvspec import KVConfigError, KVShapeError
+
+__all__ = ["PartSpec", "BlockCodec", "check_block_size", "to_blocks", "from_blocks"]
+
+
+@dataclass(frozen=True)
+class PartSpec:
+    """One stored array of a codec: its name, per-block shape and dtype.
+
+    The stored tensor for ``n`` blocks has shape ``[..., n, *shape]``.
+    ``dtype=None`` means "the input dtype".
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype | None
+
+
+def check_block_size(block_size: object) -> int:
+    """Validate ``block_size`` (an int >= 1) and return it."""
+    if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral) or block_size < 1:
+        raise KVConfigError(f"block_size must be an integer >= 1; got {block_size!r}")
+    return int(block_size)
+
+
+def to_blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``x [..., S, D]`` with ``S % r == 0`` -> ``[..., S // r, r, D]`` (a view when possible)."""
+    if x.dim() < 2:
+        raise KVShapeError(f"codec input must have at least 2 dims [..., S, D]; got shape {tuple(x.shape)}")
+    s, d = x.shape[-2], x.shape[-1]
+    if s % block_size:
+        raise KVShapeError(
+            f"codec input length S={s} (dim -2) must be a multiple of block_size={block_size}; "
+            "the cache keeps the incomplete block raw"
+        )
+    return x.reshape(*x.shape[:-2], s // block_size, block_size, d)
+
+
+def from_blocks(blocks: torch.Tensor) -> torch.Tensor:
+    """``[..., n, r, D]`` -> ``[..., n * r, D]``."""
+    *lead, n, r, d = blocks.shape
+    return blocks.reshape(*lead, n * r, d)
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype codec arithmetic runs in: fp32 for fp16/bf16/fp32 inputs, fp64 stays fp64."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class BlockCodec(ABC):
+    """A linear, per-block transform along the sequence axis (``dim=-2``)."""
+
+    #: ``"jpeg"`` or ``"png"``
+    mode: str
+    #: tokens per block ``r``
+    block_size: int
+
+    @property
+    @abstractmethod
+    def rows(self) -> int:
+        """``R``, the number of stored rows per block (``block = A @ rows``)."""
+
+    @property
+    @abstractmethod
+    def lossless(self) -> bool:
+        """Whether decode(encode(x)) reproduces ``x`` (see the codec's docstring for how exactly)."""
+
+    @abstractmethod
+    def part_specs(self, dim: int) -> tuple[PartSpec, ...]:
+        """The stored arrays for a head dimension ``dim``, in the order :meth:`encode` returns them."""
+
+    @abstractmethod
+    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``x [..., n*r, D]`` -> parts, each ``[..., n, *spec.shape]`` (see :meth:`part_specs`)."""
+
+    @abstractmethod
+    def decode(self, parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Parts for ``n`` blocks -> ``[..., n*r, D]`` in ``dtype``."""
+
+    @abstractmethod
+    def stored_rows(self, parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Parts for ``n`` blocks -> the dense rows ``[..., n, R, D]`` in ``dtype`` with ``block = A @ rows``."""
+
+    @abstractmethod
+    def synthesis_matrix(
+        self, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None
+    ) -> torch.Tensor:
+        """``A [r, R]``: the block of ``r`` tokens is ``A @ rows``."""
+
+    @abstractmethod
+    def config(self) -> dict:
+        """The keyword arguments that rebuild this codec through :func:`flashcodec.make_codec`."""
+
+    def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
+        """``decode(encode(x))`` in ``x``'s dtype; ``x [..., n*r, D]``."""
+        return self.decode(self.encode(x), x.dtype)
+
+    def storage_ratio(self, dim: int, dtype: torch.dtype) -> float:
+        """Formula (not a measurement): archive bytes per block / raw bytes per block.
+
+        Measured figures come from the arrays a cache holds (``CodecKVCache.storage_bytes``).
+        """
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        stored = 0
+        for spec in self.part_specs(dim):
+            part_dtype = spec.dtype or dtype
+            stored += math.prod(spec.shape) * torch.empty((), dtype=part_dtype).element_size()
+        return stored / (self.block_size * dim * itemsize)
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.config().items() if k != "mode")
+        return f"{type(self).__name__}({args})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, BlockCodec) and self.config() == other.config()
+
+    def __hash__(self) -> int:
+        return hash(tuple(sorted(self.config().items(), key=lambda kv: kv[0])))

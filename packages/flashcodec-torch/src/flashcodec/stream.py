@@ -1,0 +1,277 @@
+"""One tensor's codec storage (the keys, or the values, of one layer).
+
+Stored layout (read directly by coefficient-domain attention)
+------------------------------------------------------------
+A stream with batch ``B``, heads ``H``, head dimension ``D``, input dtype ``dt`` and block size
+``r`` holds three things:
+
+* **archive**: one preallocated tensor per codec part, ``[B, H, capacity, *part_shape]``; the
+  first ``n_blocks`` slots along dim 2 are in use (``archived_parts()`` returns those slices).
+  Block ``b`` covers tokens ``b*r .. b*r + r - 1``. ``capacity`` starts at ``initial_blocks``
+  (16) on the first archived block and doubles on overflow; a block is written once, in place,
+  and never rewritten (``crop`` only lowers ``n_blocks``; later appends reuse the freed slots).
+
+  ==========================  =====================================  ====================
+  codec                       parts (per block shape)                dtype
+  ==========================  =====================================  ====================
+  jpeg                        ``coeffs [K, D]``                      ``dt``
+  jpeg, ``quant_bits=8``      ``coeffs [K, D]``, ``scales [K, 1]``   int8, fp32
+  png                         ``anchors [D]``, ``deltas [r-1, D]``   ``dt``, delta dtype
+  ==========================  =====================================  ====================
+
+  The png delta dtype is float64 by default (float32 on request): see ``codecs/png.py``.
+  ``stored_rows(dtype)`` gives the dense rows ``[B, H, n_blocks, R, D]`` and
+  ``codec.synthesis_matrix()`` the ``A [r, R]`` with ``block = A @ rows``
+  (jpeg: ``A = M^T``, rows = coefficients, dequantized; png: ``A`` = lower-triangular ones,
+  rows = ``[anchor; deltas]``), hence ``q . K[b*r + p] = (q . rows[b]^T) @ A[p]``.
+* **tail**: ``[B, H, r, D]`` in ``dt``; its first ``tail_len < r`` tokens are the raw, full-fidelity
+  tokens after the last complete block (``tail()`` returns them).
+* **view** (memoized reconstruction): ``[B, H, view_capacity, D]`` in ``dt``, or None. Its first
+  ``view_blocks * r`` tokens are decoded blocks; ``read()`` decodes only blocks archived since the
+  last read (one batched decode), copies the tail behind them and returns the first ``seq_len``
+  tokens. ``release_view()`` drops it; the next ``read()`` rebuilds it.
+
+Token ``p`` of the sequence is archived block ``p // r`` row ``p % r`` if ``p < n_blocks * r``,
+else tail token ``p - n_blocks * r``.
+
+The stream trusts its inputs: :class:`flashcodec.CodecKVCache` validates every call first.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .codecs.base import BlockCodec
+from .storage import CodecStorage
+
+__all__ = ["CodecStream"]
+
+
+class CodecStream:
+    """Raw tail + capacity-doubled archive + memoized view for one ``[B, H, S, D]`` tensor.
+
+    Args:
+        codec: the block codec (its ``block_size`` is ``r``).
+        batch, heads, dim: ``B``, ``H``, ``D`` of every tensor appended.
+        dtype: the input dtype (fp16, bf16 or fp32); tail and view use it.
+        device: where every buffer lives.
+        initial_blocks: archive capacity (in blocks) allocated with the first complete block.
+    """
+
+    def __init__(
+        self,
+        codec: BlockCodec,
+        batch: int,
+        heads: int,
+        dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        *,
+        initial_blocks: int = 16,
+    ):
+        self.codec = codec
+        self.batch, self.heads, self.dim = batch, heads, dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.initial_blocks = max(1, int(initial_blocks))
+        self._archive: tuple[torch.Tensor, ...] = ()
+        self.n_blocks = 0
+        self._tail = torch.zeros(batch, heads, codec.block_size, dim, dtype=dtype, device=self.device)
+        self.tail_len = 0
+        self._view: torch.Tensor | None = None
+        self.view_blocks = 0
+
+    # ------------------------------------------------------------------ read-only description
+    @property
+    def block_size(self) -> int:
+        return self.codec.block_size
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens held: ``n_blocks * r + tail_len``."""
+        return self.n_blocks * self.codec.block_size + self.tail_len
+
+    @property
+    def capacity(self) -> int:
+        """Archive capacity in blocks (0 before the first block is archived)."""
+        return self._archive[0].shape[2] if self._archive else 0
+
+    @property
+    def archive(self) -> tuple[torch.Tensor, ...]:
+        """The archive buffers at full capacity, ``[B, H, capacity, *part_shape]`` each (empty tuple before use)."""
+        return self._archive
+
+    @property
+    def has_view(self) -> bool:
+        """Whether a memoized reconstruction buffer is held."""
+        return self._view is not None
+
+    def archived_parts(self) -> tuple[torch.Tensor, ...]:
+        """The used archive, ``[B, H, n_blocks, *part_shape]`` per part (views, no copy)."""
+        if not self._archive:
+            return tuple(
+                torch.empty(
+                    self.batch, self.heads, 0, *spec.shape, dtype=spec.dtype or self.dtype, device=self.device
+                )
+                for spec in self.codec.part_specs(self.dim)
+            )
+        return tuple(buf[:, :, : self.n_blocks] for buf in self._archive)
+
+    def stored_rows(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Dense rows ``[B, H, n_blocks, R, D]`` in ``dtype`` with ``block = codec.synthesis_matrix() @ rows``."""
+        return self.codec.stored_rows(self.archived_parts(), dtype)
+
+    def tail(self) -> torch.Tensor:
+        """The raw tail tokens ``[B, H, tail_len, D]`` (a view)."""
+        return self._tail[:, :, : self.tail_len]
+
+    # ------------------------------------------------------------------ writes
+    @torch.no_grad()
+    def append(self, x: torch.Tensor) -> None:
+        """Append ``x [B, H, s, D]`` (validated by the caller): complete blocks are archived in one encode."""
+        r, t, s = self.codec.block_size, self.tail_len, x.shape[2]
+        n_new = (t + s) // r
+        if n_new == 0:
+            self._tail[:, :, t : t + s].copy_(x)
+            self.tail_len = t + s
+            return
+        taken = n_new * r - t  # tokens of x that complete blocks
+        seq = torch.cat([self._tail[:, :, :t], x[:, :, :taken]], dim=2) if t else x[:, :, :taken]
+        parts = self.codec.encode(seq)
+        self._ensure_capacity(self.n_blocks + n_new)
+        start = self.n_blocks
+        for buf, part in zip(self._archive, parts, strict=True):
+            buf[:, :, start : start + n_new].copy_(part)
+        self.n_blocks = start + n_new
+        rest = s - taken
+        self._tail[:, :, :rest].copy_(x[:, :, taken:])
+        self.tail_len = rest
+
+    def _ensure_capacity(self, blocks: int) -> None:
+        cap = self.capacity
+        if blocks <= cap:
+            return
+        new_cap = max(cap, self.initial_blocks)
+        while new_cap < blocks:
+            new_cap *= 2
+        new = []
+        for i, spec in enumerate(self.codec.part_specs(self.dim)):
+            buf = torch.zeros(
+                self.batch,
+                self.heads,
+                new_cap,
+                *spec.shape,
+                dtype=spec.dtype or self.dtype,
+                device=self.device,
+            )
+            if self.n_blocks:
+                buf[:, :, : self.n_blocks].copy_(self._archive[i][:, :, : self.n_blocks])
+            new.append(buf)
+        self._archive = tuple(new)
+
+    # ------------------------------------------------------------------ reads
+    @torch.no_grad()
+    def read(self) -> torch.Tensor:
+        """The reconstructed sequence ``[B, H, seq_len, D]`` in the input dtype.
+
+        Decodes only the blocks archived since the previous read (one batched decode), then
+        copies the raw tail behind them. Returns a view into the memoized buffer: valid until
+        the next call that changes the stream (clone it to keep it).
+        """
+        r, total = self.codec.block_size, self.seq_len
+        self._ensure_view(total)
+        assert self._view is not None
+        a, b = self.view_blocks, self.n_blocks
+        if a < b:
+            new = tuple(buf[:, :, a:b] for buf in self._archive)
+            self._view[:, :, a * r : b * r].copy_(self.codec.decode(new, self.dtype))
+            self.view_blocks = b
+        if self.tail_len:
+            self._view[:, :, b * r : total].copy_(self.tail())
+        return self._view[:, :, :total]
+
+    def _ensure_view(self, tokens: int) -> None:
+        cap = 0 if self._view is None else self._view.shape[2]
+        if self._view is not None and tokens <= cap:
+            return
+        new_cap = max(cap, self.initial_blocks * self.codec.block_size, 1)
+        while new_cap < tokens:
+            new_cap *= 2
+        view = torch.empty(self.batch, self.heads, new_cap, self.dim, dtype=self.dtype, device=self.device)
+        done = self.view_blocks * self.codec.block_size
+        if self._view is not None and done:
+            view[:, :, :done].copy_(self._view[:, :, :done])
+        self._view = view
+
+    def release_view(self) -> None:
+        """Drop the memoized reconstruction (its memory); the next :meth:`read` rebuilds it."""
+        self._view = None
+        self.view_blocks = 0
+
+    # ------------------------------------------------------------------ edits
+    @torch.no_grad()
+    def crop(self, n: int) -> None:
+        """Keep the first ``n`` tokens (``0 <= n <= seq_len``, validated by the caller).
+
+        Cutting inside an archived block moves that block's first ``n % r`` *reconstructed* tokens
+        (taken from the memoized view when it has them, so the result equals the previous read's
+        prefix bit for bit) back to the raw tail and forgets the block. Blocks before it are untouched.
+        """
+        r = self.codec.block_size
+        keep_blocks, rem = divmod(n, r)
+        if keep_blocks >= self.n_blocks:
+            self.tail_len = n - self.n_blocks * r
+            return
+        if rem:
+            if self._view is not None and self.view_blocks > keep_blocks:
+                head = self._view[:, :, keep_blocks * r : keep_blocks * r + rem]
+            else:
+                block = tuple(buf[:, :, keep_blocks : keep_blocks + 1] for buf in self._archive)
+                head = self.codec.decode(block, self.dtype)[:, :, :rem]
+            self._tail[:, :, :rem].copy_(head)
+        self.tail_len = rem
+        self.n_blocks = keep_blocks
+        self.view_blocks = min(self.view_blocks, keep_blocks)
+
+    @torch.no_grad()
+    def reorder(self, index: torch.Tensor) -> None:
+        """Gather every buffer along the batch axis (beam search); ``index`` int64 ``[B_new]`` on ``device``."""
+        self._archive = tuple(buf.index_select(0, index) for buf in self._archive)
+        self._tail = self._tail.index_select(0, index)
+        if self._view is not None:
+            self._view = self._view.index_select(0, index)
+        self.batch = index.shape[0]
+
+    # ------------------------------------------------------------------ bytes and serialization
+    def storage_bytes(self) -> CodecStorage:
+        """Bytes measured from the tensors held (see :class:`CodecStorage` for what each field counts)."""
+        itemsize = self._tail.element_size()
+        return CodecStorage(
+            used=sum(p.nbytes for p in self.archived_parts()),
+            tail=self.tail().nbytes,
+            allocated=sum(b.nbytes for b in self._archive) + self._tail.nbytes,
+            view=0 if self._view is None else self._view.nbytes,
+            raw=self.batch * self.heads * self.seq_len * self.dim * itemsize,
+        )
+
+    def state(self) -> tuple[torch.Tensor, ...]:
+        """``(*archived_parts(), tail())``: exactly the bytes of :meth:`storage_bytes` ``.held``."""
+        return (*self.archived_parts(), self.tail())
+
+    @classmethod
+    def from_state(
+        cls, codec: BlockCodec, arrays: tuple[torch.Tensor, ...], *, initial_blocks: int = 16
+    ) -> CodecStream:
+        """Rebuild from :meth:`state` (shapes and dtypes checked by the caller). Copies the arrays."""
+        *parts, tail = arrays
+        b, h, _, d = tail.shape
+        stream = cls(codec, b, h, d, tail.dtype, tail.device, initial_blocks=initial_blocks)
+        n = parts[0].shape[2]
+        if n:
+            stream._ensure_capacity(n)
+            for buf, part in zip(stream._archive, parts, strict=True):
+                buf[:, :, :n].copy_(part)
+            stream.n_blocks = n
+        stream._tail[:, :, : tail.shape[2]].copy_(tail)
+        stream.tail_len = tail.shape[2]
+        return stream
