@@ -16,7 +16,24 @@ import numpy as np
 
 from .interface import KVCacheLayer
 
-__all__ = ["Capabilities", "CacheConfigCase", "Adapter"]
+__all__ = ["Capabilities", "CacheConfigCase", "Adapter", "flatten_arrays"]
+
+
+def flatten_arrays(tree: Any) -> list[Any]:
+    """The array leaves of a ``state``-like tree (tuple / list / dict / None), in order.
+
+    A leaf is anything with ``.nbytes`` and ``.shape`` (numpy, mlx, torch arrays); other
+    leaves (ints, strings, None) hold no array bytes and are left out.
+    """
+    if tree is None:
+        return []
+    if isinstance(tree, dict):
+        return [leaf for value in tree.values() for leaf in flatten_arrays(value)]
+    if isinstance(tree, (tuple, list)):
+        return [leaf for item in tree for leaf in flatten_arrays(item)]
+    if hasattr(tree, "nbytes") and hasattr(tree, "shape"):
+        return [tree]
+    return []
 
 
 @dataclass(frozen=True)
@@ -101,3 +118,26 @@ class Adapter(ABC):
     def sync(self, array: Any) -> Any:
         """Force evaluation of lazy arrays (mlx); identity elsewhere."""
         return array
+
+    def held_arrays(self, cache: KVCacheLayer) -> list[Any]:
+        """Every array ``cache`` holds; ``cache.nbytes`` must equal the sum of their ``.nbytes``.
+
+        Default: the array leaves of ``cache.state``. Override when the cache holds more than
+        its state shows (spare capacity in a growing buffer, a memoized view).
+        """
+        return flatten_arrays(cache.state)
+
+    def snapshot_array(self, array: Any) -> np.ndarray:
+        """A numpy copy of any held array with its exact bits (float or integer codes).
+
+        Used to prove a rejected call changed nothing. Default: ``np.array(array)`` when numpy
+        can take it (numpy, CPU torch, mlx non-bfloat16 arrays), else ``to_numpy`` (exact for
+        bfloat16 and for 8/16-bit integer codes). Override for packed 32-bit codes on a device.
+        """
+        array = self.sync(array)
+        if self.dtype_name(array) != "bfloat16":
+            try:
+                return np.array(array, copy=True)
+            except (TypeError, ValueError, RuntimeError):
+                pass
+        return np.array(self.to_numpy(array), copy=True)

@@ -158,9 +158,7 @@ def check_kv_pair(
     b, h, s, d = keys_shape
     vb, vh, vs, dv = values_shape
     if (b, h, s) != (vb, vh, vs):
-        raise KVShapeError(
-            f"keys {keys_shape} and values {values_shape} must agree on B, H and S"
-        )
+        raise KVShapeError(f"keys {keys_shape} and values {values_shape} must agree on B, H and S")
     if min(b, h, s, d, dv) < 1:
         raise KVShapeError(f"every dimension must be >= 1; got keys {keys_shape}, values {values_shape}")
     if keys_dtype != values_dtype:
