@@ -169,7 +169,7 @@ def load_prompt_cache(file_name: str, return_metadata: bool = False) -> Any:
         index, name = key.split(".", 1)
         per_layer[int(index)][name] = arr
     caches = []
-    for entry, state in zip(layers, per_layer):
+    for entry, state in zip(layers, per_layer, strict=True):
         cls_name = entry["class"]
         if cls_name in _OURS:
             caches.append(_OURS[cls_name].from_state(state, tuple(entry["meta_state"])))

@@ -245,9 +245,11 @@ class PaluKVCache:
         self.offset -= n
         return n
 
-    def make_mask(self, *args, **kwargs):
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         """The attention mask for ``N`` new queries (same rules as mlx-lm's ``KVCache``)."""
-        return create_attention_mask(*args, offset=self.offset, **kwargs)
+        return create_attention_mask(
+            N, offset=self.offset, return_array=return_array, window_size=window_size
+        )
 
     # ------------------------------------------------------------------ state
     @property

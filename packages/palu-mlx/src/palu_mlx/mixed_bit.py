@@ -150,7 +150,7 @@ class MixedBitCoder:
     def __init__(self, segments: tuple[Segment, ...], group_size: int, store_dtype: mx.Dtype):
         if not segments or segments[0].start != 0:
             raise KVConfigError(f"segments={segments!r} must be non-empty and start at channel 0")
-        for prev, seg in zip(segments, segments[1:]):
+        for prev, seg in zip(segments[:-1], segments[1:], strict=True):
             if seg.start != prev.stop:
                 raise KVConfigError(f"segments={segments!r} must be contiguous")
         for seg in segments:

@@ -94,7 +94,10 @@ class NaiveQuantKVCache:
     def _append(self, held: dict[str, mx.array] | None, x: mx.array, prev: int) -> dict[str, mx.array]:
         coded = mx.quantize(x, group_size=self.group_size, bits=self.quant_bits)
         held = held or {}
-        return {name: write_rows(held.get(name), arr, prev, self.step) for name, arr in zip(_FIELDS, coded)}
+        return {
+            name: write_rows(held.get(name), arr, prev, self.step)
+            for name, arr in zip(_FIELDS, coded, strict=True)
+        }
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Append ``[B, H, S, D]`` keys/values; return all dequantized ``[B, H, offset, ·]`` in the input dtype."""
@@ -129,8 +132,11 @@ class NaiveQuantKVCache:
         self.offset -= n
         return n
 
-    def make_mask(self, *args, **kwargs):
-        return create_attention_mask(*args, offset=self.offset, **kwargs)
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
+        """The attention mask for ``N`` new queries (same rules as mlx-lm's ``KVCache``)."""
+        return create_attention_mask(
+            N, offset=self.offset, return_array=return_array, window_size=window_size
+        )
 
     @property
     def state(self) -> dict[str, mx.array]:
