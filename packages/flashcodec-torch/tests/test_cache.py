@@ -1,0 +1,276 @@
+"""CodecKVCache: API, archive growth, storage accounting, validation, state round trip."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import TIERS, gaussian, random_walk
+from flashcodec import CodecKVCache
+from kvspec import KVCacheLayer, KVConfigError, KVDtypeError, KVShapeError, KVTrimError, KVValueError
+
+
+def test_meets_the_kvspec_protocol():
+    assert isinstance(CodecKVCache(), KVCacheLayer)
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_forward_then_decode_shapes_and_dtypes(tier):
+    cache = CodecKVCache(**TIERS[tier])
+    k, v = random_walk(s=21, dtype=torch.bfloat16), random_walk(s=21, d=8, seed=1, dtype=torch.bfloat16)
+    out_k, out_v = cache.forward(k, v)
+    assert out_k.shape == (2, 3, 21, 16) and out_v.shape == (2, 3, 21, 8)
+    assert out_k.dtype == out_v.dtype == torch.bfloat16
+    for t in range(5):
+        out_k, out_v = cache.decode_step(k[:, :, t : t + 1], v[:, :, t : t + 1])
+    assert out_k.shape == (2, 3, 26, 16) and cache.get_seq_length() == cache.offset == 26
+    assert cache.keys.n_blocks == 3 and cache.keys.tail_len == 2
+
+
+def test_tail_holds_fewer_than_r_raw_tokens():
+    cache = CodecKVCache("jpeg", block_size=8, keep_freqs=2)
+    x = random_walk(s=13)
+    k, _ = cache.forward(x, x)
+    assert cache.keys.n_blocks == 1 and cache.keys.tail_len == 5
+    assert torch.equal(k[:, :, 8:], x[:, :, 8:])  # the tail is returned raw
+    assert not torch.equal(k[:, :, :8], x[:, :, :8])  # the archived block is reconstructed (k=2)
+
+
+def test_archive_grows_geometrically_and_writes_in_place():
+    cache = CodecKVCache("jpeg", block_size=2, keep_freqs=1)
+    x = gaussian(b=1, h=1, s=2 * 70, d=4)
+    capacities, reallocations, last = [], 0, (0, None)
+    for t in range(x.shape[2]):
+        cache.decode_step(x[:, :, t : t + 1], x[:, :, t : t + 1])
+        cap = cache.keys.capacity
+        ptr = cache.keys.archive[0].data_ptr() if cache.keys.archive else None
+        if cap == last[0]:
+            assert ptr == last[1]  # same buffer between doublings: blocks are written in place
+        else:
+            reallocations += 1
+        capacities.append(cap)
+        last = (cap, ptr)
+    assert sorted(set(capacities)) == [0, 16, 32, 64, 128]
+    assert reallocations == 4  # one allocation per doubling, none per block
+    assert cache.keys.n_blocks == 70
+
+
+def test_full_fill_allocates_once():
+    cache = CodecKVCache("jpeg", block_size=8, keep_freqs=2)
+    x = gaussian(b=1, h=1, s=8 * 100, d=4)
+    cache.forward(x, x)
+    assert cache.keys.capacity == 128  # 16 doubled to the first power of two that fits 100
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_storage_is_measured_and_split(tier):
+    cache = CodecKVCache(**TIERS[tier])
+    b, h, s, d = 2, 3, 8 * 20 + 3, 16
+    x = random_walk(b, h, s, d)
+    cache.forward(x, x)
+    st = cache.storage_bytes()
+    assert st.raw == 2 * b * h * s * d * 4 == cache.raw_nbytes
+    assert st.tail == 2 * b * h * 3 * d * 4
+    assert st.held == st.used + st.tail == cache.nbytes == sum(t.nbytes for t in cache.state)
+    assert st.allocated >= st.used + st.tail
+    k, _ = cache.read()
+    assert st.view >= 2 * k.nbytes  # forward returned the view, so it is held and counted apart
+    per_block = {
+        "png-keep1": d * 4 + 7 * d * 8,  # fp32 anchor + fp64 deltas
+        "png-keep0.5": d * 4 + 7 * d * 8,  # pruning does not shrink the dense layout
+        "jpeg-k8": 8 * d * 4,
+        "jpeg-k8-int8": 8 * d + 8 * 4,  # int8 coefficients + fp32 scales
+        "jpeg-k4": 4 * d * 4,
+        "jpeg-k2": 2 * d * 4,
+        "jpeg-k2-int8": 2 * d + 2 * 4,
+    }[tier]
+    assert st.used == 2 * b * h * 20 * per_block
+
+
+def test_view_is_released_and_rebuilt():
+    cache = CodecKVCache("jpeg", keep_freqs=4)
+    x = random_walk(s=40)
+    k1, _ = cache.forward(x, x)
+    k1 = k1.clone()
+    cache.release_view()
+    assert cache.storage_bytes().view == 0 and not cache.keys.has_view
+    k2, _ = cache.read()
+    assert torch.equal(k1, k2)
+
+
+def test_state_round_trip_continues_identically():
+    for tier, cfg in TIERS.items():
+        a = CodecKVCache(**cfg)
+        x = random_walk(s=29, dtype=torch.float16)
+        a.forward(x, -x)
+        b = CodecKVCache.from_state(a.state, a.meta_state)
+        assert all(isinstance(m, str) for m in a.meta_state)
+        assert b.offset == a.offset and b.nbytes == a.nbytes, tier
+        y = random_walk(s=11, seed=3, dtype=torch.float16)
+        ka, va = a.update_and_fetch(y, -y)
+        kb, vb = b.update_and_fetch(y, -y)
+        assert torch.equal(ka, kb) and torch.equal(va, vb), tier
+
+
+def test_empty_state_round_trip():
+    a = CodecKVCache("png")
+    assert a.state == () and a.empty() and a.nbytes == 0
+    b = CodecKVCache.from_state(a.state, a.meta_state)
+    assert b.empty() and b.codec == a.codec
+
+
+def test_from_state_rejects_bad_meta_and_arrays():
+    a = CodecKVCache("jpeg", keep_freqs=2)
+    x = random_walk(s=20)
+    a.forward(x, x)
+    with pytest.raises(KVConfigError, match="meta_state"):
+        CodecKVCache.from_state(a.state, ("mode=jpeg",))
+    with pytest.raises(KVShapeError, match="state must hold"):
+        CodecKVCache.from_state(a.state[:2], a.meta_state)
+    bad = list(a.state)
+    bad[0] = bad[0][:, :, :, :1]  # wrong K
+    with pytest.raises(KVShapeError, match="coeffs"):
+        CodecKVCache.from_state(bad, a.meta_state)
+
+
+def test_reset_frees_the_shape():
+    cache = CodecKVCache()
+    cache.forward(gaussian(d=16), gaussian(d=16))
+    cache.reset()
+    assert cache.empty()
+    k, _ = cache.update_and_fetch(gaussian(b=1, d=4), gaussian(b=1, d=4))
+    assert k.shape == (1, 3, 64, 4)
+
+
+def test_forward_starts_over():
+    cache = CodecKVCache("png")
+    x = gaussian(s=20)
+    cache.forward(x, x)
+    k, _ = cache.forward(x[:, :, :5], x[:, :, :5])
+    assert cache.offset == 5 and torch.equal(k, x[:, :, :5])
+
+
+# ---------------------------------------------------------------- bad configuration
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(mode="gif"), "mode"),
+        (dict(block_size=0), "block_size"),
+        (dict(keep_freqs=0), "keep_freqs"),
+        (dict(keep_freqs=9), "keep_freqs"),
+        (dict(mode="png", keep_ratio=0.0), "keep_ratio"),
+        (dict(mode="png", keep_ratio=1.01), "keep_ratio"),
+        (dict(quant_bits=4), "quant_bits"),
+        (dict(mode="png", quant_bits=8), "quant_bits"),
+        (dict(mode="png", keep_freqs=2), "keep_freqs"),
+        (dict(mode="jpeg", keep_ratio=0.5), "keep_ratio"),
+        (dict(check_finite="yes"), "check_finite"),
+        (dict(initial_blocks=0), "initial_blocks"),
+    ],
+)
+def test_bad_config_raises(kwargs, match):
+    with pytest.raises(KVConfigError, match=match):
+        CodecKVCache(**kwargs)
+
+
+# ---------------------------------------------------------------- bad input leaves the cache as it was
+def _snapshot(cache):
+    return cache.offset, cache.nbytes, [t.clone() for t in cache.state]
+
+
+def _same(cache, snap):
+    offset, nbytes, state = snap
+    return (
+        cache.offset == offset
+        and cache.nbytes == nbytes
+        and len(state) == len(cache.state)
+        and all(torch.equal(a, b) for a, b in zip(state, cache.state, strict=True))
+    )
+
+
+def _bad_inputs():
+    good = random_walk(s=3)
+    nan = good.clone()
+    nan[0, 0, 1, 2] = float("nan")
+    inf = good.clone()
+    inf[1, 2, 0, 0] = float("inf")
+    return {
+        "rank": (KVShapeError, good[0], good[0]),
+        "kv-mismatch": (KVShapeError, good, good[:, :, :2]),
+        "batch-changed": (KVShapeError, good[:1], good[:1]),
+        "heads-changed": (KVShapeError, good[:, :2], good[:, :2]),
+        "dim-changed": (KVShapeError, good[..., :8], good),
+        "zero-length": (KVShapeError, good[:, :, :0], good[:, :, :0]),
+        "kv-dtype": (KVDtypeError, good, good.half()),
+        "dtype-changed": (KVDtypeError, good.half(), good.half()),
+        "int-dtype": (KVDtypeError, good.long(), good.long()),
+        "float64": (KVDtypeError, good.double(), good.double()),
+        "not-a-tensor": (KVDtypeError, good.numpy(), good),
+        "nan": (KVValueError, nan, good),
+        "inf": (KVValueError, good, inf),
+    }
+
+
+@pytest.mark.parametrize("case", list(_bad_inputs()))
+@pytest.mark.parametrize("tier", ["jpeg-k2-int8", "png-keep1"])
+def test_bad_input_raises_and_leaves_cache_unchanged(tier, case):
+    cache, twin = CodecKVCache(**TIERS[tier]), CodecKVCache(**TIERS[tier])
+    x = random_walk(s=13)
+    cache.forward(x, x)
+    twin.forward(x, x)
+    snap = _snapshot(cache)
+    err, k, v = _bad_inputs()[case]
+    with pytest.raises(err):
+        cache.update_and_fetch(k, v)
+    assert _same(cache, snap)
+    y = random_walk(s=5, seed=9)
+    ka, va = cache.update_and_fetch(y, y)
+    kb, vb = twin.update_and_fetch(y, y)
+    assert torch.equal(ka, kb) and torch.equal(va, vb)
+
+
+def test_error_messages_name_the_value():
+    cache = CodecKVCache()
+    cache.forward(gaussian(), gaussian())
+    with pytest.raises(KVDtypeError, match="float16"):
+        cache.update_and_fetch(gaussian().half(), gaussian().half())
+    with pytest.raises(KVConfigError, match="got 9"):
+        CodecKVCache(keep_freqs=9)
+
+
+def test_check_finite_can_be_disabled():
+    cache = CodecKVCache("png", check_finite=False)
+    x = gaussian(s=3)
+    x[0, 0, 0, 0] = float("nan")
+    k, _ = cache.update_and_fetch(x, x)
+    assert torch.isnan(k[0, 0, 0, 0])
+
+
+@pytest.mark.parametrize("n", [-1, 1.5, True])
+def test_bad_trim_raises_and_leaves_cache(n):
+    cache = CodecKVCache()
+    x = random_walk(s=13)
+    cache.forward(x, x)
+    snap = _snapshot(cache)
+    with pytest.raises(KVTrimError):
+        cache.trim(n)
+    assert _same(cache, snap)
+
+
+def test_trim_clamps_and_reports():
+    cache = CodecKVCache()
+    x = random_walk(s=13)
+    cache.forward(x, x)
+    assert cache.is_trimmable()
+    assert cache.trim(3) == 3 and cache.offset == 10
+    assert cache.trim(100) == 10 and cache.empty()
+
+
+@pytest.mark.parametrize("idx", [[0, 2], [[0, 1]], [0.0, 1.0], []])
+def test_bad_beam_index_raises_and_leaves_cache(idx):
+    cache = CodecKVCache()
+    x = random_walk(s=13)
+    cache.forward(x, x)
+    snap = _snapshot(cache)
+    with pytest.raises(KVShapeError, match="beam_idx"):
+        cache.reorder(torch.tensor(idx))
+    assert _same(cache, snap)
