@@ -1,0 +1,74 @@
+"""check_kv_pair, the error classes and StorageStats."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from kvspec import (
+    KVConfigError,
+    KVDtypeError,
+    KVShapeError,
+    KVSpecError,
+    KVTrimError,
+    KVValueError,
+    StorageStats,
+    check_kv_pair,
+)
+
+F32 = np.dtype(np.float32)
+
+
+def test_valid_pair_returns_dimensions():
+    assert check_kv_pair((2, 4, 7, 64), (2, 4, 7, 32), F32, F32) == (2, 4, 7, 64, 32)
+    assert check_kv_pair((2, 4, 1, 64), (2, 4, 1, 32), F32, F32, expected=(2, 4, 64, 32)) == (2, 4, 1, 64, 32)
+
+
+@pytest.mark.parametrize(
+    ("keys", "values", "match"),
+    [
+        ((4, 7, 64), (4, 7, 64), "must be 4-D"),
+        ((1, 2, 4, 7, 64), (1, 2, 4, 7, 64), "must be 4-D"),
+        ((1, 4, 7, 64), (1, 4, 8, 64), "must agree on B, H and S"),
+        ((1, 4, 7, 64), (1, 2, 7, 64), "must agree on B, H and S"),
+        ((1, 4, 0, 64), (1, 4, 0, 64), "every dimension must be >= 1"),
+    ],
+)
+def test_bad_shapes_raise_kv_shape_error_naming_the_shapes(keys, values, match):
+    with pytest.raises(KVShapeError, match=match) as info:
+        check_kv_pair(keys, values, F32, F32)
+    assert str(keys) in str(info.value)
+
+
+def test_changed_dimensions_mid_stream():
+    with pytest.raises(
+        KVShapeError, match=r"fixed by the first update at \(1, 4, 64, 64\); got \(1, 4, 32, 64\)"
+    ):
+        check_kv_pair((1, 4, 1, 32), (1, 4, 1, 64), F32, F32, expected=(1, 4, 64, 64))
+
+
+def test_dtype_mismatch():
+    with pytest.raises(KVDtypeError, match="float32.*float16"):
+        check_kv_pair((1, 1, 1, 8), (1, 1, 1, 8), F32, np.dtype(np.float16))
+
+
+def test_error_hierarchy_lets_builtin_handlers_catch():
+    for cls, builtin in (
+        (KVConfigError, ValueError),
+        (KVShapeError, ValueError),
+        (KVDtypeError, TypeError),
+        (KVValueError, ValueError),
+        (KVTrimError, ValueError),
+    ):
+        assert issubclass(cls, KVSpecError) and issubclass(cls, builtin)
+
+
+def test_storage_stats():
+    stats = StorageStats(tokens=10, nbytes=500, raw_nbytes=2000, elements=1000)
+    assert stats.ratio == 0.25
+    assert stats.bits_per_element == 4.0
+    empty = StorageStats(tokens=0, nbytes=0, raw_nbytes=0, elements=0)
+    assert math.isnan(empty.ratio) and math.isnan(empty.bits_per_element)
+    with pytest.raises(AttributeError):
+        stats.nbytes = 1  # frozen
