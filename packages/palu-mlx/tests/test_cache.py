@@ -18,6 +18,7 @@ def make(**kw) -> PaluKVCache:
 
 
 def held_arrays(cache: PaluKVCache) -> list[mx.array]:
+    """Independent of cache.held_arrays(): walk the private buffers."""
     out = [cache._exact_keys, cache._exact_values]
     for proj in (cache._key_proj, cache._value_proj):
         if proj is not None:

@@ -12,14 +12,14 @@ def test_defaults_match_the_description():
     assert (cfg.palu_rank, cfg.palu_energy_threshold, cfg.palu_n_head_groups) == (None, 0.90, 4)
     assert (cfg.palu_hi_bit, cfg.palu_lo_bit, cfg.palu_hi_fraction) == (4, 2, 0.25)
     assert (cfg.palu_group_size, cfg.palu_quantize_values) == (32, True)
-    assert cfg.min_fit_tokens == 128  # default minimum before fitting = head_dim
+    assert cfg.min_fit_tokens(128) == 128  # default minimum before fitting = head_dim
 
 
 @pytest.mark.parametrize(
     ("field", "value"),
     [
         ("method", "svdq"),
-        ("head_dim", None),
+        ("head_dim", 8.0),
         ("head_dim", 0),
         ("palu_rank", 0),
         ("palu_rank", 65),

@@ -3,7 +3,7 @@
 Life of a layer's cache:
 
 1. **Exact phase.** Tokens are kept exactly (input dtype, ``[B, H, S, D]``) until
-   ``config.min_fit_tokens`` have arrived (default ``head_dim``). A one-token or
+   ``palu_min_fit_tokens`` have arrived (default: the head dim ``D``). A one-token or
    short prompt therefore never fixes a degenerate projection.
 2. **Fit.** On the call that reaches that count, group-head projections are
    fitted on every token held (keys and values separately), all held tokens are
@@ -76,16 +76,6 @@ def write_rows(buffer: mx.array | None, new: mx.array, prev: int, step: int) -> 
     return buffer
 
 
-def _sum_nbytes(arrays: Any) -> int:
-    if arrays is None:
-        return 0
-    if isinstance(arrays, dict):
-        return sum(_sum_nbytes(a) for a in arrays.values())
-    if isinstance(arrays, GroupProjection):
-        return arrays.nbytes
-    return arrays.nbytes
-
-
 class PaluKVCache:
     """One attention layer's palu cache (mlx-lm cache interface and :class:`kvspec.KVCacheLayer`).
 
@@ -132,15 +122,18 @@ class PaluKVCache:
             )
         if self._dtype is not None and keys.dtype != self._dtype:
             raise KVDtypeError(f"keys dtype {keys.dtype} differs from the cache's dtype {self._dtype}")
-        if d != self.config.head_dim:
+        if self.config.head_dim is not None and d != self.config.head_dim:
             raise KVShapeError(f"keys head dim {d} does not match config head_dim={self.config.head_dim}")
         if h % self.config.palu_n_head_groups != 0:
             raise KVConfigError(
                 f"palu_n_head_groups={self.config.palu_n_head_groups} must divide the key/value head "
                 f"count {h}; allowed: a divisor of {h}"
             )
-        if self.config.palu_rank is not None and self.config.palu_rank > dv:
-            raise KVConfigError(f"palu_rank={self.config.palu_rank} exceeds the value head dim {dv}")
+        if self.config.palu_rank is not None and self.config.palu_rank > min(d, dv):
+            raise KVConfigError(
+                f"palu_rank={self.config.palu_rank} exceeds the head dims (keys {d}, values {dv}); "
+                f"allowed: 1..{min(d, dv)}"
+            )
         if self.config.palu_check_finite:
             finite = mx.all(mx.isfinite(keys)) & mx.all(mx.isfinite(values))
             if not finite.item():
@@ -163,7 +156,7 @@ class PaluKVCache:
         if self._key_proj is None:
             exact_keys = write_rows(self._exact_keys, keys, prev, self.step)
             exact_values = write_rows(self._exact_values, values, prev, self.step)
-            if end >= self.config.min_fit_tokens:
+            if end >= self.config.min_fit_tokens(d):
                 self._fit(exact_keys[..., :end, :], exact_values[..., :end, :], keys.dtype)
                 self._exact_keys = self._exact_values = None
             else:
@@ -342,26 +335,36 @@ class PaluKVCache:
         return cache
 
     # ------------------------------------------------------------------ measured storage
-    def _key_side(self) -> list[Any]:
-        return [self._exact_keys, self._key_proj, self._key_codes]
+    def _held(self, which: str) -> list[mx.array]:
+        exact, proj, codes = (
+            (self._exact_keys, self._key_proj, self._key_codes)
+            if which == "key"
+            else (self._exact_values, self._value_proj, self._value_codes)
+        )
+        out = [] if exact is None else [exact]
+        if proj is not None:
+            out += list(proj.arrays().values())
+        out += list((codes or {}).values())
+        return out
 
-    def _value_side(self) -> list[Any]:
-        return [self._exact_values, self._value_proj, self._value_codes]
+    def held_arrays(self) -> list[mx.array]:
+        """Every array the cache holds (buffers at their full grown capacity); ``nbytes`` sums these."""
+        return self._held("key") + self._held("value")
 
     @property
     def compressed_key_bytes(self) -> int:
         """Bytes held for keys: codes, scales, biases (or exact pre-fit keys), basis, mean, singular values."""
-        return sum(_sum_nbytes(a) for a in self._key_side())
+        return sum(a.nbytes for a in self._held("key"))
 
     @property
     def compressed_value_bytes(self) -> int:
         """Bytes held for values, counted like :attr:`compressed_key_bytes`."""
-        return sum(_sum_nbytes(a) for a in self._value_side())
+        return sum(a.nbytes for a in self._held("value"))
 
     @property
     def nbytes(self) -> int:
         """Bytes of every array held (buffers at their full grown capacity)."""
-        return self.compressed_key_bytes + self.compressed_value_bytes
+        return sum(a.nbytes for a in self.held_arrays())
 
     def _elements(self, which: str) -> int:
         if self._shape is None:

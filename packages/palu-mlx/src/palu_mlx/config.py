@@ -41,9 +41,10 @@ class KVCacheConfig:
         method: ``"palu"`` (low-rank latent cache) or ``"naive"`` (uniform group
             quantization of the full K/V, the comparison baseline).
         head_dim: the model's key head dimension ``D``; checked against the model
-            and against every ``update_and_fetch``.
-        palu_rank: explicit latent rank ``r`` in ``[1, head_dim]``; ``None`` selects the
-            rank from ``palu_energy_threshold``.
+            and against every ``update_and_fetch``. ``None`` accepts the ``D`` of the
+            first update (a cache not tied to one model, e.g. in conformance tests).
+        palu_rank: explicit latent rank ``r`` in ``[1, head_dim]`` (and at most the value
+            head dim); ``None`` selects the rank from ``palu_energy_threshold``.
         palu_energy_threshold: fraction in ``(0, 1]`` of the squared singular value
             energy each head group must retain when ``palu_rank`` is None. One rank per
             tensor is used: the minimum over groups (buffers share one shape).
@@ -60,8 +61,8 @@ class KVCacheConfig:
         palu_quantize_values: False keeps value latents unquantized (input dtype; fp16
             for fp16 models), still low-rank.
         palu_min_fit_tokens: tokens held exactly before the projections are fitted;
-            ``None`` means ``head_dim`` tokens, so every group sees at least ``head_dim``
-            rows and a short prompt cannot lock in a degenerate low-rank subspace.
+            ``None`` means ``D`` tokens (the key head dim), so every group sees at least
+            ``D`` rows and a short prompt cannot lock in a degenerate low-rank subspace.
         palu_check_finite: reject NaN / inf keys and values (costs one device sync per
             layer call); False skips the check for speed.
         naive_bits, naive_group_size: bit width and group size of the ``"naive"`` baseline
@@ -86,12 +87,14 @@ class KVCacheConfig:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise KVConfigError(f"method={self.method!r} is not supported; allowed: {', '.join(METHODS)}")
-        if not _is_int(self.head_dim) or self.head_dim < 1:
+        if self.head_dim is not None and (not _is_int(self.head_dim) or self.head_dim < 1):
             raise KVConfigError(
-                f"head_dim={self.head_dim!r} must be a positive integer (the model's head dim)"
+                f"head_dim={self.head_dim!r} must be a positive integer (the model's head dim) or None"
             )
         if self.palu_rank is not None and (
-            not _is_int(self.palu_rank) or not 1 <= self.palu_rank <= self.head_dim
+            not _is_int(self.palu_rank)
+            or self.palu_rank < 1
+            or (self.head_dim is not None and self.palu_rank > self.head_dim)
         ):
             raise KVConfigError(
                 f"palu_rank={self.palu_rank!r} must be None or an integer in [1, head_dim={self.head_dim}]"
@@ -135,10 +138,9 @@ class KVCacheConfig:
         if self.naive_group_size not in (32, 64, 128) or not _is_int(self.naive_group_size):
             raise KVConfigError(f"naive_group_size={self.naive_group_size!r} must be 32, 64 or 128")
 
-    @property
-    def min_fit_tokens(self) -> int:
-        """Tokens held exactly before fitting (``palu_min_fit_tokens`` or ``head_dim``)."""
-        return self.head_dim if self.palu_min_fit_tokens is None else self.palu_min_fit_tokens
+    def min_fit_tokens(self, dim: int) -> int:
+        """Tokens held exactly before fitting: ``palu_min_fit_tokens``, or the key head dim ``dim``."""
+        return dim if self.palu_min_fit_tokens is None else self.palu_min_fit_tokens
 
     def to_json(self) -> str:
         """The configuration as a JSON string (used in ``meta_state``)."""
