@@ -209,3 +209,18 @@ def test_lossy_tail_tokens_change_once_their_block_completes(tier):
     assert torch.equal(seen, k[:, :, :7])
     after = cache.decode_step(k[:, :, 7:], k[:, :, 7:])[0]
     assert not torch.equal(after[:, :, :7], seen)
+
+
+def test_lossless_tail_and_archive_agree_bit_for_bit_on_signed_zeros():
+    # the raw tail stores -0.0 as +0.0 too, so no returned bit changes when the block completes
+    k = random_walk(s=16, seed=20)
+    k[:, :, 3, :4] = -0.0
+    k[:, :, 9, 5] = -0.0
+    cache = CodecKVCache(**TIERS["png-keep1"])
+    seen = []
+    for t in range(16):
+        seen.append(cache.decode_step(k[:, :, t : t + 1], k[:, :, t : t + 1])[0].clone())
+    final = seen[-1].view(torch.int32)
+    for t, out in enumerate(seen):
+        assert torch.equal(out.view(torch.int32), final[:, :, : t + 1])
+    assert torch.equal(seen[-1], k)

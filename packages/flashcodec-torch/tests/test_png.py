@@ -115,3 +115,14 @@ def test_block_size_one_stores_anchors_only():
 def test_bad_config_raises(kwargs, match):
     with pytest.raises(KVConfigError, match=match):
         PNGCodec(**kwargs)
+
+
+def test_signed_zero_comes_back_positive_everywhere():
+    # a delta cannot carry the sign of a zero: -0.0 is returned as +0.0, anchors included,
+    # and every other element keeps its bits
+    x = torch.tensor([-0.0, -0.0, 1.5, -0.0, 0.0, -2.0, -0.0, 3.0], dtype=torch.float16).reshape(1, 1, 8, 1)
+    y = PNGCodec(8).roundtrip(x)
+    assert torch.equal(y, x)  # equal values
+    want_bits = (x + 0.0).view(torch.int16)
+    assert torch.equal(y.view(torch.int16), want_bits)
+    assert not torch.signbit(y[x == 0]).any()

@@ -129,6 +129,7 @@ class CodecStream:
     @torch.no_grad()
     def append(self, x: torch.Tensor) -> None:
         """Append ``x [B, H, s, D]`` (validated by the caller): complete blocks are archived in one encode."""
+        x = self.codec.canonical(x)  # png: -0.0 -> +0.0, so the raw tail equals what the archive returns
         r, t, s = self.codec.block_size, self.tail_len, x.shape[2]
         n_new = (t + s) // r
         if n_new == 0:

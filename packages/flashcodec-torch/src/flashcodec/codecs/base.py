@@ -112,6 +112,14 @@ class BlockCodec(ABC):
     def config(self) -> dict:
         """The keyword arguments that rebuild this codec through :func:`flashcodec.make_codec`."""
 
+    def canonical(self, x: torch.Tensor) -> torch.Tensor:
+        """The input as this codec reproduces it at best; the cache stores tail tokens this way too.
+
+        Identity here; a codec that cannot carry some bit patterns (png: the sign of a zero)
+        maps them to the value it will return, so raw tail tokens and archived tokens agree.
+        """
+        return x
+
     def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
         """``decode(encode(x))`` in ``x``'s dtype; ``x [..., n*r, D]``."""
         return self.decode(self.encode(x), x.dtype)

@@ -14,17 +14,24 @@ magnitudes differ by more than about 2^16 (bf16) or when a large fp16 value sits
 one, ``fl32(x_i - x_{i-1})`` rounds away low bits of the small value and the rebuilt token is off
 by an ulp or more. Measured on i.i.d. Gaussian [4, 8, 4096, 64] data with r=8: 49 of 8.4M bf16
 elements and 240 of 8.4M fp16 elements came back different with fp32 deltas; 0 with fp64
-deltas. So, with the default ``delta_dtype=torch.float64`` and ``keep_ratio=1.0``:
+deltas. So, with the default ``delta_dtype=torch.float64`` and ``keep_ratio=1.0``, decode
+returns every element *exactly* (equal value; identical bits except for the sign of zero, below):
 
-* fp16 input: bitwise lossless, always. Every fp16 value is a multiple of 2^-24 below 2^16, so
-  any difference, and any partial sum of consecutive deltas (``x_b - x_a``, whatever order
-  ``cumsum`` associates in), fits in 41 bits < 53.
-* bf16 input: bitwise lossless whenever, inside each block, the non-zero magnitudes span less
-  than 2^45 (fp64 has 53 bits, bf16 significands 8); beyond that, lossless within rounding.
-* fp32 input: bitwise lossless whenever, inside each block, the non-zero magnitudes span less
-  than 2^29 (53 - 24); beyond that, lossless within fp32 rounding.
+* fp16 input: always. Every fp16 value is a multiple of 2^-24 below 2^16, so any difference,
+  and any partial sum of consecutive deltas (``x_b - x_a``, whatever order ``cumsum``
+  associates in), fits in 41 bits < 53.
+* bf16 input: whenever, inside each block, the non-zero magnitudes span less than 2^45
+  (fp64 has 53 bits, bf16 significands 8); beyond that, within rounding.
+* fp32 input: whenever, inside each block, the non-zero magnitudes span less than 2^29
+  (53 - 24); beyond that, within fp32 rounding.
 
 ``delta_dtype=torch.float32`` halves the delta bytes and is lossless within rounding only.
+
+Signed zeros: a delta cannot carry the sign of a zero (``a + (-a)`` is ``+0.0`` in IEEE
+arithmetic), so ``-0.0`` comes back as ``+0.0``. "Bitwise" above therefore means every element
+compares equal and every non-zero element keeps its exact bit pattern. :meth:`PNGCodec.canonical`
+maps ``-0.0`` to ``+0.0`` (anchors included) so that the cache's raw tail agrees bit for bit with
+what the archive later returns. The two zeros compare equal and give identical attention scores.
 """
 
 from __future__ import annotations
@@ -124,11 +131,15 @@ class PNGCodec(BlockCodec):
         Differentiable in ``x`` (pruning multiplies by a 0/1 mask).
         """
         blocks = to_blocks(x, self.block_size)
-        anchors = blocks[..., 0, :].contiguous()
+        anchors = self.canonical(blocks[..., 0, :]).contiguous()
         deltas = torch.diff(blocks.to(self.delta_dtype), dim=-2)
         if self.keep_ratio < 1.0 and deltas.shape[-2] > 0:
             deltas = self._prune(deltas)
         return anchors, deltas
+
+    def canonical(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` with ``-0.0`` turned into ``+0.0`` (``x + 0`` is exact for every other value)."""
+        return x + 0.0
 
     def _prune(self, deltas: torch.Tensor) -> torch.Tensor:
         """Keep the ``M`` largest-magnitude deltas of each block, zero the rest."""
