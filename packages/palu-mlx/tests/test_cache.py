@@ -343,3 +343,14 @@ def test_naive_baseline_cache():
     assert mx.array_equal(restored.update_and_fetch(x, x)[0], cache.update_and_fetch(x, x)[0]).item()
     with pytest.raises(KVValueError):
         cache.update_and_fetch(x * float("inf"), x)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_quantized_latents_keep_16_bit_scales_and_projections(dtype):
+    cache = make(palu_rank=16, palu_quantize_values=False)
+    x = gaussian((1, 4, 70, D), 23, dtype)
+    cache.update_and_fetch(x, x)
+    compact = mx.bfloat16 if dtype == mx.bfloat16 else mx.float16
+    assert cache._key_codes["seg0.scales"].dtype == compact and cache._key_proj.basis.dtype == compact
+    # unquantized value latents keep the input dtype, and so does their projection
+    assert cache._value_codes["seg0.values"].dtype == dtype and cache._value_proj.basis.dtype == dtype

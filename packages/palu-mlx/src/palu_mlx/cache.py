@@ -59,6 +59,11 @@ def dtype_from_name(name: str) -> mx.Dtype:
     return dtype
 
 
+def compact_dtype(dtype: mx.Dtype) -> mx.Dtype:
+    """16-bit dtype for scales, biases and the projections of quantized latents."""
+    return mx.bfloat16 if dtype == mx.bfloat16 else mx.float16
+
+
 def write_rows(buffer: mx.array | None, new: mx.array, prev: int, step: int) -> mx.array:
     """Write ``new [B, H, s, w]`` at token positions ``[prev, prev + s)`` of ``buffer``.
 
@@ -191,13 +196,22 @@ class PaluKVCache:
         value_proj = fit_group_projection(
             values, cfg.palu_n_head_groups, cfg.palu_rank, cfg.palu_energy_threshold
         )
+        compact = compact_dtype(dtype)
         key_coder = MixedBitCoder(
-            self.allocation_policy.allocate(np.array(key_proj.singular_values)), cfg.palu_group_size, dtype
+            self.allocation_policy.allocate(np.array(key_proj.singular_values)),
+            cfg.palu_group_size,
+            dtype,
+            compact,
         )
         value_policy = self.allocation_policy if cfg.palu_quantize_values else UniformPolicy(UNQUANTIZED_BITS)
         value_coder = MixedBitCoder(
-            value_policy.allocate(np.array(value_proj.singular_values)), cfg.palu_group_size, dtype
+            value_policy.allocate(np.array(value_proj.singular_values)), cfg.palu_group_size, dtype, compact
         )
+        # Quantized latents carry far more error than 16-bit projections add (2^-11 relative),
+        # so their projections are stored at 16 bits; unquantized tiers keep the input dtype
+        # so that full rank stays near-lossless.
+        key_proj = key_proj.astype(_projection_dtype(key_coder, dtype))
+        value_proj = value_proj.astype(_projection_dtype(value_coder, dtype))
         self._key_codes = self._append_codes(None, key_coder, key_proj, keys, 0)
         self._value_codes = self._append_codes(None, value_coder, value_proj, values, 0)
         self._key_proj, self._value_proj = key_proj, value_proj
@@ -321,7 +335,9 @@ class PaluKVCache:
                         singular_values=state[f"{prefix}.singular_values"],
                     )
                     segments = tuple(Segment(*s) for s in runtime[f"{prefix}_segments"])
-                    coder = MixedBitCoder(segments, config.palu_group_size, cache._dtype)
+                    coder = MixedBitCoder(
+                        segments, config.palu_group_size, cache._dtype, compact_dtype(cache._dtype)
+                    )
                     codes = {
                         name: write_rows(None, state[f"{prefix}.{name}"], 0, cls.step)
                         for name in coder.field_widths()
@@ -431,6 +447,10 @@ class PaluKVCache:
     def __repr__(self) -> str:
         phase = f"fitted r_k={self.key_rank} r_v={self.value_rank}" if self.fitted else "exact"
         return f"PaluKVCache(offset={self.offset}, {phase})"
+
+
+def _projection_dtype(coder: MixedBitCoder, dtype: mx.Dtype) -> mx.Dtype:
+    return compact_dtype(dtype) if coder.quantizes else dtype
 
 
 def _segments_to_list(coder: MixedBitCoder | None) -> list[list[int]] | None:

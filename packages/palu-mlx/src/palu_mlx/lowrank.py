@@ -9,7 +9,8 @@ singular values give the shared projection and the rank decision.
 The SVD is taken through the eigendecomposition of the ``D x D`` Gram matrix
 ``X_cᵀ X_c``: it has the same right singular vectors and ``σ² `` eigenvalues,
 and avoids materialising the ``N x N`` left factor ``mx.linalg.svd`` returns.
-All fitting and projection math runs in float32.
+All fitting and projection math runs in float32 (a projection may be stored
+at 16 bits and is upcast when used).
 """
 
 from __future__ import annotations
@@ -60,6 +61,12 @@ class GroupProjection:
     def nbytes(self) -> int:
         """Bytes held by the basis, mean and singular values."""
         return self.basis.nbytes + self.mean.nbytes + self.singular_values.nbytes
+
+    def astype(self, dtype: mx.Dtype) -> GroupProjection:
+        """The same projection stored in ``dtype`` (math stays float32: arrays are upcast at use)."""
+        arrays = {k: v.astype(dtype) for k, v in self.arrays().items()}
+        mx.eval(list(arrays.values()))
+        return GroupProjection(**arrays)
 
     def arrays(self) -> dict[str, mx.array]:
         return {"basis": self.basis, "mean": self.mean, "singular_values": self.singular_values}
@@ -145,8 +152,8 @@ def project(x: mx.array, projection: GroupProjection) -> mx.array:
     g = projection.n_groups
     per_group = _check_groups(h, g)
     x = x.astype(mx.float32).reshape(b, g, per_group, s, d)
-    centred = x - projection.mean[None, :, None, None, :]
-    latents = centred @ projection.basis[None, :, None, :, :]
+    centred = x - projection.mean.astype(mx.float32)[None, :, None, None, :]
+    latents = centred @ projection.basis.astype(mx.float32)[None, :, None, :, :]
     return latents.reshape(b, h, s, projection.rank)
 
 
@@ -156,6 +163,7 @@ def reconstruct(latents: mx.array, projection: GroupProjection, dtype: mx.Dtype)
     g = projection.n_groups
     per_group = h // g
     latents = latents.astype(mx.float32).reshape(b, g, per_group, s, r)
-    basis_t = projection.basis.transpose(0, 2, 1)
-    full = latents @ basis_t[None, :, None, :, :] + projection.mean[None, :, None, None, :]
+    basis_t = projection.basis.astype(mx.float32).transpose(0, 2, 1)
+    mean = projection.mean.astype(mx.float32)
+    full = latents @ basis_t[None, :, None, :, :] + mean[None, :, None, None, :]
     return full.reshape(b, h, s, projection.dim).astype(dtype)

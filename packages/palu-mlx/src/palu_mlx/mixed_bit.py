@@ -10,8 +10,9 @@ over the singular values) only has to return another segment list.
 Storage of a segment of ``n`` channels at ``b`` bits, per token and head:
 
 * groups of ``group_size`` consecutive channels share one affine scale and
-  bias (``x ≈ q * scale + bias``, ``q`` in ``[0, 2^b - 1]``), stored in the
-  input dtype like ``mx.quantize`` does. When ``n`` is not a multiple of
+  bias (``x ≈ q * scale + bias``, ``q`` in ``[0, 2^b - 1]``), stored at 16 bits
+  (``scale_dtype``: float16, or bfloat16 for bfloat16 models; so latents must
+  stay below float16's 65504 in magnitude for float32 and float16 inputs). When ``n`` is not a multiple of
   ``group_size`` the last group is smaller: its min/max are taken over its own
   channels only (the padding replicates its last channel and is never stored).
 * codes are really packed: ``8 // b`` per ``uint8`` for b in {1, 2, 4, 8} and
@@ -144,10 +145,17 @@ class MixedBitCoder:
     Args:
         segments: contiguous segments covering ``[0, r)``.
         group_size: channels per scale/bias group (positive int).
-        store_dtype: dtype of scales, biases and unquantized channels (the input dtype).
+        store_dtype: dtype of unquantized (16-"bit") channels: the input dtype.
+        scale_dtype: dtype of scales and biases (default ``store_dtype``).
     """
 
-    def __init__(self, segments: tuple[Segment, ...], group_size: int, store_dtype: mx.Dtype):
+    def __init__(
+        self,
+        segments: tuple[Segment, ...],
+        group_size: int,
+        store_dtype: mx.Dtype,
+        scale_dtype: mx.Dtype | None = None,
+    ):
         if not segments or segments[0].start != 0:
             raise KVConfigError(f"segments={segments!r} must be non-empty and start at channel 0")
         for prev, seg in zip(segments[:-1], segments[1:], strict=True):
@@ -164,10 +172,16 @@ class MixedBitCoder:
         self.segments = tuple(segments)
         self.group_size = group_size
         self.store_dtype = store_dtype
+        self.scale_dtype = scale_dtype or store_dtype
 
     @property
     def rank(self) -> int:
         return self.segments[-1].stop
+
+    @property
+    def quantizes(self) -> bool:
+        """Whether any channel is quantized (else every latent is stored as is)."""
+        return any(s.bits != UNQUANTIZED_BITS for s in self.segments)
 
     @property
     def assigned_avg_bits(self) -> float:
@@ -186,8 +200,8 @@ class MixedBitCoder:
                 continue
             dtype, per_word = _word(seg.bits)
             out[f"seg{i}.codes"] = (-(-seg.width // per_word), dtype)
-            out[f"seg{i}.scales"] = (self._n_groups(seg), self.store_dtype)
-            out[f"seg{i}.biases"] = (self._n_groups(seg), self.store_dtype)
+            out[f"seg{i}.scales"] = (self._n_groups(seg), self.scale_dtype)
+            out[f"seg{i}.biases"] = (self._n_groups(seg), self.scale_dtype)
         return out
 
     def empty(self, lead_shape: tuple[int, ...]) -> dict[str, mx.array]:
@@ -243,8 +257,8 @@ class MixedBitCoder:
         lo = mx.min(groups, axis=-1)
         hi = mx.max(groups, axis=-1)
         # Quantize against the stored (rounded) scale and bias so decode sees the same numbers.
-        biases = lo.astype(self.store_dtype)
-        scales = ((hi - lo) / levels).astype(self.store_dtype)
+        biases = lo.astype(self.scale_dtype)
+        scales = ((hi - lo) / levels).astype(self.scale_dtype)
         scale32 = scales.astype(mx.float32)
         safe = mx.where(scale32 > 0, scale32, 1.0)
         q = mx.round((groups - biases.astype(mx.float32)[..., None]) / safe[..., None])
