@@ -1,0 +1,159 @@
+"""Cache footprint, fill time and per-step read cost of CodecKVCache as the sequence grows.
+
+Question: does the memoized read keep a decode step's cost flat as S grows, and what does each
+tier hold in memory?
+
+For each S (4k .. 64k tokens; B=1, H=8, D=64, fp32 as in the description) and tier:
+
+* storage: measured from the tensors the cache holds (``storage_bytes()``): ``held`` = used
+  archive + raw tail (= kvspec ``nbytes``), ``allocated`` = archive capacity + tail buffers,
+  ``view`` = the memoized reconstruction, and ``ratio`` = held / raw.
+* fill: one ``forward`` of the whole sequence (min of ``--repeats``).
+* step: ``decode_step`` of one new token, which appends it and returns the full view
+  (median and mean over ``--steps`` steps after one warm-up step; the steps cross block
+  boundaries, so they include the one-block decodes and any geometric regrowth).
+* redecode: what a non-memoized read would cost per step: decode every archived block
+  (``codec.decode`` of the whole archive), median of ``--repeats``.
+
+The flatness claim is a ratio measured in one run: ``step_median(S) / step_median(S_min)``
+stays near 1 while ``redecode(S) / redecode(S_min)`` grows with S.
+
+    hatch run torch:python benchmarks/bench_vram.py   # writes results/flashcodec_vram.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from bench_reconstruct import random_walk, stamp
+
+from flashcodec import CodecKVCache
+
+RESULTS = Path(__file__).resolve().parent / "results" / "flashcodec_vram.json"
+
+TIERS = {
+    "jpeg k=2": dict(mode="jpeg", block_size=8, keep_freqs=2),
+    "jpeg k=2 int8": dict(mode="jpeg", block_size=8, keep_freqs=2, quant_bits=8),
+    "jpeg k=8 int8": dict(mode="jpeg", block_size=8, keep_freqs=8, quant_bits=8),
+    "png keep=1.0": dict(mode="png", block_size=8, keep_ratio=1.0),
+}
+
+
+def timed(fn, repeats: int) -> list[float]:
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+def run_one(name: str, cfg: dict, keys: torch.Tensor, values: torch.Tensor, new: torch.Tensor, args) -> dict:
+    s = keys.shape[2]
+    fills = []
+    for _ in range(args.repeats):
+        cache = CodecKVCache(**cfg)
+        t0 = time.perf_counter()
+        cache.forward(keys, values)
+        fills.append((time.perf_counter() - t0) * 1e3)
+    st_fill = cache.storage_bytes()
+    cache.decode_step(new[:, :, :1], new[:, :, :1])  # warm-up: first regrowth of the view
+    steps = []
+    for t in range(1, args.steps + 1):
+        k1 = new[:, :, t : t + 1]
+        t0 = time.perf_counter()
+        cache.decode_step(k1, k1)
+        steps.append((time.perf_counter() - t0) * 1e3)
+    stream = cache.keys
+    redecode = timed(lambda: stream.codec.decode(stream.archived_parts(), stream.dtype), args.repeats)
+    st = cache.storage_bytes()
+    row = {
+        "tier": name,
+        "config": cfg,
+        "seq_len": s,
+        "storage_after_fill": {
+            "held_bytes": st_fill.held,
+            "used_bytes": st_fill.used,
+            "tail_bytes": st_fill.tail,
+            "allocated_bytes": st_fill.allocated,
+            "view_bytes": st_fill.view,
+            "raw_bytes": st_fill.raw,
+            "ratio": round(st_fill.ratio, 5),
+        },
+        "storage_after_steps": {"held_bytes": st.held, "allocated_bytes": st.allocated, "view_bytes": st.view},
+        "fill_ms_min": round(min(fills), 3),
+        "step_ms_median": round(statistics.median(steps), 4),
+        "step_ms_mean": round(statistics.fmean(steps), 4),
+        "step_ms_max": round(max(steps), 4),
+        "redecode_ms_median": round(statistics.median(redecode), 3),
+    }
+    print(
+        f"  {name:14s} S={s:6d} held {st_fill.held / 2**20:8.1f} MiB ratio {st_fill.ratio:.3f} "
+        f"fill {row['fill_ms_min']:8.1f} ms step {row['step_ms_median']:.3f} ms "
+        f"(mean {row['step_ms_mean']:.3f}) redecode {row['redecode_ms_median']:.2f} ms"
+    )
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seq", type=int, nargs="+", default=[4096, 8192, 16384, 32768, 65536])
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    rows = []
+    for s in args.seq:
+        keys = random_walk(args.batch, args.heads, s, args.dim, seed=0, step=0.05)
+        values = random_walk(args.batch, args.heads, s, args.dim, seed=1, step=0.05)
+        new = random_walk(args.batch, args.heads, args.steps + 1, args.dim, seed=2, step=0.05)
+        for name, cfg in TIERS.items():
+            rows.append(run_one(name, cfg, keys, values, new, args))
+        del keys, values
+
+    s_min = min(args.seq)
+    flatness = {}
+    for name in TIERS:
+        base = next(r for r in rows if r["tier"] == name and r["seq_len"] == s_min)
+        flatness[name] = {
+            str(r["seq_len"]): {
+                "step_ratio": round(r["step_ms_median"] / base["step_ms_median"], 3),
+                "redecode_ratio": round(r["redecode_ms_median"] / base["redecode_ms_median"], 3),
+                "seq_ratio": r["seq_len"] / s_min,
+            }
+            for r in rows
+            if r["tier"] == name
+        }
+    out = {
+        "benchmark": "flashcodec cache footprint, fill time and per-step read cost vs sequence length",
+        **stamp(),
+        "shape": {"batch": args.batch, "heads": args.heads, "dim": args.dim, "dtype": "float32"},
+        "method": {
+            "fill": f"min of {args.repeats} CodecKVCache.forward calls on the whole sequence",
+            "step": f"decode_step of one token (append + full view), {args.steps} steps after one warm-up",
+            "redecode": f"codec.decode of every archived block of the keys stream, median of {args.repeats}",
+            "storage": "measured from the tensors held (CodecStorage); keys + values",
+        },
+        "rows": rows,
+        "flatness_vs_smallest_S": flatness,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
