@@ -27,10 +27,9 @@ import sys
 import time
 from pathlib import Path
 
+import flashcodec
 import numpy as np
 import torch
-
-import flashcodec
 from flashcodec import CodecKVCache, delta_variance_ratio, make_codec
 
 RESULTS = Path(__file__).resolve().parent / "results" / "flashcodec_reconstruct.json"
@@ -177,7 +176,10 @@ def main(argv: list[str] | None = None) -> int:
                 "provenance": vec.provenance,
                 "shape": list(vec.shape),
                 "dtype": vec.dtype,
-                "tensors": (torch.from_numpy(vec.keys.copy()).to(dtype), torch.from_numpy(vec.values.copy()).to(dtype)),
+                "tensors": (
+                    torch.from_numpy(vec.keys.copy()).to(dtype),
+                    torch.from_numpy(vec.values.copy()).to(dtype),
+                ),
             }
         )
 
@@ -197,7 +199,9 @@ def main(argv: list[str] | None = None) -> int:
         sig["tiers"] = measure(keys, values)
         out["signals"].append(sig)
     if not real:
-        out["note"] = "kvspec shipped no family='real' vectors when this ran; only the synthetic signal is measured"
+        out["note"] = (
+            "kvspec shipped no family='real' vectors when this ran; only the synthetic signal is measured"
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -32,7 +32,6 @@ from pathlib import Path
 
 import torch
 from bench_reconstruct import random_walk, stamp
-
 from flashcodec import CodecKVCache
 
 RESULTS = Path(__file__).resolve().parent / "results" / "flashcodec_vram.json"
@@ -86,7 +85,11 @@ def run_one(name: str, cfg: dict, keys: torch.Tensor, values: torch.Tensor, new:
             "raw_bytes": st_fill.raw,
             "ratio": round(st_fill.ratio, 5),
         },
-        "storage_after_steps": {"held_bytes": st.held, "allocated_bytes": st.allocated, "view_bytes": st.view},
+        "storage_after_steps": {
+            "held_bytes": st.held,
+            "allocated_bytes": st.allocated,
+            "view_bytes": st.view,
+        },
         "fill_ms_min": round(min(fills), 3),
         "step_ms_median": round(statistics.median(steps), 4),
         "step_ms_mean": round(statistics.fmean(steps), 4),

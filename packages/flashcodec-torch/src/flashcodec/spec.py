@@ -69,7 +69,9 @@ class FlashCodecAdapter(Adapter):
 
     def configs(self) -> list[CacheConfigCase]:
         return [
-            CacheConfigCase(name=name, config=dict(TIERS[name]), capabilities=caps, default_tolerance=tol, tolerance=fam)
+            CacheConfigCase(
+                name=name, config=dict(TIERS[name]), capabilities=caps, default_tolerance=tol, tolerance=fam
+            )
             for name, (caps, tol, fam) in _CASES.items()
         ]
 
@@ -77,7 +79,9 @@ class FlashCodecAdapter(Adapter):
         return CodecKVCache(**config)
 
     def to_native(self, array: np.ndarray, dtype: str) -> torch.Tensor:
-        return torch.from_numpy(np.array(array, dtype=np.float32, copy=True)).to(self.device, _TORCH_DTYPES[dtype])
+        return torch.from_numpy(np.array(array, dtype=np.float32, copy=True)).to(
+            self.device, _TORCH_DTYPES[dtype]
+        )
 
     def to_numpy(self, array: torch.Tensor) -> np.ndarray:
         # a copy: the cache returns views of its memoized buffer, which later calls update
