@@ -18,6 +18,22 @@ from .stream import CodecStream
 
 __version__ = "0.1.0"
 
+# The transformers backend is exported lazily: `import flashcodec` must not import transformers.
+_HF_EXPORTS = ("FlashCodecCache", "FlashCodecLayer", "apply_flash_codec", "remove_flash_codec")
+
+
+def __getattr__(name: str):
+    if name in _HF_EXPORTS:
+        from . import hf
+
+        return getattr(hf, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_HF_EXPORTS))
+
+
 __all__ = [
     "CodecKVCache",
     "CodecStream",
@@ -30,4 +46,5 @@ __all__ = [
     "delta_variance_ratio",
     "SUPPORTED_DTYPES",
     "__version__",
+    *_HF_EXPORTS,
 ]

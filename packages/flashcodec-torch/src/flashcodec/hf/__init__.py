@@ -1,0 +1,34 @@
+"""flashcodec for transformers: a ``Cache`` backend and a one-line, per-model hot patch.
+
+    from flashcodec.hf import FlashCodecCache, apply_flash_codec, remove_flash_codec
+    cache = FlashCodecCache.from_config(model.config, mode="jpeg", keep_freqs=2, quant_bits=8)
+    out = model.generate(ids, max_new_tokens=64, cache=cache)
+
+    apply_flash_codec(model, mode="png", keep_ratio=1.0)   # every generate() uses a codec cache
+    remove_flash_codec(model)                              # back to exactly what it was
+
+The only part of flashcodec that imports transformers; needs transformers>=5.0 (the per-layer
+``Cache`` API), and says so with an ImportError on older releases.
+"""
+
+from .requirements import MIN_TRANSFORMERS, require_layer_api
+
+require_layer_api()
+
+from .cache import CODEC_LAYER_TYPES, FlashCodecCache, config_layer_types  # noqa: E402
+from .layer import FlashCodecLayer  # noqa: E402
+from .options import OPTION_NAMES  # noqa: E402
+from .patch import FlashCodecPatch, apply_flash_codec, get_flash_codec_patch, remove_flash_codec  # noqa: E402
+
+__all__ = [
+    "FlashCodecCache",
+    "FlashCodecLayer",
+    "FlashCodecPatch",
+    "apply_flash_codec",
+    "remove_flash_codec",
+    "get_flash_codec_patch",
+    "config_layer_types",
+    "CODEC_LAYER_TYPES",
+    "OPTION_NAMES",
+    "MIN_TRANSFORMERS",
+]

@@ -1,0 +1,239 @@
+"""FlashCodecCache: a transformers ``Cache`` whose attention layers are block-coded.
+
+Pass it to ``model.generate(..., cache=cache)`` (``past_key_values=`` on older 5.x releases) or to
+a forward call, like a ``DynamicCache``. Built with a model config (:meth:`FlashCodecCache.from_config`),
+it gives a :class:`FlashCodecLayer` to every ``full_attention`` layer and keeps transformers' own
+layer for every other layer type: linear attention (recurrent + conv state, nothing to code along
+the sequence), sliding / chunked windows (``DynamicSlidingWindowLayer``: already bounded, and
+dropping tokens from a window would cut through archived blocks), hybrid and dummy layers. Without
+a config every layer is a codec layer, created on its first ``update``.
+"""
+
+from __future__ import annotations
+
+import numbers
+import warnings
+from typing import Any
+
+import torch
+from kvspec import KVConfigError, KVTrimError
+from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, LinearAttentionCacheLayerMixin
+
+from ..storage import CodecStorage
+from .layer import FlashCodecLayer
+from .options import check_per_layer, codec_options
+
+__all__ = ["CODEC_LAYER_TYPES", "FlashCodecCache", "config_layer_types"]
+
+#: the layer types that get a codec layer; every other type keeps transformers' native layer
+CODEC_LAYER_TYPES = ("full_attention",)
+
+
+def config_layer_types(config: Any) -> tuple[list[str], list[dict[str, Any]]]:
+    """The decoder's layer types and the keyword arguments of their native cache layers.
+
+    ``config``: a transformers ``PreTrainedConfig`` (its decoder text config is used). Returns
+    ``(layer_types, per_layer_kwargs)`` as ``DynamicCache(config=...)`` would build them.
+    """
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    try:
+        from transformers.cache_utils import get_layer_types_and_kwargs
+    except ImportError:  # releases before the helper: infer from layer_types / sliding_window
+        get_layer_types_and_kwargs = None
+    if get_layer_types_and_kwargs is not None:
+        types, kwargs = get_layer_types_and_kwargs(text)
+        return list(types), [dict(k) for k in kwargs]
+    n = int(text.num_hidden_layers)
+    types = list(getattr(text, "layer_types", None) or [])
+    if not types:
+        window = getattr(text, "sliding_window", None)
+        types = ["sliding_attention" if window else "full_attention"] * n
+    kwargs = [{"sliding_window": text.sliding_window} if t == "sliding_attention" else {} for t in types]
+    return types, kwargs
+
+
+class FlashCodecCache(Cache):
+    """A transformers 5.x ``Cache`` that stores full-attention K/V block-coded.
+
+    Args:
+        mode, block_size, keep_freqs, keep_ratio, quant_bits, delta_dtype, check_finite,
+            initial_blocks: the codec of every codec layer (:class:`flashcodec.CodecKVCache`
+            keywords; ``jpeg`` k=r by default).
+        per_layer: ``{layer_idx: {option: value}}`` overrides merged over those defaults for the
+            layers named (switching ``mode`` drops the other mode's options). With a config, every
+            index must name a codec layer of the model.
+        config: the model's config. When given, layers are built from its ``layer_types``: codec
+            layers for ``full_attention``, transformers' native layers for everything else.
+
+    Every user error raises ``KVConfigError`` (a ``ValueError``) before anything is built.
+
+    Example::
+
+        cache = FlashCodecCache.from_config(model.config, mode="jpeg", keep_freqs=2, quant_bits=8)
+        out = model.generate(ids, max_new_tokens=64, cache=cache)
+        print(cache.get_seq_length(), cache.storage_bytes().ratio)
+    """
+
+    def __init__(
+        self,
+        mode: str = "jpeg",
+        block_size: int = 8,
+        keep_freqs: int | None = None,
+        keep_ratio: float = 1.0,
+        quant_bits: int | None = None,
+        *,
+        per_layer: dict[int, dict[str, Any]] | None = None,
+        config: Any = None,
+        delta_dtype: torch.dtype | str | None = None,
+        check_finite: bool = True,
+        initial_blocks: int = 16,
+    ):
+        defaults = codec_options(
+            mode=mode,
+            block_size=block_size,
+            keep_freqs=keep_freqs,
+            keep_ratio=keep_ratio,
+            quant_bits=quant_bits,
+            delta_dtype=delta_dtype,
+            check_finite=check_finite,
+            initial_blocks=initial_blocks,
+        )
+        self.codec_defaults = defaults
+        if config is None:
+            self.layer_types: list[str] | None = None
+            self.per_layer = check_per_layer(per_layer, defaults)
+            # Layers are created on their first update (the layer count is unknown without a config).
+            super().__init__(layers=[])
+            return
+        types, native_kwargs = config_layer_types(config)
+        unknown = sorted(
+            {t for t in types if t not in CODEC_LAYER_TYPES and t not in DYNAMIC_LAYER_TYPE_MAPPING}
+        )
+        if unknown:
+            raise KVConfigError(
+                f"config has layer type(s) {unknown} that transformers' DynamicCache does not know; "
+                f"known: {sorted(set(DYNAMIC_LAYER_TYPE_MAPPING) | set(CODEC_LAYER_TYPES))}"
+            )
+        codec_idx = [i for i, t in enumerate(types) if t in CODEC_LAYER_TYPES]
+        self.layer_types = types
+        self.per_layer = check_per_layer(per_layer, defaults, codec_layers=codec_idx, num_layers=len(types))
+        layers = [
+            FlashCodecLayer(**self._options_for(i))
+            if t in CODEC_LAYER_TYPES
+            else DYNAMIC_LAYER_TYPE_MAPPING[t](**kw)
+            for i, (t, kw) in enumerate(zip(types, native_kwargs, strict=True))
+        ]
+        if not codec_idx:
+            warnings.warn(
+                f"FlashCodecCache: the config has no full-attention layer (layer types {sorted(set(types))}), "
+                "so nothing is compressed; every layer keeps transformers' native cache",
+                stacklevel=3,
+            )
+        super().__init__(layers=layers)
+
+    @classmethod
+    def from_config(cls, config: Any, **options: Any) -> FlashCodecCache:
+        """A cache laid out for ``config``: codec layers on full attention, native layers elsewhere.
+
+        ``options``: the constructor's codec keywords and ``per_layer``.
+        """
+        if config is None:
+            raise KVConfigError(
+                "from_config needs a model config; got None (use FlashCodecCache(...) instead)"
+            )
+        return cls(config=config, **options)
+
+    def _options_for(self, layer_idx: int) -> dict[str, Any]:
+        return self.per_layer.get(layer_idx, self.codec_defaults)
+
+    # ------------------------------------------------------------------ the write/read meeting point
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store ``key_states [B, H, s, D]`` / ``value_states [B, H, s, Dv]`` of layer ``layer_idx``.
+
+        Returns that layer's full ``keys [B, H, S, D]`` and ``values [B, H, S, Dv]`` in the input
+        dtype. Without a config, codec layers up to ``layer_idx`` are created here.
+        """
+        if self.layer_types is None:
+            while len(self.layers) <= layer_idx:
+                self.layers.append(FlashCodecLayer(**self._options_for(len(self.layers))))
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    # ------------------------------------------------------------------ description
+    @property
+    def codec_layer_indices(self) -> list[int]:
+        """Indices of the layers that carry a codec."""
+        return [i for i, layer in enumerate(self.layers) if isinstance(layer, FlashCodecLayer)]
+
+    @property
+    def native_layer_indices(self) -> list[int]:
+        """Indices of the layers that keep transformers' own cache layer."""
+        return [i for i, layer in enumerate(self.layers) if not isinstance(layer, FlashCodecLayer)]
+
+    def __repr__(self) -> str:
+        return f"FlashCodecCache(codec_layers={len(self.codec_layer_indices)}/{len(self.layers)}, seq_len={self.get_seq_length()})"
+
+    # ------------------------------------------------------------------ bytes
+    def storage_by_layer(self) -> dict[int, CodecStorage]:
+        """Measured bytes of each codec layer: ``{layer_idx: CodecStorage}``."""
+        return {i: self.layers[i].storage_bytes() for i in self.codec_layer_indices}
+
+    def storage_bytes(self, layer_idx: int | None = None) -> CodecStorage:
+        """Measured bytes of one codec layer, or summed over all codec layers (``layer_idx=None``).
+
+        ``.held`` is the compressed representation (archive + raw tail), ``.raw`` what a plain
+        cache would hold for the same tokens, ``.ratio`` their quotient; see :class:`CodecStorage`.
+        Native layers are not included (see :meth:`native_nbytes`).
+        """
+        if layer_idx is None:
+            total = CodecStorage()
+            for storage in self.storage_by_layer().values():
+                total = total + storage
+            return total
+        if isinstance(layer_idx, bool) or not isinstance(layer_idx, numbers.Integral):
+            raise KVConfigError(f"layer_idx must be an integer or None; got {layer_idx!r}")
+        if layer_idx not in self.codec_layer_indices:
+            raise KVConfigError(
+                f"layer_idx={layer_idx} is not a codec layer; codec layers: {self.codec_layer_indices}"
+            )
+        return self.layers[layer_idx].storage_bytes()
+
+    def native_nbytes(self) -> int:
+        """Bytes of every tensor held by the native layers (K/V, conv and recurrent states), measured."""
+        total = 0
+        for i in self.native_layer_indices:
+            layer = self.layers[i]
+            tensors = [getattr(layer, "keys", None), getattr(layer, "values", None)]
+            for name in ("conv_states", "recurrent_states"):
+                tensors.extend((getattr(layer, name, None) or {}).values())
+            total += sum(t.nbytes for t in tensors if isinstance(t, torch.Tensor))
+        return total
+
+    # ------------------------------------------------------------------ edits
+    def crop(self, tokens_to_remove: int) -> None:
+        """``crop(-n)`` drops the last ``n`` tokens of every layer (transformers 5.x convention).
+
+        ``crop(0)`` leaves codec layers alone (native sliding / linear layers shrink back to their
+        working size, as in ``DynamicCache``). A positive value is the older absolute form: keep
+        the first ``tokens_to_remove`` tokens. Checked before any layer changes: a native layer
+        that cannot roll back (past recording off) raises ``KVTrimError`` and nothing is cropped.
+        """
+        if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, numbers.Integral):
+            raise KVTrimError(f"crop takes an integer token count; got {tokens_to_remove!r}")
+        n = int(tokens_to_remove)
+        if n > 0:  # absolute length -> a count to remove, so native layers get the form they accept
+            n = -max(0, self.get_seq_length() - n)
+        for i in self.native_layer_indices:
+            layer = self.layers[i]
+            if getattr(layer, "record_past", True) or not getattr(layer, "is_initialized", True):
+                continue
+            window = getattr(layer, "sliding_window", None)
+            past_window = window is not None and layer.get_seq_length() >= window
+            if isinstance(layer, LinearAttentionCacheLayerMixin) or past_window:
+                raise KVTrimError(
+                    f"crop({tokens_to_remove}): layer {i} ({type(layer).__name__}) cannot roll back without past "
+                    "recording (call cache.activate_past_recording() before the tokens to undo); nothing was cropped"
+                )
+        for layer in self.layers:
+            layer.crop(n)

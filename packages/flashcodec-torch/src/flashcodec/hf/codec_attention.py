@@ -1,0 +1,271 @@
+"""Materialization-free decode for transformers: wrap attention forwards, attend on the stored rows.
+
+``apply_codec_attention(model)`` puts a wrapper in the ``__dict__`` of every standard Llama /
+Qwen-style attention module of that one model (the class and every other model are untouched).
+On a decode step whose layer lives in a :class:`~flashcodec.hf.FlashCodecLayer`, the wrapper runs
+the module's own projections, q/k norms and RoPE (the same submodules and the same
+``apply_rotary_pos_emb`` of the module's modeling file), appends the new key/value to the layer's
+codec cache *without reading it*, releases the memoized reconstruction (the prefill built it),
+and replaces the attention output by :func:`flashcodec.attention.codec_decode_attention` before
+``o_proj``. Everything else falls back to the original forward, unchanged:
+
+* prefill and any step with more than one new token (the coefficient form would blow the score
+  tensor up to ``[S, n_blocks * R]``);
+* a cache that is not a ``FlashCodecCache``, or a layer that is not a codec layer (hybrid models);
+* training mode, sliding-window layers, ``output_attentions``, and masks that are not a plain
+  ``[B, 1|H, 1, S]`` tensor (or ``[B, S]``) over exactly the cached tokens.
+
+Batches of any size are served; left padding reaches the kernel as a per-sequence key mask.
+``remove_codec_attention(model)`` puts back exactly what each module's ``__dict__`` held.
+
+Which modules: the classes in :data:`SUPPORTED_ATTENTION` (their forward is exactly q/k/v
+projections, optional per-head RMS norms on q and k, RoPE, cache update, softmax attention,
+``o_proj``). Other attention classes (gated outputs, soft-capping, MLA, ...) are left alone:
+re-deriving their forward here would be guesswork.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+import warnings
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from kvspec import KVConfigError
+
+from ..attention import BACKENDS, codec_decode_attention
+from .cache import FlashCodecCache
+from .layer import FlashCodecLayer
+
+__all__ = [
+    "SUPPORTED_ATTENTION",
+    "apply_codec_attention",
+    "remove_codec_attention",
+    "codec_attention_modules",
+    "CodecAttentionStats",
+]
+
+#: attention classes whose forward the wrapper re-derives exactly (by class name)
+SUPPORTED_ATTENTION = ("LlamaAttention", "MistralAttention", "Qwen2Attention", "Qwen3Attention")
+
+_MISSING = object()
+_WRAPPER_ATTR = "__flashcodec_codec_attention__"
+
+
+class CodecAttentionStats:
+    """Counts of decode calls served on the stored rows and of calls that fell back (per model).
+
+    ``fallbacks`` maps the reason (a short string) to a count, so a test or a user can see why
+    a step did not take the materialization-free path.
+    """
+
+    def __init__(self) -> None:
+        self.coded = 0
+        self.fallbacks: dict[str, int] = {}
+
+    def fallback(self, reason: str) -> None:
+        self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
+
+    def __repr__(self) -> str:
+        return f"CodecAttentionStats(coded={self.coded}, fallbacks={self.fallbacks})"
+
+
+def _is_supported(module: torch.nn.Module) -> bool:
+    if type(module).__name__ not in SUPPORTED_ATTENTION:
+        return False
+    needed = ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling", "layer_idx")
+    if not all(hasattr(module, name) for name in needed):
+        return False
+    rope = getattr(sys.modules.get(type(module).__module__), "apply_rotary_pos_emb", None)
+    return callable(rope)
+
+
+def codec_attention_modules(model: torch.nn.Module) -> list[str]:
+    """Names of the modules of ``model`` that currently carry the codec-attention wrapper."""
+    return [name for name, m in model.named_modules() if hasattr(vars(m).get("forward"), _WRAPPER_ATTR)]
+
+
+def _key_mask(attention_mask: Any, batch: int, total: int) -> tuple[bool, torch.Tensor | None]:
+    """``(usable, mask [B, S] or None)`` from the mask transformers hands the attention module."""
+    if attention_mask is None:
+        return True, None
+    if not isinstance(attention_mask, torch.Tensor):  # e.g. flex attention's BlockMask
+        return False, None
+    if attention_mask.dim() == 4:
+        if attention_mask.shape[0] != batch or attention_mask.shape[1] != 1 or attention_mask.shape[2] != 1:
+            return False, None
+        row = attention_mask[:, 0, 0, :]
+    elif attention_mask.dim() == 2:  # flash-attention style padding mask, 1 = keep
+        row = attention_mask
+        if not row.is_floating_point():
+            row = row.bool()
+    else:
+        return False, None
+    if row.shape != (batch, total):
+        return False, None
+    return True, row
+
+
+def _bound_arguments(original: Callable, args: tuple, kwargs: dict) -> dict[str, Any] | None:
+    try:
+        bound = inspect.signature(original).bind(*args, **kwargs)
+    except TypeError:
+        return None
+    found = dict(bound.arguments)
+    found.update(found.pop("kwargs", {}) or {})
+    return found
+
+
+def _unsupported_reason(
+    module: torch.nn.Module, hidden: Any, cache: Any, position_embeddings: Any, found: dict[str, Any]
+) -> str | None:
+    """Why this call must take the original forward, or None when the coded path serves it."""
+    if not isinstance(cache, FlashCodecCache):
+        return "no cache" if cache is None else "not a FlashCodecCache"
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3 or hidden.shape[1] != 1:
+        return "not a single-token step"
+    idx = module.layer_idx
+    layer = cache.layers[idx] if idx < len(cache.layers) else None
+    if not isinstance(layer, FlashCodecLayer) or layer.codec_cache.offset == 0:
+        return "not a filled codec layer"
+    if module.training:
+        return "training"
+    if getattr(module, "sliding_window", None) is not None:
+        return "sliding window"
+    if found.get("output_attentions"):
+        return "output_attentions"
+    if position_embeddings is None:
+        return "no position embeddings"
+    stream = layer.codec_cache.keys
+    if (module.q_proj.weight.dtype, hidden.device, hidden.shape[0]) != (
+        stream.dtype,
+        stream.device,
+        stream.batch,
+    ):
+        return "dtype, device or batch differs from the cache"
+    return None
+
+
+def _decode_on_rows(
+    module: torch.nn.Module,
+    found: dict[str, Any],
+    backend: str,
+    stats: CodecAttentionStats,
+) -> tuple[torch.Tensor, None] | None:
+    """The materialization-free decode step, or None (nothing changed) when it does not apply."""
+    hidden = found.get("hidden_states")
+    cache = found.get("cache", found.get("past_key_values"))
+    position_embeddings = found.get("position_embeddings")
+    reason = _unsupported_reason(module, hidden, cache, position_embeddings, found)
+    if reason is not None:
+        stats.fallback(reason)
+        return None
+    layer = cache.layers[module.layer_idx]
+    codec_cache = layer.codec_cache
+    batch, total = hidden.shape[0], codec_cache.offset + 1
+    usable, mask = _key_mask(found.get("attention_mask"), batch, total)
+    if not usable:
+        stats.fallback("attention mask layout")
+        return None
+
+    # The module's own projections, norms and RoPE, in the order its forward applies them.
+    input_shape = hidden.shape[:-1]
+    hidden_shape = (*input_shape, -1, module.head_dim)
+    query = module.q_proj(hidden).view(hidden_shape)
+    key = module.k_proj(hidden).view(hidden_shape)
+    if getattr(module, "q_norm", None) is not None:
+        query = module.q_norm(query)
+    if getattr(module, "k_norm", None) is not None:
+        key = module.k_norm(key)
+    query, key = query.transpose(1, 2), key.transpose(1, 2)
+    value = module.v_proj(hidden).view(hidden_shape).transpose(1, 2)
+    rope = sys.modules[type(module).__module__].apply_rotary_pos_emb
+    cos, sin = position_embeddings
+    query, key = rope(query, key, cos, sin)
+
+    codec_cache.append(key, value)
+    # The prefill read built the [B, H, S, D] view; drop it and the layer's references to it.
+    codec_cache.release_view()
+    layer.keys, layer.values = key[:, :, :0], value[:, :, :0]
+
+    out = codec_decode_attention(
+        query, codec_cache.keys, codec_cache.values, scale=module.scaling, key_mask=mask, backend=backend
+    )
+    out = out.transpose(1, 2).reshape(*input_shape, -1).contiguous()
+    stats.coded += 1
+    return module.o_proj(out), None
+
+
+def apply_codec_attention(model: torch.nn.Module, *, backend: str = "auto") -> CodecAttentionStats:
+    """Wrap the forward of every supported attention module of ``model`` (this instance only).
+
+    Args:
+        model: a transformers model (any module tree holding Llama / Qwen-style attention).
+        backend: ``"auto"`` (Triton on CUDA when importable, torch otherwise), ``"torch"`` or ``"triton"``.
+
+    Returns the model's :class:`CodecAttentionStats` (decode calls served on the stored rows and
+    fallbacks by reason). Applying again replaces the wrappers (new backend, fresh stats). Warns
+    when no module is supported (nothing is wrapped then). Decode steps only take the new path with
+    a :class:`~flashcodec.hf.FlashCodecCache` (explicit, or from ``apply_flash_codec``).
+    """
+    if backend not in BACKENDS:
+        raise KVConfigError(f"backend must be one of {BACKENDS}; got {backend!r}")
+    if not isinstance(model, torch.nn.Module):
+        raise KVConfigError(f"model must be a torch.nn.Module; got {type(model).__name__}")
+    remove_codec_attention(model)
+    stats = CodecAttentionStats()
+    wrapped = 0
+    for module in model.modules():
+        if _is_supported(module):
+            _wrap(module, backend, stats)
+            wrapped += 1
+    if not wrapped:
+        warnings.warn(
+            f"apply_codec_attention: no attention module of {type(model).__name__} is one of {SUPPORTED_ATTENTION}; "
+            "nothing was wrapped and every step keeps the materialized path",
+            stacklevel=2,
+        )
+    return stats
+
+
+def _wrap(module: torch.nn.Module, backend: str, stats: CodecAttentionStats) -> None:
+    instance = vars(module)
+    before = instance.get("forward", _MISSING)
+    original = before if before is not _MISSING else type(module).forward.__get__(module, type(module))
+    module_ref = weakref.ref(module)
+
+    @functools.wraps(original)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        mod = module_ref()
+        found = _bound_arguments(original, args, kwargs)
+        result = None if found is None else _decode_on_rows(mod, found, backend, stats)
+        if result is None:
+            return original(*args, **kwargs)
+        return result
+
+    setattr(forward, _WRAPPER_ATTR, (before, stats))
+    instance["forward"] = forward
+
+
+def remove_codec_attention(model: torch.nn.Module) -> int:
+    """Undo :func:`apply_codec_attention`: every module's ``forward`` is again exactly what it was.
+
+    Returns the number of modules restored (0 when the model was not wrapped).
+    """
+    restored = 0
+    for module in model.modules():
+        current = vars(module).get("forward")
+        marker = getattr(current, _WRAPPER_ATTR, None)
+        if marker is None:
+            continue
+        before, _ = marker
+        if before is _MISSING:
+            del vars(module)["forward"]
+        else:
+            vars(module)["forward"] = before
+        restored += 1
+    return restored

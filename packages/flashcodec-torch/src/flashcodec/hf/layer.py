@@ -1,0 +1,154 @@
+"""FlashCodecLayer: one attention layer's cache for transformers, backed by a CodecKVCache.
+
+transformers 5.x keeps one ``CacheLayerMixin`` per model layer; attention calls
+``cache.update(k, v, layer_idx)`` and attends over what comes back. This layer stores the new
+``k``/``v`` block-coded (:class:`flashcodec.CodecKVCache`) and returns the memoized reconstruction,
+so the write and the read meet at ``update`` and the model itself is not touched.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+import torch
+from kvspec import KVShapeError, KVTrimError
+from transformers.cache_utils import CacheLayerMixin
+
+from ..cache import CodecKVCache
+from ..storage import CodecStorage
+
+__all__ = ["FlashCodecLayer"]
+
+
+class FlashCodecLayer(CacheLayerMixin):
+    """A transformers cache layer that keeps its keys and values block-coded.
+
+    Args: the :class:`flashcodec.CodecKVCache` keywords (``mode``, ``block_size``, ``keep_freqs``,
+    ``keep_ratio``, ``quant_bits``, ``delta_dtype``, ``check_finite``, ``initial_blocks``),
+    validated here (``KVConfigError``).
+
+    Shapes: ``update`` takes ``key_states [B, H, s, D]`` and ``value_states [B, H, s, Dv]`` and
+    returns the whole sequence ``[B, H, S, D]`` / ``[B, H, S, Dv]`` in the input dtype (archived
+    blocks reconstructed, the incomplete block raw). ``keys`` / ``values`` are that latest view
+    (``None`` before the first update); they are views of memoized buffers, valid until the next
+    call that changes the layer.
+
+    Not supported: offloading (the compressed archive is the memory saving) and ``torch.compile``
+    (the archive grows; ``is_compileable`` is False so ``generate`` never compiles around it).
+    """
+
+    is_sliding = False
+    is_croppable = True
+    is_compileable = False
+
+    def __init__(self, **codec_options: Any):
+        super().__init__()
+        self.codec_cache = CodecKVCache(**codec_options)
+        self.codec_options = dict(codec_options)
+        self.device: torch.device | None = None
+        self.dtype: torch.dtype | None = None
+
+    def __repr__(self) -> str:
+        return f"FlashCodecLayer({self.codec_cache.codec!r}, seq_len={self.get_seq_length()})"
+
+    # ------------------------------------------------------------------ writes and reads
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Record device and dtype; buffers are allocated by the first non-empty update."""
+        self.device, self.dtype = key_states.device, key_states.dtype
+        self.keys = key_states[:, :, :0]
+        self.values = value_states[:, :, :0]
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ``key_states [B, H, s, D]`` / ``value_states [B, H, s, Dv]``; return the full views.
+
+        Complete blocks are encoded once and archived; reads decode only blocks not decoded before.
+        A rejected input (kvspec error) leaves the layer as it was.
+        """
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if key_states.shape[-2] == 0:
+            return self.keys, self.values
+        self.keys, self.values = self.codec_cache.update_and_fetch(key_states, value_states)
+        return self.keys, self.values
+
+    def _refresh(self) -> None:
+        """Point ``keys`` / ``values`` at the current reconstruction after an edit."""
+        if self.codec_cache.keys is None:
+            self.keys = self.values = None
+        else:
+            self.keys, self.values = self.codec_cache.read()
+
+    # ------------------------------------------------------------------ lengths and masks
+    def get_seq_length(self) -> int:
+        """Tokens held."""
+        return self.codec_cache.offset
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """``(kv_length, kv_offset)`` for the mask of a query of ``query_length`` new tokens."""
+        return self.codec_cache.offset + query_length, 0
+
+    def get_max_length(self) -> int:
+        """-1: the layer grows without bound."""
+        return -1
+
+    # ------------------------------------------------------------------ edits
+    def reset(self) -> None:
+        """Forget every token (and the B / H / D / dtype fixed by the first update)."""
+        self.codec_cache.reset()
+        self.keys = self.values = None
+        self.is_initialized = False
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """``crop(-n)`` drops the last ``n`` tokens (transformers 5.x); ``crop(0)`` does nothing.
+
+        A positive value is the older absolute form: keep the first ``tokens_to_remove`` tokens.
+        Exact: the kept prefix reads back bit for bit as before.
+        """
+        if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, numbers.Integral):
+            raise KVTrimError(f"crop takes an integer token count; got {tokens_to_remove!r}")
+        n = int(tokens_to_remove)
+        if n == 0:
+            return
+        self.codec_cache.crop(n if n > 0 else max(0, self.codec_cache.offset + n))
+        self._refresh()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Gather the batch rows ``beam_idx`` (1-D int64 ``[B_new]``) of every buffer, for beam search."""
+        if self.codec_cache.offset:
+            self.codec_cache.reorder(beam_idx)
+            self._refresh()
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat each batch row ``repeats`` times, in place (``[B, ...]`` -> ``[B * repeats, ...]``)."""
+        if self.codec_cache.offset:
+            batch = self.codec_cache.keys.batch
+            self.reorder_cache(torch.arange(batch).repeat_interleave(int(repeats)))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep only the batch rows ``indices`` (integer indices or a boolean mask over ``B``)."""
+        if not self.codec_cache.offset:
+            return
+        idx = torch.as_tensor(indices)
+        if idx.dtype == torch.bool:
+            if idx.dim() != 1 or idx.numel() != self.codec_cache.keys.batch:
+                raise KVShapeError(
+                    f"a boolean indices mask must have shape [{self.codec_cache.keys.batch}]; got {tuple(idx.shape)}"
+                )
+            idx = idx.nonzero().flatten()
+        self.reorder_cache(idx)
+
+    # Offloading would move views of the memoized reconstruction, not the archive: unsupported.
+    def offload(self) -> None:
+        """No-op: codec layers are never offloaded."""
+
+    def prefetch(self) -> None:
+        """No-op: codec layers are never offloaded."""
+
+    # ------------------------------------------------------------------ bytes
+    def storage_bytes(self) -> CodecStorage:
+        """Measured bytes of this layer (keys + values): see :class:`flashcodec.CodecStorage`."""
+        return self.codec_cache.storage_bytes()

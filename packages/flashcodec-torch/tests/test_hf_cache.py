@@ -1,0 +1,327 @@
+"""FlashCodecCache / FlashCodecLayer against transformers' Cache API, on tiny in-memory models.
+
+Covers the layer contract (update views, masks, crop / reorder / reset), option and per-layer
+validation, the layout built from a config (hybrid linear/full attention, sliding windows), the
+ImportError for transformers without the layer API, and that ``import flashcodec`` stays light.
+The embedded-model evidence (token equality over 64+ tokens, beam search, int8 tiers) lives in
+``test_hf_generate.py``.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from flashcodec import CodecKVCache  # noqa: E402
+from flashcodec.hf import FlashCodecCache, FlashCodecLayer  # noqa: E402
+from flashcodec.hf.requirements import check_layer_api  # noqa: E402
+from kvspec import KVConfigError, KVShapeError, KVTrimError  # noqa: E402
+from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
+from transformers.cache_utils import DynamicSlidingWindowLayer, LinearAttentionLayer  # noqa: E402
+
+
+def _benchmarks_dir() -> Path:
+    for parent in Path(__file__).resolve().parents:
+        if (parent / "benchmarks" / "hybrid_fixture.py").is_file():
+            return parent / "benchmarks"
+    raise FileNotFoundError("benchmarks/hybrid_fixture.py not found above the test file")
+
+
+def make_hybrid_model():
+    sys.path.insert(0, str(_benchmarks_dir()))
+    try:
+        from hybrid_fixture import make_tiny_hybrid_model
+    finally:
+        sys.path.pop(0)
+    return make_tiny_hybrid_model(seed=0)
+
+
+def tiny_qwen3(layer_types=None, sliding_window=None, seed=0) -> Qwen3ForCausalLM:
+    """A seeded random 4-layer Qwen3 (GQA 4/2 heads, head_dim 16), float32, eval mode."""
+    n = len(layer_types) if layer_types else 4
+    config = Qwen3Config(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=n,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        layer_types=list(layer_types) if layer_types else None,
+        use_sliding_window=sliding_window is not None,
+        sliding_window=sliding_window,
+        max_window_layers=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return Qwen3ForCausalLM(config).eval()
+
+
+def kv(b=2, h=2, s=11, d=16, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    k = (torch.randn(b, h, 1, d, generator=g) + 0.1 * torch.randn(b, h, s, d, generator=g).cumsum(2)).to(
+        dtype
+    )
+    v = (torch.randn(b, h, 1, d, generator=g) + 0.1 * torch.randn(b, h, s, d, generator=g).cumsum(2)).to(
+        dtype
+    )
+    return k, v
+
+
+def ids_of(n, vocab=128, seed=0, batch=1):
+    return torch.randint(3, vocab, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+# ---------------------------------------------------------------- the layer
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_layer_update_returns_full_views_in_input_dtype(dtype):
+    layer = FlashCodecLayer(mode="png")
+    k, v = kv(s=11, dtype=dtype)
+    out_k, out_v = layer.update(k[:, :, :7], v[:, :, :7])
+    out_k, out_v = layer.update(k[:, :, 7:], v[:, :, 7:])
+    assert out_k.dtype == dtype and out_k.shape == (2, 2, 11, 16)
+    assert torch.equal(out_k, k) and torch.equal(out_v, v)  # png keep=1.0 is bitwise lossless
+    assert layer.keys is out_k and layer.get_seq_length() == 11
+    assert layer.get_mask_sizes(3) == (14, 0) and layer.get_max_length() == -1
+
+
+def test_layer_crop_conventions_and_errors():
+    layer = FlashCodecLayer(mode="jpeg", keep_freqs=2)
+    k, v = kv(s=21)
+    full_k, _ = (t.clone() for t in layer.update(k, v))
+    layer.crop(0)  # transformers 5.x: crop(0) must not drop anything
+    assert layer.get_seq_length() == 21
+    layer.crop(-5)  # drop the last 5 tokens
+    assert layer.get_seq_length() == 16 and torch.equal(layer.keys, full_k[:, :, :16])
+    layer.crop(13)  # older absolute form: keep 13 (cuts inside an archived block)
+    assert layer.get_seq_length() == 13 and torch.equal(layer.keys, full_k[:, :, :13])
+    for bad in (1.5, True, "3"):
+        with pytest.raises(KVTrimError, match="integer"):
+            layer.crop(bad)
+    assert layer.get_seq_length() == 13 and torch.equal(layer.keys, full_k[:, :, :13])
+
+
+def test_layer_reorder_select_repeat_and_reset():
+    layer = FlashCodecLayer(mode="png")
+    k, v = kv(b=3, s=10)
+    layer.update(k, v)
+    layer.reorder_cache(torch.tensor([2, 0, 0]))
+    assert torch.equal(layer.keys, k[[2, 0, 0]])
+    layer.batch_select_indices(torch.tensor([True, False, True]))
+    assert torch.equal(layer.values, v[[2, 0]])
+    layer.batch_repeat_interleave(2)
+    assert torch.equal(layer.keys, k[[2, 2, 0, 0]])
+    with pytest.raises(KVShapeError):
+        layer.reorder_cache(torch.tensor([5]))
+    assert layer.keys.shape[0] == 4  # the rejected reorder changed nothing
+    layer.reset()
+    assert layer.get_seq_length() == 0 and layer.keys is None and not layer.is_initialized
+    layer.update(*kv(b=1, s=3, d=8))  # after reset, a new shape is accepted
+    assert layer.keys.shape == (1, 2, 3, 8)
+
+
+def test_layer_rejected_update_leaves_layer_unchanged():
+    layer = FlashCodecLayer(mode="jpeg", keep_freqs=4, quant_bits=8)
+    k, v = kv(s=9)
+    before = tuple(t.clone() for t in layer.update(k, v))
+    bad = k[:, :, :2].clone()
+    bad[0, 0, 0, 0] = float("nan")
+    with pytest.raises(ValueError):
+        layer.update(bad, v[:, :, :2])
+    with pytest.raises(TypeError):
+        layer.update(k[:, :, :2].double(), v[:, :, :2].double())
+    assert layer.get_seq_length() == 9 and torch.equal(layer.codec_cache.read()[0], before[0])
+
+
+def test_layer_storage_is_measured_from_the_held_tensors():
+    layer = FlashCodecLayer(mode="jpeg", keep_freqs=2, quant_bits=8)
+    layer.update(*kv(s=37))
+    storage = layer.storage_bytes()
+    assert storage.held == sum(t.nbytes for t in layer.codec_cache.state)
+    assert storage.raw == 2 * (2 * 2 * 37 * 16 * 4) and storage.ratio < 0.25
+
+
+# ---------------------------------------------------------------- options and per_layer
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(mode="gif"), "mode"),
+        (dict(mode="jpeg", keep_freqs=9), "keep_freqs"),
+        (dict(mode="png", keep_freqs=2), "keep_freqs"),
+        (dict(per_layer={0: {"keep_freqz": 2}}), "keep_freqz"),
+        (dict(per_layer={-1: {"keep_freqs": 2}}), "layer indices"),
+        (dict(per_layer={"0": {"keep_freqs": 2}}), "layer indices"),
+        (dict(per_layer={0: 2}), "per_layer\\[0\\]"),
+        (dict(per_layer=[{"keep_freqs": 2}]), "per_layer must be a dict"),
+        (dict(per_layer={1: {"keep_freqs": 0}}), "per_layer\\[1\\]"),
+    ],
+    ids=["mode", "keep-freqs-range", "png-keep-freqs", "unknown-option", "negative-idx", "str-idx", "not-dict",
+         "list", "bad-value"],
+)  # fmt: skip
+def test_bad_options_raise_config_errors(kwargs, match):
+    with pytest.raises(KVConfigError, match=match):
+        FlashCodecCache(**kwargs)
+
+
+def test_per_layer_without_config_is_applied_when_layers_appear():
+    cache = FlashCodecCache(
+        mode="jpeg", keep_freqs=8, per_layer={1: {"keep_freqs": 2, "quant_bits": 8}, 2: {"mode": "png"}}
+    )
+    for idx in range(3):
+        cache.update(*kv(s=9, seed=idx), layer_idx=idx)
+    codecs = [layer.codec_cache.codec for layer in cache.layers]
+    assert (codecs[0].mode, codecs[0].keep_freqs, codecs[0].quant_bits) == ("jpeg", 8, None)
+    assert (codecs[1].mode, codecs[1].keep_freqs, codecs[1].quant_bits) == ("jpeg", 2, 8)
+    assert codecs[2].mode == "png"  # switching mode dropped the jpeg-only keep_freqs default
+    assert cache.storage_bytes(1).held < cache.storage_bytes(0).held
+
+
+# ---------------------------------------------------------------- layout from a config
+def test_hybrid_fixture_gets_codec_layers_only_on_full_attention_and_exact_tokens():
+    model = make_hybrid_model()
+    ids = ids_of(13, vocab=256)
+    base = model.generate(ids, max_new_tokens=20, min_new_tokens=20, do_sample=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cache = FlashCodecCache.from_config(model.config, mode="png")
+        out = model.generate(ids, max_new_tokens=20, min_new_tokens=20, do_sample=False, cache=cache)
+    assert [str(w.message) for w in caught] == []
+    assert cache.codec_layer_indices == [1, 3] and cache.native_layer_indices == [0, 2]
+    assert all(isinstance(cache.layers[i], LinearAttentionLayer) for i in (0, 2))
+    assert torch.equal(out, base)
+    assert cache.get_seq_length() == 13 + 20 - 1
+    assert cache.storage_bytes().held == sum(cache.storage_bytes(i).held for i in (1, 3))
+    assert cache.native_nbytes() > 0  # recurrent and conv states, measured, not counted as codec bytes
+
+
+def test_hybrid_per_layer_must_name_a_full_attention_layer():
+    model = make_hybrid_model()
+    with pytest.raises(KVConfigError, match="kept native"):
+        FlashCodecCache.from_config(model.config, per_layer={0: {"keep_freqs": 2}})
+    with pytest.raises(KVConfigError, match="has 4 layers"):
+        FlashCodecCache.from_config(model.config, per_layer={7: {"keep_freqs": 2}})
+    cache = FlashCodecCache.from_config(model.config, keep_freqs=8, per_layer={3: {"keep_freqs": 2}})
+    assert cache.layers[1].codec_cache.codec.keep_freqs == 8
+    assert cache.layers[3].codec_cache.codec.keep_freqs == 2
+
+
+def test_hybrid_crop_needs_past_recording_and_rejects_without_change():
+    model = make_hybrid_model()
+    cache = FlashCodecCache.from_config(model.config, mode="png")
+    with torch.no_grad():
+        model(ids_of(12, vocab=256), cache=cache)
+    with pytest.raises(KVTrimError, match="past recording"):
+        cache.crop(-3)
+    assert cache.get_seq_length() == 12  # nothing was cropped
+    recorded = FlashCodecCache.from_config(model.config, mode="png")
+    recorded.activate_past_recording()
+    with torch.no_grad():
+        model(ids_of(12, vocab=256), cache=recorded)
+    recorded.crop(-3)
+    assert recorded.get_seq_length() == 9
+
+
+def test_sliding_window_layers_stay_native_and_match_dynamic_cache():
+    types = ["full_attention", "sliding_attention", "full_attention", "sliding_attention"]
+    model = tiny_qwen3(layer_types=types, sliding_window=6)
+    cache = FlashCodecCache.from_config(model.config, mode="png")
+    assert cache.codec_layer_indices == [0, 2]
+    assert all(type(cache.layers[i]) is DynamicSlidingWindowLayer for i in (1, 3))
+    ids = ids_of(30)
+    base = model.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False)
+    out = model.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False, cache=cache)
+    assert torch.equal(out, base)
+    assert cache.get_seq_length() == 41 and cache.layers[1].keys.shape[2] == 5  # window - 1 kept
+
+
+def test_config_without_full_attention_warns_that_nothing_is_compressed():
+    model = tiny_qwen3(layer_types=["sliding_attention"] * 2, sliding_window=4)
+    with pytest.warns(UserWarning, match="nothing is compressed"):
+        cache = FlashCodecCache.from_config(model.config)
+    assert cache.codec_layer_indices == []
+
+
+def test_from_config_needs_a_config():
+    with pytest.raises(KVConfigError, match="config"):
+        FlashCodecCache.from_config(None)
+
+
+def test_cache_crop_forms_match_dynamic_cache_exactly():
+    model = tiny_qwen3()
+    ids = ids_of(23)
+    for form in (-7, 16):  # remove 7 (5.x form) / keep 16 (older absolute form)
+        codec, native = (
+            FlashCodecCache.from_config(model.config, mode="png"),
+            DynamicCache(config=model.config),
+        )
+        with torch.no_grad():
+            model(ids, cache=codec)
+            model(ids, cache=native)
+            codec.crop(form)
+            native.crop(-7)
+            assert codec.get_seq_length() == native.get_seq_length() == 16
+            nxt = ids_of(5, seed=1)
+            a = model(nxt, cache=codec).logits
+            b = model(nxt, cache=native).logits
+        assert torch.equal(a, b)
+
+
+def test_cache_reset_and_reorder():
+    model = tiny_qwen3()
+    cache = FlashCodecCache.from_config(model.config, mode="png")
+    with torch.no_grad():
+        model(ids_of(10, batch=2), cache=cache)
+    keys = cache.layers[0].keys.clone()
+    cache.reorder_cache(torch.tensor([1, 1]))
+    assert torch.equal(cache.layers[0].keys, keys[[1, 1]])
+    cache.reset()
+    assert cache.get_seq_length() == 0 and cache.storage_bytes().held == 0
+
+
+def test_storage_bytes_rejects_native_or_bad_layer_index():
+    model = make_hybrid_model()
+    cache = FlashCodecCache.from_config(model.config)
+    with pytest.raises(KVConfigError, match="not a codec layer"):
+        cache.storage_bytes(0)
+    with pytest.raises(KVConfigError, match="integer"):
+        cache.storage_bytes(1.0)
+
+
+# ---------------------------------------------------------------- packaging
+def test_transformers_without_layer_api_gets_a_clear_import_error():
+    old_cache_utils = SimpleNamespace(Cache=object, DynamicCache=object)  # 4.x: no CacheLayerMixin
+    with pytest.raises(ImportError, match=r"transformers>=5\.0.*found transformers 4\.46\.3"):
+        check_layer_api("4.46.3", old_cache_utils)
+    check_layer_api("5.0.0", SimpleNamespace(Cache=1, CacheLayerMixin=1, DynamicLayer=1))
+
+
+def test_import_flashcodec_does_not_import_transformers():
+    code = (
+        "import sys, flashcodec\n"
+        "assert 'transformers' not in sys.modules, 'eager transformers import'\n"
+        "cls = flashcodec.FlashCodecCache\n"
+        "assert 'transformers' in sys.modules and cls.__name__ == 'FlashCodecCache'\n"
+        "assert flashcodec.apply_flash_codec.__module__ == 'flashcodec.hf.patch'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+def test_codec_layer_wraps_the_core_cache():
+    layer = FlashCodecLayer(mode="jpeg", keep_freqs=4)
+    assert isinstance(layer.codec_cache, CodecKVCache) and layer.codec_options == {
+        "mode": "jpeg",
+        "keep_freqs": 4,
+    }
