@@ -140,13 +140,20 @@ class CodecKVCache:
         archived tokens reconstructed, tail tokens raw. The returned tensors are views of the
         memoized buffers, valid until the next call that changes the cache.
         """
+        self.append(keys, values)
+        return self.read()
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Append like :meth:`update_and_fetch`, without reading: no view is built or updated.
+
+        For consumers that attend on the stored rows (:func:`flashcodec.attention.codec_decode_attention`).
+        """
         self._check_input(keys, values, fresh=self.keys is None)
         if self.keys is None:
             self._start(keys, values)
         assert self.keys is not None and self.values is not None
         self.keys.append(keys.detach())
         self.values.append(values.detach())
-        return self.read()
 
     def forward(self, k_seq: torch.Tensor, v_seq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Full-sequence fill: start over (as after :meth:`reset`) and store ``k_seq`` / ``v_seq``.

@@ -1,0 +1,237 @@
+"""Materialization-free decode attention: one query token attends on the stored rows directly.
+
+Every codec is linear along the sequence axis: block ``b`` of ``r`` tokens is ``K_b = A @ S_b``
+with ``S_b`` the stored rows (jpeg: ``K`` DCT coefficients, dequantized with their int8 scales;
+png: anchor + ``r - 1`` deltas) and ``A [r, R]`` the codec's synthesis matrix. Hence
+
+    q . K[b*r + p] = (q . S_b^T) @ A[p]          out = sum_b (prob_b @ A) @ S_b  (+ the raw tail)
+
+and the reconstructed ``[B, H, S, D]`` view is never built: :func:`codec_decode_attention` reads
+the archive buffers and the raw tail of two :class:`~flashcodec.stream.CodecStream` s as they are
+(int8 coefficients included) and never calls ``read()``.
+
+Scope: decode (one new token per sequence). Prefill keeps using the view: there the coefficient
+form would need a ``[S, n_blocks * R]`` score tensor, larger than the view it saves. The gain in
+bytes read is ``R / r`` (jpeg ``keep_freqs < block_size``, and 1/4 more from int8); png stores
+``r`` rows per block, so it is supported but saves nothing.
+
+Backends: ``"torch"`` (:mod:`flashcodec.kernels.naive`, split into chunks of blocks so its
+temporaries stay bounded) and ``"triton"`` (:mod:`flashcodec.kernels.triton_attention`, a split-K
+kernel plus a log-sum-exp combine; on CPU tensors it runs under the Triton interpreter).
+``"auto"`` picks Triton for CUDA tensors when triton is importable, torch otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+from kvspec import KVConfigError, KVDtypeError, KVShapeError
+
+from .codecs import JPEGCodec, PNGCodec
+from .kernels.naive import CodedRows, decode_attention_naive
+from .stream import CodecStream
+
+__all__ = [
+    "BACKENDS",
+    "coded_rows",
+    "additive_key_mask",
+    "codec_decode_attention",
+    "materialized_decode_attention",
+    "triton_available",
+]
+
+BACKENDS = ("auto", "torch", "triton")
+#: archived blocks per torch chunk: bounds the fp32 temporaries (rows of one chunk) on long sequences
+TORCH_BLOCKS_PER_SPLIT = 2048
+
+
+def triton_available() -> bool:
+    """Whether ``import triton`` works here (the kernels are imported lazily)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def coded_rows(stream: CodecStream) -> CodedRows:
+    """The stored rows of ``stream`` as the kernels read them: views into its archive, nothing decoded.
+
+    jpeg: ``first = coeffs[..., 0, :]``, ``rest = coeffs[..., 1:, :]`` (int8 or the input dtype),
+    ``scales = [B, H, n, K]`` fp32 with ``quant_bits=8``; png: ``first = anchors``, ``rest = deltas``.
+    """
+    codec = stream.codec
+    parts = stream.archived_parts()
+    if isinstance(codec, JPEGCodec):
+        coeffs = parts[0]
+        scales = parts[1][..., 0] if codec.quant_bits == 8 else None
+        first, rest = coeffs[:, :, :, 0], coeffs[:, :, :, 1:]
+    elif isinstance(codec, PNGCodec):
+        (first, rest), scales = parts, None
+    else:  # a codec this module does not know how to address
+        raise KVConfigError(f"codec must be a JPEGCodec or PNGCodec; got {type(codec).__name__}")
+    synthesis = codec.synthesis_matrix(torch.float32, stream.device)
+    return CodedRows(first, rest, scales, synthesis, stream.tail())
+
+
+def additive_key_mask(key_mask: torch.Tensor | None, batch: int, seq_len: int) -> torch.Tensor | None:
+    """Validate ``key_mask`` and return it as additive fp32 ``[B, S]`` (0 visible, -inf hidden).
+
+    Accepts None, a bool ``[B, S]`` (True = attend) or a float ``[B, S]`` added to the scores.
+    """
+    if key_mask is None:
+        return None
+    if not isinstance(key_mask, torch.Tensor):
+        raise KVDtypeError(f"key_mask must be a torch.Tensor or None; got {type(key_mask).__name__}")
+    if tuple(key_mask.shape) != (batch, seq_len):
+        raise KVShapeError(
+            f"key_mask must have shape [B, S] = {(batch, seq_len)}; got {tuple(key_mask.shape)}"
+        )
+    if key_mask.dtype == torch.bool:
+        zero = torch.zeros((), dtype=torch.float32, device=key_mask.device)
+        return torch.where(key_mask, zero, torch.full_like(zero, -math.inf))
+    if not key_mask.is_floating_point():
+        raise KVDtypeError(f"key_mask must be bool or floating point; got {key_mask.dtype}")
+    return key_mask.float()
+
+
+def _check_call(
+    query: object,
+    key_stream: object,
+    value_stream: object,
+    scale: object,
+    backend: object,
+    blocks_per_split: object,
+) -> None:
+    """Raise the kvspec error for a call :func:`codec_decode_attention` cannot serve; reads only."""
+    if not isinstance(query, torch.Tensor):
+        raise KVDtypeError(f"query must be a torch.Tensor; got {type(query).__name__}")
+    for name, s in (("key_stream", key_stream), ("value_stream", value_stream)):
+        if not isinstance(s, CodecStream):
+            raise KVDtypeError(f"{name} must be a flashcodec CodecStream; got {type(s).__name__}")
+    assert isinstance(key_stream, CodecStream) and isinstance(value_stream, CodecStream)
+    if query.dim() != 4 or query.shape[2] != 1:
+        raise KVShapeError(
+            f"query must be [B, Hq, 1, D] (one new token per sequence); got shape {tuple(query.shape)}"
+        )
+    if not query.is_floating_point():
+        raise KVDtypeError(f"query must be floating point; got {query.dtype}")
+    b, hq, _, d = query.shape
+    ks, vs = key_stream, value_stream
+    if (ks.batch, ks.heads, ks.seq_len, ks.block_size) != (vs.batch, vs.heads, vs.seq_len, vs.block_size):
+        raise KVShapeError(
+            "key_stream and value_stream must agree on (B, H, S, block_size); got "
+            f"{(ks.batch, ks.heads, ks.seq_len, ks.block_size)} and {(vs.batch, vs.heads, vs.seq_len, vs.block_size)}"
+        )
+    if ks.seq_len == 0:
+        raise KVShapeError("the streams hold no token: there is nothing to attend to")
+    if b != ks.batch or d != ks.dim:
+        raise KVShapeError(
+            f"query [B, Hq, 1, D] must have B={ks.batch}, D={ks.dim}; got shape {tuple(query.shape)}"
+        )
+    if hq % ks.heads:
+        raise KVShapeError(
+            f"query heads Hq={hq} must be a multiple of the key/value heads Hkv={ks.heads} (GQA groups)"
+        )
+    if query.device != ks.device or vs.device != ks.device:
+        raise KVDtypeError(f"query (on {query.device}) and the streams (on {ks.device}) must share a device")
+    if scale is not None and (
+        isinstance(scale, bool)
+        or not isinstance(scale, numbers.Real)
+        or not math.isfinite(scale)
+        or scale <= 0
+    ):
+        raise KVConfigError(f"scale must be None or a finite number > 0; got {scale!r}")
+    if backend not in BACKENDS:
+        raise KVConfigError(f"backend must be one of {BACKENDS}; got {backend!r}")
+    if blocks_per_split is not None and (
+        isinstance(blocks_per_split, bool)
+        or not isinstance(blocks_per_split, numbers.Integral)
+        or blocks_per_split < 1
+    ):
+        raise KVConfigError(f"blocks_per_split must be None or an integer >= 1; got {blocks_per_split!r}")
+
+
+@torch.no_grad()
+def codec_decode_attention(
+    query: torch.Tensor,
+    key_stream: CodecStream,
+    value_stream: CodecStream,
+    *,
+    scale: float | None = None,
+    key_mask: torch.Tensor | None = None,
+    backend: str = "auto",
+    blocks_per_split: int | None = None,
+) -> torch.Tensor:
+    """Softmax attention of one decode token per sequence over coded keys/values, without the view.
+
+    Args:
+        query: ``[B, Hq, 1, D]`` (post-RoPE, like the keys that were appended); fp32, fp16 or bf16.
+            ``Hq = G * Hkv``: query head ``h * G + g`` reads key/value head ``h`` (GQA, the order
+            of transformers' ``repeat_kv``).
+        key_stream, value_stream: the layer's streams (``[B, Hkv, S, D]`` and ``[B, Hkv, S, Dv]``),
+            e.g. ``cache.keys`` / ``cache.values`` of a :class:`flashcodec.CodecKVCache`; the new
+            token's key and value must already be appended.
+        scale: score scale, default ``D ** -0.5``.
+        key_mask: None, bool ``[B, S]`` (True = attend) or additive float ``[B, S]``, e.g. for
+            left-padded batches.
+        backend: ``"auto"``, ``"torch"`` or ``"triton"`` (see the module docstring).
+        blocks_per_split: archived blocks per split (torch: per chunk; Triton: per program);
+            default chosen per backend.
+
+    Returns:
+        ``[B, Hq, 1, Dv]`` in ``query.dtype``; arithmetic in fp32 from the stored rows.
+
+    Raises kvspec errors (``KVShapeError``, ``KVDtypeError``, ``KVConfigError``) for calls it
+    cannot serve; the streams are only read, never changed.
+    """
+    _check_call(query, key_stream, value_stream, scale, backend, blocks_per_split)
+    b, hq, _, d = query.shape
+    mask = additive_key_mask(key_mask, b, key_stream.seq_len)
+    if mask is not None:
+        mask = mask.to(query.device)
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    keys, values = coded_rows(key_stream), coded_rows(value_stream)
+    if backend == "auto":
+        backend = "triton" if query.is_cuda and triton_available() else "torch"
+    if backend == "triton":
+        from .kernels.triton_attention import triton_decode_attention
+
+        out = triton_decode_attention(
+            query[:, :, 0], keys, values, scale=scale, key_mask=mask, blocks_per_split=blocks_per_split
+        )
+    else:
+        out = decode_attention_naive(
+            query[:, :, 0],
+            keys,
+            values,
+            scale=scale,
+            key_mask=mask,
+            blocks_per_split=blocks_per_split or TORCH_BLOCKS_PER_SPLIT,
+        )
+    return out.unsqueeze(2)
+
+
+@torch.no_grad()
+def materialized_decode_attention(
+    query: torch.Tensor,
+    key_stream: CodecStream,
+    value_stream: CodecStream,
+    *,
+    scale: float | None = None,
+    key_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The materialized path, for comparison: ``read()`` both views, then SDPA in ``query.dtype``.
+
+    Same arguments and result as :func:`codec_decode_attention`; builds (or updates) the memoized
+    ``[B, H, S, D]`` views, which is exactly what the coefficient-domain path avoids.
+    """
+    _check_call(query, key_stream, value_stream, scale, "torch", None)
+    mask = additive_key_mask(key_mask, query.shape[0], key_stream.seq_len)
+    k, v = key_stream.read(), value_stream.read()
+    attn_mask = None if mask is None else mask[:, None, None, :].to(query.dtype)
+    return torch.nn.functional.scaled_dot_product_attention(
+        query, k, v, attn_mask=attn_mask, scale=scale, enable_gqa=query.shape[1] != k.shape[1]
+    )

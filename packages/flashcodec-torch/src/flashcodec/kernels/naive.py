@@ -1,0 +1,180 @@
+"""Pure-torch split-K decode attention on block-coded rows: the reference for the Triton kernel.
+
+The math (one new query token per sequence, every codec linear along the sequence axis):
+block ``b`` of ``r`` tokens is ``K_b = A_k @ S_b`` with stored rows ``S_b [R, D]`` and synthesis
+matrix ``A_k [r, R]``, so the scores of its tokens are ``q @ K_b^T = (q @ S_b^T) @ A_k^T`` and the
+value side is ``prob_b @ V_b = (prob_b @ A_v) @ S_b``. The ``[S, D]`` reconstruction never exists.
+
+Flash-decoding split: the archived blocks are cut into splits of ``blocks_per_split`` blocks, plus
+one last split for the raw tail. Each split ``s`` yields, per query head, the running max ``m_s``,
+the sum ``l_s = sum exp(score - m_s)`` and the unnormalized ``acc_s = sum exp(score - m_s) v``;
+:func:`combine_partials` merges them with log-sum-exp. The Triton kernel writes exactly these
+partials, so tests compare both the partials and the combined output.
+
+Imports torch only (the flow is kvspec <- codecs <- cache <- attention <- kernels are leaves).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+__all__ = [
+    "CodedRows",
+    "EMPTY_MAX",
+    "dense_rows",
+    "decode_attention_partials",
+    "combine_partials",
+    "decode_attention_naive",
+]
+
+#: the running max of a split with no visible token: finite, so ``exp(EMPTY_MAX - m)`` is 0, not NaN
+EMPTY_MAX = -1.0e30
+
+
+class CodedRows(NamedTuple):
+    """One stream (keys or values) as the kernels read it, without decoding anything.
+
+    Attributes:
+        first: row 0 of every archived block, ``[B, H, n, D]`` (jpeg: the DC coefficients, png:
+            the anchors); int8, fp16, bf16, fp32 or fp64.
+        rest: rows ``1 .. R-1``, ``[B, H, n, R-1, D]`` (jpeg: the other coefficients, png: the deltas).
+        scales: ``[B, H, n, R]`` fp32 dequantization scales per (block, row), or None (rows are floats).
+        synthesis: ``A [r, R]`` fp32 with ``block = A @ rows``.
+        tail: raw tail tokens ``[B, H, t, D]`` (``t < r``), after the archived blocks.
+
+    ``first`` and ``rest`` are usually strided views into the archive buffers (no copy).
+    """
+
+    first: torch.Tensor
+    rest: torch.Tensor
+    scales: torch.Tensor | None
+    synthesis: torch.Tensor
+    tail: torch.Tensor
+
+    @property
+    def n_blocks(self) -> int:
+        return self.first.shape[2]
+
+    @property
+    def block_size(self) -> int:
+        return self.synthesis.shape[0]
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens covered: ``n_blocks * r + t``."""
+        return self.n_blocks * self.block_size + self.tail.shape[2]
+
+
+def dense_rows(rows: CodedRows, start: int, stop: int) -> torch.Tensor:
+    """The dequantized rows of blocks ``start .. stop-1`` as fp32 ``[B, H, stop-start, R, D]`` (a copy)."""
+    dense = torch.cat(
+        [rows.first[:, :, start:stop, None, :].float(), rows.rest[:, :, start:stop].float()], dim=3
+    )
+    if rows.scales is not None:
+        dense = dense * rows.scales[:, :, start:stop, :, None]
+    return dense
+
+
+def _softmax_partial(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``scores [..., T]`` -> ``(m [...], l [...], p [..., T])`` with masked (-inf) entries giving 0."""
+    if scores.shape[-1] == 0:  # an empty tail: amax has nothing to reduce
+        m = scores.new_full(scores.shape[:-1], EMPTY_MAX)
+        return m, torch.zeros_like(m), scores
+    m = scores.amax(dim=-1).clamp_min(EMPTY_MAX)
+    p = torch.exp(scores - m.unsqueeze(-1))
+    return m, p.sum(dim=-1), p
+
+
+def decode_attention_partials(
+    query: torch.Tensor,
+    keys: CodedRows,
+    values: CodedRows,
+    *,
+    scale: float,
+    key_mask: torch.Tensor | None = None,
+    blocks_per_split: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-split softmax partials of one decode query over coded keys and values.
+
+    Args:
+        query: ``[B, Hq, D]`` (any float dtype; computed in fp32), ``Hq = G * Hkv`` with query head
+            ``h * G + g`` reading key/value head ``h`` (transformers' ``repeat_kv`` order).
+        keys, values: the two streams, ``Hkv`` heads each, the same block size and length.
+        scale: multiplies every score (usually ``D ** -0.5``).
+        key_mask: optional additive fp32 ``[B, S]`` (0 = visible, -inf = hidden).
+        blocks_per_split: archived blocks per split (default: all in one split).
+
+    Returns:
+        ``(m, denom, acc)``: fp32 ``[B, Hq, n_splits + 1]``, ``[B, Hq, n_splits + 1]`` and
+        ``[B, Hq, n_splits + 1, Dv]``; split ``n_splits`` (the last) is the raw tail. A split that
+        sees no token has ``m = EMPTY_MAX``, ``denom = 0``, ``acc = 0``.
+    """
+    b, hq, d = query.shape
+    hkv = keys.first.shape[1]
+    g = hq // hkv
+    r, n = keys.block_size, keys.n_blocks
+    q = (query.float() * scale).reshape(b, hkv, g, d)
+    step = max(1, n if blocks_per_split is None else int(blocks_per_split))
+    a_k, a_v = keys.synthesis.float(), values.synthesis.float()
+    ms, ls, accs = [], [], []
+    for start in range(0, n, step):
+        stop = min(start + step, n)
+        nb = stop - start
+        # q . S^T per stored row, then the synthesis matrix turns rows into token scores
+        rows_k = dense_rows(keys, start, stop)  # [B, Hkv, nb, Rk, D]
+        row_scores = torch.einsum("bhgd,bhnjd->bhgnj", q, rows_k)
+        scores = (row_scores @ a_k.T).reshape(b, hkv, g, nb * r)
+        if key_mask is not None:
+            scores = scores + key_mask[:, None, None, start * r : stop * r]
+        m, denom, p = _softmax_partial(scores)
+        # prob @ V_block = (prob @ A_v) @ S_v: weights per stored value row
+        row_weights = p.reshape(b, hkv, g, nb, r) @ a_v  # [B, Hkv, G, nb, Rv]
+        acc = torch.einsum("bhgnj,bhnjd->bhgd", row_weights, dense_rows(values, start, stop))
+        ms.append(m), ls.append(denom), accs.append(acc)
+    # the raw tail: ordinary attention over at most r - 1 tokens
+    tail_k, tail_v = keys.tail.float(), values.tail.float()
+    scores = torch.einsum("bhgd,bhtd->bhgt", q, tail_k)
+    if key_mask is not None:
+        scores = scores + key_mask[:, None, None, n * r : n * r + tail_k.shape[2]]
+    m, denom, p = _softmax_partial(scores)
+    ms.append(m), ls.append(denom), accs.append(torch.einsum("bhgt,bhtd->bhgd", p, tail_v))
+    dv = values.tail.shape[-1]
+    return (
+        torch.stack(ms, dim=-1).reshape(b, hq, -1),
+        torch.stack(ls, dim=-1).reshape(b, hq, -1),
+        torch.stack(accs, dim=-2).reshape(b, hq, -1, dv),
+    )
+
+
+def combine_partials(
+    m: torch.Tensor, denom: torch.Tensor, acc: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Log-sum-exp merge of split partials: ``m, denom [B, Hq, P]``, ``acc [B, Hq, P, Dv]`` -> ``[B, Hq, Dv]``."""
+    top = m.amax(dim=-1, keepdim=True)
+    w = torch.exp(m - top)
+    total = (w * denom).sum(dim=-1, keepdim=True)
+    return ((w.unsqueeze(-1) * acc).sum(dim=-2) / total).to(dtype)
+
+
+def decode_attention_naive(
+    query: torch.Tensor,
+    keys: CodedRows,
+    values: CodedRows,
+    *,
+    scale: float | None = None,
+    key_mask: torch.Tensor | None = None,
+    blocks_per_split: int | None = None,
+) -> torch.Tensor:
+    """Decode attention on coded rows: ``query [B, Hq, D]`` -> ``[B, Hq, Dv]`` in ``query.dtype``.
+
+    ``scale`` defaults to ``D ** -0.5``; the other arguments as :func:`decode_attention_partials`.
+    """
+    if scale is None:
+        scale = 1.0 / math.sqrt(query.shape[-1])
+    m, denom, acc = decode_attention_partials(
+        query, keys, values, scale=scale, key_mask=key_mask, blocks_per_split=blocks_per_split
+    )
+    return combine_partials(m, denom, acc, query.dtype)

@@ -1,0 +1,332 @@
+"""Triton split-K decode attention on block-coded rows (flash-decoding style).
+
+Two kernels:
+
+* ``_codec_partial_kernel``, grid ``(B * Hkv, n_splits + 1)``: program ``(b*Hkv + h, s)`` walks the
+  archived blocks of split ``s`` in tiles of ``TILE`` blocks, reading the stored rows as they are
+  (int8 coefficients and their fp32 scales, or float coefficients, or png anchors + deltas),
+  forms the token scores ``(q . S^T) @ A_k^T`` for the ``G`` query heads of kv head ``h``, runs an
+  online softmax and accumulates ``((p @ A_v) * scales_v) @ S_v``; it writes the partial max,
+  sum and accumulator. The last split (``s = n_splits``) covers the raw tail tokens.
+* ``_combine_kernel``, grid ``(B * Hq,)``: merges the partials with log-sum-exp and writes the
+  output in the query dtype.
+
+Neither kernel ever forms a ``[S, D]`` tensor; all arithmetic is fp32. The contraction over the
+``R`` stored rows and the ``r`` synthesis rows is unrolled (``R, r <= 64``), and every product is a
+broadcast multiply + reduction (no ``tl.dot``), so tiny shapes work on any GPU and in the interpreter.
+
+The reference is :func:`flashcodec.kernels.naive.decode_attention_partials` (same partials,
+same split boundaries). On CUDA tensors the kernels are compiled. CPU tensors need the Triton
+interpreter, which triton only offers when ``TRITON_INTERPRET=1`` is set before triton is first
+imported in the process (transformers and ``torch._dynamo`` import it early); otherwise a CPU
+call raises ``RuntimeError`` saying so (:func:`interpreter_active` tells in advance).
+
+This module imports triton at import time: import it lazily.
+"""
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .naive import EMPTY_MAX, CodedRows
+
+__all__ = [
+    "DEFAULT_TILE",
+    "combine_partials_triton",
+    "decode_attention_partials_triton",
+    "default_blocks_per_split",
+    "interpreter_active",
+    "triton_decode_attention",
+]
+
+#: archived blocks a program handles per loop iteration
+DEFAULT_TILE = 16
+#: EMPTY_MAX as a constant the kernels can read
+_EMPTY = tl.constexpr(EMPTY_MAX)
+
+
+@triton.jit
+def _codec_partial_kernel(
+    Q, sqb, sqh, sqd,
+    K0, sk0b, sk0h, sk0n, sk0d,
+    K1, sk1b, sk1h, sk1n, sk1j, sk1d,
+    KS, sksb, sksh, sksn, sksj,
+    AK,
+    V0, sv0b, sv0h, sv0n, sv0d,
+    V1, sv1b, sv1h, sv1n, sv1j, sv1d,
+    VS, svsb, svsh, svsn, svsj,
+    AV,
+    KT, sktb, skth, sktt, sktd,
+    VT, svtb, svth, svtt, svtd,
+    MASK, smb, sms,
+    M_OUT, L_OUT, ACC_OUT, smob, smoh, smos, saob, saoh, saos, saod,
+    n_blocks, tail_len, n_splits, blocks_per_split, hkv, groups, dim, dim_v, scale,
+    R: tl.constexpr, RK: tl.constexpr, RV: tl.constexpr, RP: tl.constexpr,
+    GP: tl.constexpr, DP: tl.constexpr, DVP: tl.constexpr, TILE: tl.constexpr,
+    HAS_KS: tl.constexpr, HAS_VS: tl.constexpr, HAS_MASK: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    b = pid // hkv
+    h = pid % hkv
+    g = tl.arange(0, GP)
+    d = tl.arange(0, DP)
+    dv = tl.arange(0, DVP)
+    p = tl.arange(0, RP)  # token row inside a block (r padded to a power of two)
+    g_ok = g < groups
+    d_ok = d < dim
+    dv_ok = dv < dim_v
+    q = tl.load(
+        Q + b * sqb + (h * groups + g)[:, None] * sqh + d[None, :] * sqd,
+        mask=g_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    ).to(tl.float32)
+    q = q * scale  # [GP, DP]
+
+    m_i = tl.full([GP], _EMPTY, tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, DVP], tl.float32)
+
+    if split < n_splits:
+        start = split * blocks_per_split
+        stop = tl.minimum(start + blocks_per_split, n_blocks)
+        for n0 in range(start, stop, TILE):
+            n = n0 + tl.arange(0, TILE)
+            n_ok = n < stop
+            # scores[g, n, p] = sum_j (q[g] . S_k[n, j]) * A_k[p, j]
+            scores = tl.zeros([GP, TILE, RP], tl.float32)
+            for j in tl.static_range(RK):
+                if j == 0:
+                    ptr = K0 + b * sk0b + h * sk0h + n[:, None] * sk0n + d[None, :] * sk0d
+                else:
+                    ptr = K1 + b * sk1b + h * sk1h + n[:, None] * sk1n + (j - 1) * sk1j + d[None, :] * sk1d
+                row = tl.load(ptr, mask=n_ok[:, None] & d_ok[None, :], other=0).to(tl.float32)  # [TILE, DP]
+                qs = tl.sum(q[:, None, :] * row[None, :, :], axis=2)  # [GP, TILE]
+                if HAS_KS:
+                    ks = tl.load(KS + b * sksb + h * sksh + n * sksn + j * sksj, mask=n_ok, other=0.0)
+                    qs = qs * ks[None, :]
+                a_col = tl.load(AK + p * RK + j, mask=p < R, other=0.0)  # [RP]
+                scores += qs[:, :, None] * a_col[None, None, :]
+            visible = n_ok[:, None] & (p[None, :] < R)  # [TILE, RP]
+            if HAS_MASK:
+                pos = n[:, None] * R + p[None, :]
+                scores += tl.load(MASK + b * smb + pos * sms, mask=visible, other=0.0)[None, :, :]
+            scores = tl.where(visible[None, :, :], scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(tl.max(scores, axis=2), axis=1))
+            alpha = tl.exp(m_i - m_new)
+            probs = tl.exp(scores - m_new[:, None, None])  # [GP, TILE, RP]
+            l_i = l_i * alpha + tl.sum(tl.sum(probs, axis=2), axis=1)
+            acc = acc * alpha[:, None]
+            # acc[g] += sum_n sum_j (sum_p probs[g, n, p] * A_v[p, j]) * S_v[n, j]
+            for j in tl.static_range(RV):
+                a_col = tl.load(AV + p * RV + j, mask=p < R, other=0.0)  # [RP]
+                w = tl.sum(probs * a_col[None, None, :], axis=2)  # [GP, TILE]
+                if HAS_VS:
+                    vs = tl.load(VS + b * svsb + h * svsh + n * svsn + j * svsj, mask=n_ok, other=0.0)
+                    w = w * vs[None, :]
+                if j == 0:
+                    ptr = V0 + b * sv0b + h * sv0h + n[:, None] * sv0n + dv[None, :] * sv0d
+                else:
+                    ptr = V1 + b * sv1b + h * sv1h + n[:, None] * sv1n + (j - 1) * sv1j + dv[None, :] * sv1d
+                row = tl.load(ptr, mask=n_ok[:, None] & dv_ok[None, :], other=0).to(tl.float32)  # [TILE, DVP]
+                acc += tl.sum(w[:, :, None] * row[None, :, :], axis=1)
+            m_i = m_new
+    else:
+        # the raw tail (fewer than r tokens): plain attention
+        t_ok = p < tail_len
+        kt = tl.load(
+            KT + b * sktb + h * skth + p[:, None] * sktt + d[None, :] * sktd,
+            mask=t_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        scores = tl.sum(q[:, None, :] * kt[None, :, :], axis=2)  # [GP, RP]
+        if HAS_MASK:
+            pos = n_blocks * R + p
+            scores += tl.load(MASK + b * smb + pos * sms, mask=t_ok, other=0.0)[None, :]
+        scores = tl.where(t_ok[None, :], scores, float("-inf"))
+        m_i = tl.maximum(m_i, tl.max(scores, axis=1))
+        probs = tl.exp(scores - m_i[:, None])
+        l_i = tl.sum(probs, axis=1)
+        vt = tl.load(
+            VT + b * svtb + h * svth + p[:, None] * svtt + dv[None, :] * svtd,
+            mask=t_ok[:, None] & dv_ok[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        acc = tl.sum(probs[:, :, None] * vt[None, :, :], axis=1)
+
+    head = h * groups + g
+    tl.store(M_OUT + b * smob + head * smoh + split * smos, m_i, mask=g_ok)
+    tl.store(L_OUT + b * smob + head * smoh + split * smos, l_i, mask=g_ok)
+    tl.store(
+        ACC_OUT + b * saob + head[:, None] * saoh + split * saos + dv[None, :] * saod,
+        acc,
+        mask=g_ok[:, None] & dv_ok[None, :],
+    )
+
+
+@triton.jit
+def _combine_kernel(
+    M, L, ACC, smb, smh, sms, sab, sah, sas, sad,
+    OUT, sob, soh, sod,
+    hq, n_parts, dim_v,
+    SP: tl.constexpr, DVP: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    b = pid // hq
+    h = pid % hq
+    s = tl.arange(0, SP)
+    dv = tl.arange(0, DVP)
+    s_ok = s < n_parts
+    dv_ok = dv < dim_v
+    m = tl.load(M + b * smb + h * smh + s * sms, mask=s_ok, other=_EMPTY)
+    denom = tl.load(L + b * smb + h * smh + s * sms, mask=s_ok, other=0.0)
+    acc = tl.load(
+        ACC + b * sab + h * sah + s[:, None] * sas + dv[None, :] * sad,
+        mask=s_ok[:, None] & dv_ok[None, :],
+        other=0.0,
+    )
+    top = tl.max(m, axis=0)
+    w = tl.exp(m - top)
+    total = tl.sum(w * denom, axis=0)
+    out = tl.sum(w[:, None] * acc, axis=0) / total
+    tl.store(OUT + b * sob + h * soh + dv * sod, out.to(OUT.dtype.element_ty), mask=dv_ok)
+
+
+def interpreter_active() -> bool:
+    """Whether triton runs kernels in its CPU interpreter in this process.
+
+    True only when ``TRITON_INTERPRET=1`` was set before triton was first imported: triton's own
+    library functions are built in one mode at that import.
+    """
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(tl.zeros, InterpretedFunction) and isinstance(_combine_kernel, InterpretedFunction)
+
+
+def _check_device(t: torch.Tensor) -> None:
+    if not t.is_cuda and not interpreter_active():
+        raise RuntimeError(
+            f"the Triton kernels need CUDA tensors (got a tensor on {t.device}); to run them on the CPU, "
+            "set TRITON_INTERPRET=1 before triton is first imported in the process"
+        )
+
+
+def _pow2(x: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(1, x))))
+
+
+def _scale_args(rows: CodedRows) -> tuple:
+    """Pointer + strides of the ``[B, H, n, R]`` scales (a dummy pointer when there are none)."""
+    if rows.scales is None:
+        return (rows.synthesis, 0, 0, 0, 0)
+    s = rows.scales
+    return (s, *s.stride())
+
+
+def _rest_strides(rest: torch.Tensor) -> tuple:
+    return tuple(rest.stride())
+
+
+def default_blocks_per_split(n_blocks: int, programs: int, tile: int = DEFAULT_TILE) -> int:
+    """Blocks per split: enough splits to give ~256 programs in all, each a whole number of tiles."""
+    want_splits = max(1, 256 // max(1, programs))
+    per = math.ceil(max(1, n_blocks) / want_splits)
+    return max(tile, math.ceil(per / tile) * tile)
+
+
+def decode_attention_partials_triton(
+    query: torch.Tensor,
+    keys: CodedRows,
+    values: CodedRows,
+    *,
+    scale: float,
+    key_mask: torch.Tensor | None = None,
+    blocks_per_split: int | None = None,
+    tile: int = DEFAULT_TILE,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The split partials ``(m, denom, acc)`` computed by the Triton kernel.
+
+    Same arguments, shapes and split boundaries as
+    :func:`flashcodec.kernels.naive.decode_attention_partials` (``blocks_per_split=None`` picks
+    :func:`default_blocks_per_split`). ``query [B, Hq, D]``; ``key_mask`` additive fp32 ``[B, S]``.
+    """
+    b, hq, d = query.shape
+    hkv = keys.first.shape[1]
+    groups = hq // hkv
+    dv = values.tail.shape[-1]
+    r, n_blocks = keys.block_size, keys.n_blocks
+    if max(keys.synthesis.shape[1], values.synthesis.shape[1], r) > 64:
+        raise ValueError(f"the Triton kernel unrolls at most 64 rows per block; got r={r}")
+    per = blocks_per_split or default_blocks_per_split(n_blocks, b * hkv, tile)
+    n_splits = math.ceil(n_blocks / per)
+    parts = n_splits + 1
+    dev = query.device
+    m = torch.empty(b, hq, parts, dtype=torch.float32, device=dev)
+    denom = torch.empty_like(m)
+    acc = torch.empty(b, hq, parts, dv, dtype=torch.float32, device=dev)
+    a_k = keys.synthesis.float().contiguous()
+    a_v = values.synthesis.float().contiguous()
+    mask = key_mask if key_mask is not None else a_k  # a dummy pointer when there is no mask
+    mask_strides = tuple(key_mask.stride()) if key_mask is not None else (0, 0)
+    _check_device(query)
+    _codec_partial_kernel[(b * hkv, parts)](
+        query, *query.stride(),
+        keys.first, *keys.first.stride(),
+        keys.rest, *_rest_strides(keys.rest),
+        *_scale_args(keys),
+        a_k,
+        values.first, *values.first.stride(),
+        values.rest, *_rest_strides(values.rest),
+        *_scale_args(values),
+        a_v,
+        keys.tail, *keys.tail.stride(),
+        values.tail, *values.tail.stride(),
+        mask, *mask_strides,
+        m, denom, acc, *m.stride(), *acc.stride(),
+        n_blocks, keys.tail.shape[2], n_splits, per, hkv, groups, d, dv, float(scale),
+        R=r, RK=a_k.shape[1], RV=a_v.shape[1], RP=_pow2(r),
+        GP=_pow2(groups), DP=_pow2(d), DVP=_pow2(dv), TILE=tile,
+        HAS_KS=keys.scales is not None, HAS_VS=values.scales is not None, HAS_MASK=key_mask is not None,
+    )  # fmt: skip
+    return m, denom, acc
+
+
+def combine_partials_triton(
+    m: torch.Tensor, denom: torch.Tensor, acc: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Log-sum-exp merge on the device: ``m, denom [B, Hq, P]``, ``acc [B, Hq, P, Dv]`` -> ``[B, Hq, Dv]``."""
+    b, hq, parts, dv = acc.shape
+    out = torch.empty(b, hq, dv, dtype=dtype, device=acc.device)
+    _check_device(acc)
+    _combine_kernel[(b * hq,)](
+        m, denom, acc, m.stride(0), m.stride(1), m.stride(2), *acc.stride(),
+        out, *out.stride(),
+        hq, parts, dv,
+        SP=_pow2(parts), DVP=_pow2(dv),
+    )  # fmt: skip
+    return out
+
+
+def triton_decode_attention(
+    query: torch.Tensor,
+    keys: CodedRows,
+    values: CodedRows,
+    *,
+    scale: float | None = None,
+    key_mask: torch.Tensor | None = None,
+    blocks_per_split: int | None = None,
+    tile: int = DEFAULT_TILE,
+) -> torch.Tensor:
+    """Decode attention on coded rows with the Triton kernels: ``query [B, Hq, D]`` -> ``[B, Hq, Dv]``.
+
+    Output in ``query.dtype``; ``scale`` defaults to ``D ** -0.5``. See
+    :func:`flashcodec.kernels.naive.decode_attention_naive` for the arguments.
+    """
+    if scale is None:
+        scale = 1.0 / math.sqrt(query.shape[-1])
+    m, denom, acc = decode_attention_partials_triton(
+        query, keys, values, scale=scale, key_mask=key_mask, blocks_per_split=blocks_per_split, tile=tile
+    )
+    return combine_partials_triton(m, denom, acc, query.dtype)
