@@ -130,14 +130,15 @@ class Adapter(ABC):
     def snapshot_array(self, array: Any) -> np.ndarray:
         """A numpy copy of any held array with its exact bits (float or integer codes).
 
-        Used to prove a rejected call changed nothing. Default: ``np.array(array)`` when numpy
+        Used to prove a rejected call changed nothing. Default: ``np.asarray(array).copy()`` when numpy
         can take it (numpy, CPU torch, mlx non-bfloat16 arrays), else ``to_numpy`` (exact for
         bfloat16 and for 8/16-bit integer codes). Override for packed 32-bit codes on a device.
         """
         array = self.sync(array)
         if self.dtype_name(array) != "bfloat16":
             try:
-                return np.array(array, copy=True)
+                # asarray then copy: np.array(copy=True) warns on torch's __array__ under numpy 2
+                return np.asarray(array).copy()
             except (TypeError, ValueError, RuntimeError):
                 pass
         return np.array(self.to_numpy(array), copy=True)
