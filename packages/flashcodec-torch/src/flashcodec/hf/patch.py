@@ -48,13 +48,16 @@ class FlashCodecPatch:
         options: the codec keywords and ``per_layer`` every new cache is built with.
         original_generate: what the instance's ``__dict__`` held under ``generate`` before
             (a sentinel when it held nothing, the usual case).
-        last_cache: a weak reference to the cache of the latest patched ``generate`` call.
+        last_cache: a weak reference to the cache of the latest patched ``generate`` call (weak,
+            so the patch never keeps a finished generation's cache alive).
+        caches_built: how many ``generate`` calls got a codec cache from this patch.
     """
 
     model_ref: weakref.ReferenceType
     options: dict[str, Any]
     original_generate: Any = _MISSING
     last_cache: weakref.ReferenceType | None = None
+    caches_built: int = 0
     _undo: list[Callable[[], None]] = dataclasses.field(default_factory=list)
 
     def on_remove(self, undo: Callable[[], None]) -> None:
@@ -71,6 +74,7 @@ class FlashCodecPatch:
             else FlashCodecCache(**self.options)
         )
         self.last_cache = weakref.ref(cache)
+        self.caches_built += 1
         return cache
 
     def remove(self) -> None:
