@@ -55,3 +55,7 @@ def make_tiny_qwen3(seed: int = 0, **overrides) -> qwen3.Model:
 @pytest.fixture(scope="session")
 def tiny_model() -> qwen3.Model:
     return make_tiny_qwen3()
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: takes more than a few seconds (still runs by default)")

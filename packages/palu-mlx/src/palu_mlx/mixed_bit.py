@@ -241,14 +241,19 @@ class MixedBitCoder:
 
     # -- affine group quantization along the channel axis
     def _grouped(self, x: mx.array, fill_edge: bool) -> mx.array:
-        """``[..., n]`` -> ``[..., n_groups, group_size]``, padding the last group."""
+        """``[..., n]`` -> ``[..., n_groups, g]``, padding the last group.
+
+        ``g = min(group_size, n)``: a segment narrower than ``group_size`` is one group
+        and needs no padding (the same groups as padding it, without the wasted work).
+        """
         n = x.shape[-1]
-        n_groups = -(-n // self.group_size)
-        pad = n_groups * self.group_size - n
+        g = min(self.group_size, n)
+        n_groups = -(-n // g)
+        pad = n_groups * g - n
         if pad:
             edge = x[..., -1:] if fill_edge else mx.zeros_like(x[..., -1:])
             x = mx.concatenate([x, mx.repeat(edge, pad, axis=-1)], axis=-1)
-        return x.reshape(*x.shape[:-1], n_groups, self.group_size)
+        return x.reshape(*x.shape[:-1], n_groups, g)
 
     def _quantize(self, x: mx.array, bits: int) -> tuple[mx.array, mx.array, mx.array]:
         levels = (1 << bits) - 1

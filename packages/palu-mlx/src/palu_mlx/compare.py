@@ -1,0 +1,345 @@
+"""``palu-mlx compare``: every palu tier beside mlx-lm's own caches, on one model, in one run.
+
+    palu-mlx compare                                   # the repository's embedded model, all tiers
+    python -m palu_mlx.compare --model mlx-community/Llama-3.2-1B-Instruct-4bit --text notes.txt
+    palu-mlx compare --tiers default,r8-4bit --peers mlx-lm-q4 --json out.json --plot out.png
+
+Candidates, all built for the loaded model's layers (layers whose default cache is not mlx-lm's
+plain ``KVCache``, e.g. rotating windows or SSM state, keep their default in every candidate):
+
+* ``baseline``: mlx-lm's ``KVCache`` (uncompressed, the model's dtype);
+* tiers: the conformance tiers of :mod:`palu_mlx.spec` (same names), sized for the model's head
+  dim, with the default head grouping (the largest divisor of the KV head count up to 4);
+* peers: mlx-lm's ``QuantizedKVCache`` at 8 and 4 bits (group size 64, or 32 for head dims 64
+  does not divide).
+
+The measuring protocol, the JSON layout and the table are :mod:`kvspec.report`'s, shared with
+``flashcodec compare``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from kvspec import KVConfigError, embedded_model_path
+from kvspec.adapter import flatten_arrays
+from kvspec.report import (
+    Candidate,
+    CompareError,
+    KVBytes,
+    Settings,
+    add_common_arguments,
+    build_result,
+    load_eval_text,
+    load_prompts,
+    measure,
+    parse_selection,
+    plot_comparison,
+    render_table,
+    run_cli,
+    text_digest,
+    text_windows,
+    write_json,
+)
+from mlx.utils import tree_flatten
+
+from .builder import KVCacheBuilder, model_kv_dims
+from .config import KVCacheConfig
+from .spec import TIERS
+
+__all__ = ["TIER_NAMES", "PEER_BITS", "tier_config", "load_model", "MLXRunner", "build_candidates", "main"]
+
+TOOL = "palu-mlx compare"
+PACKAGES = ("palu-mlx", "kvcache-spec", "mlx", "mlx-lm", "numpy", "transformers")
+
+#: tier names, identical to the conformance tiers of palu_mlx.spec
+TIER_NAMES: tuple[str, ...] = tuple(TIERS)
+
+_TIER_TEXT = {
+    "full-rank-fp16": "rank = head dim, latents unquantized: the change of basis alone",
+    "r16-fp16": "rank 16, latents unquantized: low-rank error only",
+    "default": "the documented defaults: rank from 90% singular-value energy, top 25% of latent "
+    "channels 4-bit, the rest 2-bit",
+    "r8-4bit": "rank 8, every latent channel 4-bit",
+}
+
+#: peer name -> bits of mlx-lm's QuantizedKVCache
+PEER_BITS: dict[str, int] = {"mlx-lm-q8": 8, "mlx-lm-q4": 4}
+
+_HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+
+
+def tier_config(name: str, head_dim: int, n_kv_heads: int | None) -> KVCacheConfig:
+    """The :class:`KVCacheConfig` of tier ``name`` for a model with ``head_dim`` and ``n_kv_heads``.
+
+    The tier keeps its rank and bit widths from :data:`palu_mlx.spec.TIERS` (full rank becomes
+    the model's head dim; ranks are capped at it) and takes the default head grouping: the largest
+    divisor of ``n_kv_heads`` not above ``KVCacheConfig().palu_n_head_groups``.
+    """
+    base = TIERS[name]
+    default_groups = KVCacheConfig().palu_n_head_groups
+    groups = max(g for g in range(1, default_groups + 1) if not n_kv_heads or n_kv_heads % g == 0)
+    rank = base.palu_rank
+    if name == "full-rank-fp16":
+        rank = head_dim
+    elif rank is not None:
+        rank = min(rank, head_dim)
+    return dataclasses.replace(base, head_dim=head_dim, palu_rank=rank, palu_n_head_groups=groups)
+
+
+def load_model(model: str | None) -> tuple[Any, Any, dict[str, Any]]:
+    """``(model, tokenizer, info)`` for a local directory, a hub id, or (None) the embedded model.
+
+    Raises CompareError with one line when the path is not a model or mlx-lm cannot load it.
+    """
+    import mlx_lm
+
+    if model is None:
+        try:
+            source: str = str(embedded_model_path())
+        except FileNotFoundError as err:
+            raise CompareError(f"no --model given and {err}") from None
+    else:
+        source = model
+        path = Path(model).expanduser()
+        if path.exists():
+            if not (path / "config.json").is_file():
+                raise CompareError(f"--model {model!r} is not a model directory (it has no config.json)")
+            source = str(path)
+        elif not _HUB_ID.match(model):
+            raise CompareError(f"--model {model!r} is neither a local directory nor a hub id like org/name")
+    try:
+        loaded, tokenizer = mlx_lm.load(source)[:2]
+    except Exception as err:  # mlx-lm raises ValueError, OSError, hub errors ...; one line for the user
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise CompareError(
+            f"--model {source!r}: mlx-lm cannot load it ({type(err).__name__}: {first})"
+        ) from None
+    head_dim, n_kv = model_kv_dims(loaded)
+    weights = tree_flatten(loaded.parameters())
+    info = {
+        "name": Path(source).name if Path(source).exists() else source,
+        "source": source,
+        "architecture": getattr(loaded, "model_type", None)
+        or getattr(getattr(loaded, "args", None), "model_type", None),
+        "layers": len(loaded.layers),
+        "kv_heads": n_kv,
+        "head_dim": head_dim,
+        "dtype": str(weights[0][1].dtype).replace("mlx.core.", "") if weights else None,
+        "weights_bytes": sum(v.nbytes for _, v in weights),
+        "framework": f"mlx {mx.__version__}",
+    }
+    return loaded, tokenizer, info
+
+
+class MLXRunner:
+    """Drives an mlx-lm model for :func:`kvspec.report.measure` (batch 1, greedy)."""
+
+    peak_label = (
+        "MLX allocator peak (mx.get_peak_memory) during the candidate's run, minus the memory "
+        "already allocated before it (weights): cache, activations and logits"
+    )
+
+    def __init__(self, model: Any, tokenizer: Any):
+        self.model = model
+        self.tokenizer = tokenizer
+        self._active_before = 0
+
+    def _logits(self, cache: list[Any], tokens: list[int]) -> np.ndarray:
+        logits = self.model(mx.array(tokens, dtype=mx.int32)[None], cache=cache)[0, -1]
+        return np.array(logits.astype(mx.float32))  # np.array evaluates: the call is done when it returns
+
+    def prefill(self, cache: list[Any], tokens: Sequence[int]) -> np.ndarray:
+        return self._logits(cache, list(tokens))
+
+    def step(self, cache: list[Any], token: int) -> np.ndarray:
+        return self._logits(cache, [int(token)])
+
+    def kv_bytes(self, cache: list[Any]) -> KVBytes:
+        # every cache here reports the bytes of its arrays at their grown capacity
+        return KVBytes(held=sum(int(c.nbytes) for c in cache))
+
+    def raw_bytes(self, cache: list[Any]) -> int:
+        # mlx-lm's state cuts the K/V buffers to the tokens held
+        return sum(int(a.nbytes) for c in cache for a in flatten_arrays(c.state))
+
+    def reset_peak(self) -> None:
+        gc.collect()
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        self._active_before = mx.get_active_memory()
+
+    def peak_bytes(self) -> int | None:
+        return max(0, mx.get_peak_memory() - self._active_before)
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(tokens))
+
+
+def _default_caches(model: Any) -> list[Any]:
+    from mlx_lm.models.cache import make_prompt_cache
+
+    return make_prompt_cache(model)
+
+
+def build_candidates(model: Any, tiers: Sequence[str], peers: Sequence[str]) -> list[Candidate]:
+    """Baseline, then the chosen tiers, then the chosen peers, each checked against the model.
+
+    Raises CompareError (one line) when palu cannot serve the model.
+    """
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+    head_dim, n_kv = model_kv_dims(model)
+    if head_dim is None:
+        raise CompareError("--model: cannot read the head dim from the model's args; palu needs it")
+    dtype = str(_default_dtype(model))
+    out = [
+        Candidate(
+            "baseline",
+            "baseline",
+            f"mlx-lm KVCache, uncompressed ({dtype})",
+            lambda: _default_caches(model),
+            {},
+        )
+    ]
+    for name in tiers:
+        config = tier_config(name, head_dim, n_kv)
+        try:
+            KVCacheBuilder.for_model(model, config)  # validate now, not after the baseline ran
+        except KVConfigError as err:
+            raise CompareError(f"--model: palu cannot serve this model with tier {name!r}: {err}") from None
+        out.append(
+            Candidate(
+                name,
+                "tier",
+                _TIER_TEXT.get(name, name),
+                lambda config=config: KVCacheBuilder.for_model(model, config),
+                dataclasses.asdict(config),
+            )
+        )
+    group = 64 if head_dim % 64 == 0 else 32
+    for name in peers:
+        bits = PEER_BITS[name]
+
+        def make(bits: int = bits) -> list[Any]:
+            return [
+                QuantizedKVCache(group_size=group, bits=bits) if type(c) is KVCache else c
+                for c in _default_caches(model)
+            ]
+
+        out.append(
+            Candidate(
+                name,
+                "peer",
+                f"mlx-lm QuantizedKVCache, {bits}-bit, group size {group}",
+                make,
+                {"class": "mlx_lm.models.cache.QuantizedKVCache", "bits": bits, "group_size": group},
+            )
+        )
+    return out
+
+
+def _default_dtype(model: Any) -> Any:
+    weights = tree_flatten(model.parameters())
+    return weights[0][1].dtype if weights else None
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="palu-mlx compare",
+        description="Compare palu-mlx tiers with mlx-lm's KVCache and QuantizedKVCache on one model: "
+        "KV bytes held, peak memory, perplexity, greedy token match, decode and prefill speed.",
+    )
+    add_common_arguments(parser, TIER_NAMES, tuple(PEER_BITS))
+    return parser
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    args = _parser().parse_args(argv)
+    if args.list:
+        for name in TIER_NAMES:
+            print(f"tier  {name:16s} {_TIER_TEXT.get(name, '')}")
+        for name, bits in PEER_BITS.items():
+            print(f"peer  {name:16s} mlx-lm QuantizedKVCache, {bits}-bit")
+        return 0
+    tiers = parse_selection(args.tiers, TIER_NAMES, "--tiers")
+    peers = parse_selection(args.peers, tuple(PEER_BITS), "--peers")
+    settings = Settings(args.windows, args.context_tokens, args.scored_tokens, args.new_tokens)
+    text, text_path = load_eval_text(args.text)
+    prompt_texts = load_prompts(args.prompt, args.prompts)
+    if args.plot:
+        _check_matplotlib()
+
+    model, tokenizer, info = load_model(args.model)
+    candidates = build_candidates(model, tiers, peers)
+    windows = text_windows(tokenizer.encode(text, add_special_tokens=False), settings)
+    if prompt_texts is None:
+        prompts = [w[: settings.context_tokens] for w in windows]
+        prompt_source = "the context of each window"
+    else:
+        prompts = [tokenizer.encode(p) for p in prompt_texts]
+        prompt_source = "--prompt / --prompts"
+    _check_lengths(model, settings, prompts)
+
+    runner = MLXRunner(model, tokenizer)
+    rows = measure(runner, candidates, windows, prompts, settings, progress=not args.quiet)
+    result = build_result(
+        tool=TOOL,
+        packages=PACKAGES,
+        model=info,
+        settings=settings,
+        inputs={
+            "text": str(text_path),
+            "text_sha256": text_digest(text),
+            "prompts": len(prompts),
+            "prompt_source": prompt_source,
+            "prompt_texts": prompt_texts,
+            "device": str(mx.default_device()),
+        },
+        peak_label=MLXRunner.peak_label,
+        rows=rows,
+    )
+    print(render_table(result))
+    if args.json:
+        print(f"\nJSON: {write_json(args.json, result)}")
+    if args.plot:
+        print(f"chart: {plot_comparison(result, args.plot)}")
+    return 0
+
+
+def _check_matplotlib() -> None:
+    # fail before minutes of measuring, not after
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise CompareError(
+            "--plot needs matplotlib, which is not installed: pip install matplotlib"
+        ) from None
+
+
+def _check_lengths(model: Any, settings: Settings, prompts: list[list[int]]) -> None:
+    limit = getattr(getattr(model, "args", None), "max_position_embeddings", None)
+    longest = max(settings.window_tokens, max(len(p) for p in prompts) + settings.new_tokens)
+    if limit and longest > limit:
+        raise CompareError(
+            f"the run needs {longest} positions but the model allows {limit}: "
+            "shorten --context-tokens / --scored-tokens / --new-tokens or the prompts"
+        )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``palu-mlx compare`` / ``python -m palu_mlx.compare``; returns the exit code."""
+    return run_cli(_main, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
