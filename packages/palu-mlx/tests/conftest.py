@@ -1,55 +1,10 @@
-"""Shared fixtures: seeded synthetic K/V and a tiny random-weight mlx-lm qwen3 built in memory."""
+"""Fixtures of the palu-mlx tests; helpers live in palu_helpers.py."""
 
 from __future__ import annotations
 
-import mlx.core as mx
 import pytest
 from mlx_lm.models import qwen3
-
-
-def planted_lowrank(shape, rank: int, seed: int = 0, noise: float = 0.0, dtype=mx.float32) -> mx.array:
-    """``[B, H, S, D]`` data that lies (up to ``noise``) in a shared rank-``rank`` subspace plus a mean."""
-    b, h, s, d = shape
-    key = mx.random.key(seed)
-    k1, k2, k3, k4 = mx.random.split(key, 4)
-    basis = mx.linalg.qr(mx.random.normal((d, rank), key=k1), stream=mx.cpu)[0]
-    coeffs = mx.random.normal((b, h, s, rank), key=k2) * mx.linspace(3.0, 1.0, rank)
-    mean = mx.random.normal((d,), key=k3)
-    x = coeffs @ basis.T + mean + noise * mx.random.normal(shape, key=k4)
-    return x.astype(dtype)
-
-
-def gaussian(shape, seed: int = 0, dtype=mx.float32) -> mx.array:
-    return mx.random.normal(shape, key=mx.random.key(seed)).astype(dtype)
-
-
-def rel_err(x_hat: mx.array, x: mx.array) -> float:
-    x32, y32 = x.astype(mx.float32), x_hat.astype(mx.float32)
-    return (mx.linalg.norm((y32 - x32).reshape(-1)) / mx.linalg.norm(x32.reshape(-1))).item()
-
-
-TINY_ARGS = dict(
-    model_type="qwen3",
-    hidden_size=64,
-    num_hidden_layers=2,
-    intermediate_size=128,
-    num_attention_heads=8,
-    rms_norm_eps=1e-6,
-    vocab_size=256,
-    num_key_value_heads=4,
-    max_position_embeddings=4096,
-    head_dim=32,
-    tie_word_embeddings=True,
-    rope_theta=10000.0,
-)
-
-
-def make_tiny_qwen3(seed: int = 0, **overrides) -> qwen3.Model:
-    """A seeded random-weight qwen3 (GQA: 8 query heads, 4 KV heads, head_dim 32), float32."""
-    mx.random.seed(seed)
-    model = qwen3.Model(qwen3.ModelArgs(**{**TINY_ARGS, **overrides}))
-    mx.eval(model.parameters())
-    return model
+from palu_helpers import make_tiny_qwen3
 
 
 @pytest.fixture(scope="session")

@@ -6,10 +6,10 @@ import mlx.core as mx
 import mlx_lm
 import palu_mlx.cache as palu_cache_module
 import pytest
-from conftest import make_tiny_qwen3
 from kvspec import KVConfigError
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache, make_prompt_cache
+from palu_helpers import make_tiny_qwen3
 from palu_mlx import (
     KVCacheBuilder,
     KVCacheConfig,

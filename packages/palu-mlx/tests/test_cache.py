@@ -5,8 +5,8 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import gaussian, planted_lowrank, rel_err
 from kvspec import KVConfigError, KVDtypeError, KVShapeError, KVTrimError, KVValueError
+from palu_helpers import gaussian, planted_lowrank, rel_err
 from palu_mlx import KVCacheConfig, NaiveQuantKVCache, PaluKVCache, naive_roundtrip
 
 D = 64

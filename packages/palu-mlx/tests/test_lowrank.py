@@ -5,8 +5,8 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import gaussian, planted_lowrank
 from kvspec import KVConfigError
+from palu_helpers import gaussian, planted_lowrank
 from palu_mlx import fit_group_projection, project, reconstruct, select_rank
 from palu_mlx.lowrank import group_spectrum
 

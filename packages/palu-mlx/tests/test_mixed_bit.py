@@ -5,7 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import gaussian
+from palu_helpers import gaussian
 from palu_mlx import FixedSplitPolicy, MixedBitCoder, Segment, UniformPolicy
 from palu_mlx.mixed_bit import pack_codes, unpack_codes
 

@@ -39,16 +39,16 @@ from kvspec.report import (
     Settings,
     add_common_arguments,
     build_result,
+    check_positions,
+    emit,
     load_eval_text,
     load_prompts,
     measure,
     parse_selection,
-    plot_comparison,
-    render_table,
+    prepare_tokens,
+    require_matplotlib,
     run_cli,
     text_digest,
-    text_windows,
-    write_json,
 )
 from mlx.utils import tree_flatten
 
@@ -277,18 +277,18 @@ def _main(argv: Sequence[str] | None) -> int:
     text, text_path = load_eval_text(args.text)
     prompt_texts = load_prompts(args.prompt, args.prompts)
     if args.plot:
-        _check_matplotlib()
+        require_matplotlib()
 
     model, tokenizer, info = load_model(args.model)
     candidates = build_candidates(model, tiers, peers)
-    windows = text_windows(tokenizer.encode(text, add_special_tokens=False), settings)
-    if prompt_texts is None:
-        prompts = [w[: settings.context_tokens] for w in windows]
-        prompt_source = "the context of each window"
-    else:
-        prompts = [tokenizer.encode(p) for p in prompt_texts]
-        prompt_source = "--prompt / --prompts"
-    _check_lengths(model, settings, prompts)
+    windows, prompts, prompt_source = prepare_tokens(
+        lambda t: tokenizer.encode(t, add_special_tokens=False),
+        tokenizer.encode,
+        text,
+        prompt_texts,
+        settings,
+    )
+    check_positions(getattr(getattr(model, "args", None), "max_position_embeddings", None), settings, prompts)
 
     runner = MLXRunner(model, tokenizer)
     rows = measure(runner, candidates, windows, prompts, settings, progress=not args.quiet)
@@ -308,32 +308,8 @@ def _main(argv: Sequence[str] | None) -> int:
         peak_label=MLXRunner.peak_label,
         rows=rows,
     )
-    print(render_table(result))
-    if args.json:
-        print(f"\nJSON: {write_json(args.json, result)}")
-    if args.plot:
-        print(f"chart: {plot_comparison(result, args.plot)}")
+    emit(result, args.json, args.plot)
     return 0
-
-
-def _check_matplotlib() -> None:
-    # fail before minutes of measuring, not after
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        raise CompareError(
-            "--plot needs matplotlib, which is not installed: pip install matplotlib"
-        ) from None
-
-
-def _check_lengths(model: Any, settings: Settings, prompts: list[list[int]]) -> None:
-    limit = getattr(getattr(model, "args", None), "max_position_embeddings", None)
-    longest = max(settings.window_tokens, max(len(p) for p in prompts) + settings.new_tokens)
-    if limit and longest > limit:
-        raise CompareError(
-            f"the run needs {longest} positions but the model allows {limit}: "
-            "shorten --context-tokens / --scored-tokens / --new-tokens or the prompts"
-        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
