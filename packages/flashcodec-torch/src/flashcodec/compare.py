@@ -1,0 +1,477 @@
+"""``flashcodec compare``: every flashcodec tier beside transformers' own caches, on one model, in one run.
+
+    flashcodec compare                                  # the repository's embedded model, all tiers
+    python -m flashcodec.compare --model Qwen/Qwen3-0.6B --device cuda --text notes.txt
+    flashcodec compare --tiers jpeg-k8-int8 --peers none --json out.json --plot out.png
+
+Candidates (needs transformers >= 5, the ``hf`` extra):
+
+* ``baseline``: transformers' ``DynamicCache`` (uncompressed, the model's dtype);
+* tiers: the conformance tiers of :mod:`flashcodec.spec` (same names) as a
+  :class:`flashcodec.hf.FlashCodecCache` on every full-attention layer, plus ``jpeg-k2-int8-mf``:
+  the same cache as ``jpeg-k2-int8`` with materialization-free decode attention
+  (:func:`flashcodec.hf.codec_attention.apply_codec_attention`, removed again after its run);
+* peers: transformers' ``QuantizedCache`` with each backend that works here (``hqq`` 8 and 4
+  bits, ``quanto`` 4 bits: optional packages; ``fp8``: built in). A backend that cannot be built
+  is listed under ``absent`` with the exact error.
+
+The measuring protocol, the JSON layout and the table are :mod:`kvspec.report`'s, shared with
+``palu-mlx compare``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import gc
+import re
+import sys
+import warnings
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from kvspec import KVSpecError, embedded_model_path
+from kvspec.report import (
+    Candidate,
+    CompareError,
+    KVBytes,
+    Settings,
+    add_common_arguments,
+    build_result,
+    check_positions,
+    emit,
+    load_eval_text,
+    load_prompts,
+    measure,
+    parse_selection,
+    prepare_tokens,
+    require_matplotlib,
+    run_cli,
+    text_digest,
+)
+
+from .spec import TIERS
+
+__all__ = ["TIER_NAMES", "PEERS", "load_model", "TorchRunner", "RSSPeak", "build_candidates", "main"]
+
+TOOL = "flashcodec compare"
+PACKAGES = ("flashcodec-kv", "kvcache-spec", "torch", "transformers", "numpy", "hqq", "optimum-quanto")
+
+_MF = "jpeg-k2-int8-mf"
+#: tier names: the conformance tiers of flashcodec.spec, then the materialization-free variant
+TIER_NAMES: tuple[str, ...] = (*TIERS, _MF)
+
+_TIER_TEXT = {
+    "png-keep1": "png, anchor + all deltas (fp64): lossless",
+    "jpeg-k8": "jpeg, all 8 DCT coefficients of each 8-token block (lossless basis, rounding only)",
+    "jpeg-k8-int8": "jpeg, all 8 coefficients stored int8 with a scale per (block, frequency)",
+    "jpeg-k4": "jpeg, lowest 4 of 8 coefficients",
+    "jpeg-k2": "jpeg, lowest 2 of 8 coefficients",
+    "jpeg-k2-int8": "jpeg, lowest 2 of 8 coefficients, int8",
+    _MF: "jpeg-k2-int8 with materialization-free decode attention (attention on the stored coefficients)",
+}
+
+#: peer name -> (QuantizedCache backend, nbits or None)
+PEERS: dict[str, tuple[str, int | None]] = {
+    "hf-hqq-q8": ("hqq", 8),
+    "hf-hqq-q4": ("hqq", 4),
+    "hf-quanto-q4": ("quanto", 4),
+    "hf-fp8": ("fp8", None),
+}
+
+_HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# --------------------------------------------------------------------------- model
+def load_model(model: str | None, device: str, dtype: str) -> tuple[Any, Any, dict[str, Any]]:
+    """``(model, tokenizer, info)`` for a local directory, a hub id, or (None) the embedded model.
+
+    ``dtype``: ``"auto"`` (float32 on CPU, bfloat16 on CUDA) or a name in float32 / bfloat16 /
+    float16. Raises CompareError with one line when the path is not a model or it cannot be loaded.
+    """
+    try:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+    except ImportError:
+        raise CompareError('flashcodec compare needs transformers: pip install "flashcodec-kv[hf]"') from None
+    if model is None:
+        try:
+            source: str = str(embedded_model_path())
+        except FileNotFoundError as err:
+            raise CompareError(f"no --model given and {err}") from None
+        local = True
+    else:
+        path = Path(model).expanduser()
+        local = path.exists()
+        if local and not (path / "config.json").is_file():
+            raise CompareError(f"--model {model!r} is not a model directory (it has no config.json)")
+        if not local and not _HUB_ID.match(model):
+            raise CompareError(f"--model {model!r} is neither a local directory nor a hub id like org/name")
+        source = str(path) if local else model
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise CompareError(f"--device {device!r}: CUDA is not available here; use --device cpu")
+    torch_dtype = (
+        (torch.float32 if device == "cpu" else torch.bfloat16) if dtype == "auto" else _DTYPES[dtype]
+    )
+    try:
+        loaded = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, local_files_only=local)
+        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local)
+    except Exception as err:  # ValueError (unknown architecture), OSError (files), hub errors: one line
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise CompareError(
+            f"--model {source!r}: transformers cannot load it ({type(err).__name__}: {first})"
+        ) from None
+    loaded = loaded.to(device).eval()
+    # the held-out text is tokenized whole, then cut into windows; the length warning does not apply
+    tokenizer.model_max_length = int(1e12)
+    text = loaded.config.get_text_config(decoder=True)
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    info = {
+        "name": Path(source).name if local else source,
+        "source": source,
+        "architecture": text.model_type,
+        "layers": text.num_hidden_layers,
+        "kv_heads": getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
+        "head_dim": head_dim,
+        "dtype": str(torch_dtype).replace("torch.", ""),
+        "weights_bytes": sum(p.nbytes for p in loaded.parameters()),
+        "framework": f"torch {torch.__version__}",
+    }
+    return loaded, tokenizer, info
+
+
+# --------------------------------------------------------------------------- memory
+class RSSPeak:
+    """Peak resident memory of this process above its level at :meth:`reset` (Linux).
+
+    Linux keeps the high-water mark ``VmHWM`` and lets a process reset it to the current RSS by
+    writing ``5`` to ``/proc/self/clear_refs``. Freed heap is first handed back (``malloc_trim``)
+    so a candidate measured after another does not reuse the earlier one's pages unseen.
+    ``available`` is False elsewhere (then ``peak`` is None).
+    """
+
+    label = (
+        "process resident memory (Linux VmHWM) high-water mark during the candidate's run, above the "
+        "resident memory at its start (after malloc_trim): cache, activations, logits and allocator slack"
+    )
+
+    def __init__(self) -> None:
+        self._start = 0
+        self._libc = None
+        try:
+            self._libc = ctypes.CDLL("libc.so.6")
+        except OSError:
+            pass
+        self.available = Path("/proc/self/clear_refs").exists()
+
+    @staticmethod
+    def _status(field: str) -> int:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+        raise KeyError(field)
+
+    def reset(self) -> None:
+        if not self.available:
+            return
+        if self._libc is not None:
+            self._libc.malloc_trim(0)
+        try:
+            Path("/proc/self/clear_refs").write_text("5")
+        except OSError:
+            self.available = False
+            return
+        self._start = self._status("VmRSS")
+
+    def peak(self) -> int | None:
+        if not self.available:
+            return None
+        return max(0, self._status("VmHWM") - self._start)
+
+
+class TorchRunner:
+    """Drives a transformers causal LM for :func:`kvspec.report.measure` (batch 1, greedy)."""
+
+    def __init__(self, model: Any, tokenizer: Any, device: str):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = torch.device(device)
+        self._cuda = self.device.type == "cuda"
+        self._rss = RSSPeak()
+        self._cuda_start = 0
+        if self._cuda:
+            self.peak_label = (
+                "torch.cuda.max_memory_allocated during the candidate's run minus memory allocated "
+                "before it (weights): cache, activations and logits"
+            )
+        elif self._rss.available:
+            self.peak_label = RSSPeak.label
+        else:
+            self.peak_label = "not measured: no CUDA and no Linux /proc/self/clear_refs on this machine"
+
+    def _logits(self, cache: Any, ids: list[int]) -> np.ndarray:
+        with torch.inference_mode():
+            out = self.model(
+                input_ids=torch.tensor([ids], device=self.device),
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        return out.logits[0, -1].float().cpu().numpy()  # .cpu() waits for the device
+
+    def prefill(self, cache: Any, tokens: Sequence[int]) -> np.ndarray:
+        return self._logits(cache, list(tokens))
+
+    def step(self, cache: Any, token: int) -> np.ndarray:
+        return self._logits(cache, [int(token)])
+
+    def kv_bytes(self, cache: Any) -> KVBytes:
+        return cache_bytes(cache)
+
+    def raw_bytes(self, cache: Any) -> int:
+        # DynamicCache layers hold exactly the tokens seen (torch.cat), no spare capacity
+        return cache_bytes(cache).held
+
+    def reset_peak(self) -> None:
+        gc.collect()
+        if self._cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._cuda_start = torch.cuda.memory_allocated(self.device)
+        else:
+            self._rss.reset()
+
+    def peak_bytes(self) -> int | None:
+        if self._cuda:
+            return max(0, torch.cuda.max_memory_allocated(self.device) - self._cuda_start)
+        return self._rss.peak()
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(tokens), skip_special_tokens=True)
+
+
+def tensor_bytes(obj: Any) -> int:
+    """Bytes of every tensor in ``obj`` (tensors, tuples, lists, dicts). Tensor subclasses that wrap
+    packed data (optimum-quanto's QTensor) are counted by their inner tensors, not their logical size."""
+    if isinstance(obj, torch.Tensor):
+        flatten = getattr(type(obj), "__tensor_flatten__", None)
+        if flatten is not None:
+            names, _ = obj.__tensor_flatten__()
+            return sum(tensor_bytes(getattr(obj, name)) for name in names)
+        return obj.nbytes
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (tuple, list)):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0
+
+
+def cache_bytes(cache: Any) -> KVBytes:
+    """Measured bytes of a transformers cache: FlashCodecCache (held = archive + raw tail, resident
+    adds spare archive capacity and the memoized view), QuantizedCache (quantized states plus the
+    full-precision residual), DynamicCache (keys and values)."""
+    from .hf import FlashCodecCache
+
+    if isinstance(cache, FlashCodecCache):
+        storage = cache.storage_bytes()
+        native = cache.native_nbytes()
+        return KVBytes(held=storage.held + native, resident=storage.resident + native)
+    held = 0
+    for layer in cache.layers:
+        for name in ("_quantized_keys", "_quantized_values", "keys", "values"):
+            held += tensor_bytes(getattr(layer, name, None))
+        for name in ("conv_states", "recurrent_states"):
+            held += tensor_bytes(getattr(layer, name, None))
+    return KVBytes(held=held)
+
+
+# --------------------------------------------------------------------------- candidates
+def _peer_factory(model: Any, backend: str, nbits: int | None) -> Any:
+    from transformers import QuantizedCache
+
+    kwargs = {} if nbits is None else {"nbits": nbits}
+    return lambda: QuantizedCache(backend=backend, config=model.config, **kwargs)
+
+
+def build_candidates(
+    model: Any, tiers: Sequence[str], peers: Sequence[str]
+) -> tuple[list[Candidate], list[dict]]:
+    """Baseline, the chosen tiers and the chosen peers that work here; and the peers that do not.
+
+    Raises CompareError (one line) when flashcodec cannot serve the model.
+    """
+    from transformers import DynamicCache
+
+    from .hf import FlashCodecCache
+
+    dtype = str(next(model.parameters()).dtype).replace("torch.", "")
+    out = [
+        Candidate(
+            "baseline",
+            "baseline",
+            f"transformers DynamicCache, uncompressed ({dtype})",
+            lambda: DynamicCache(config=model.config),
+        )
+    ]
+    for name in tiers:
+        options = dict(TIERS[name.removesuffix("-mf")])
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", UserWarning)  # "no full-attention layer" is an error here
+                probe = FlashCodecCache.from_config(model.config, **options)
+        except (KVSpecError, UserWarning) as err:
+            raise CompareError(
+                f"--model: flashcodec cannot serve this model with tier {name!r}: {err}"
+            ) from None
+        if not probe.codec_layer_indices:
+            raise CompareError("--model: flashcodec cannot serve this model: it has no full-attention layer")
+        context = details = None
+        if name == _MF:
+            context, details = _codec_attention(model)
+        out.append(
+            Candidate(
+                name,
+                "tier",
+                _TIER_TEXT[name],
+                lambda options=options: FlashCodecCache.from_config(model.config, **options),
+                {"class": "flashcodec.hf.FlashCodecCache", **options, "materialization_free": name == _MF},
+                context=context,
+                details=details,
+            )
+        )
+    absent = []
+    for name in peers:
+        backend, nbits = PEERS[name]
+        make = _peer_factory(model, backend, nbits)
+        try:
+            make()
+        except (
+            Exception
+        ) as err:  # ImportError (backend not installed), ValueError (model): recorded as absent
+            reason = " ".join(f"{type(err).__name__}: {err}".split())
+            absent.append({"name": name, "kind": "peer", "reason": reason})
+            continue
+        bits = f"{nbits}-bit" if nbits else "per-tensor fp8"
+        group = "" if nbits is None else ", q_group_size 64, residual_length 128"
+        out.append(
+            Candidate(
+                name,
+                "peer",
+                f"transformers QuantizedCache(backend={backend!r}), {bits}{group}",
+                make,
+                {"class": "transformers.QuantizedCache", "backend": backend, "nbits": nbits},
+            )
+        )
+    return out, absent
+
+
+def _codec_attention(model: Any) -> tuple[Any, Any]:
+    from .hf.codec_attention import apply_codec_attention, remove_codec_attention
+
+    stats: dict[str, Any] = {}
+
+    @contextlib.contextmanager
+    def patched() -> Iterator[None]:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            stats["stats"] = apply_codec_attention(model)
+        try:
+            yield
+        finally:
+            remove_codec_attention(model)
+
+    def details() -> dict[str, Any]:
+        s = stats["stats"]
+        return {"decode_steps_on_codes": s.coded, "fallbacks": dict(s.fallbacks)}
+
+    return patched, details
+
+
+# --------------------------------------------------------------------------- command line
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="flashcodec compare",
+        description="Compare flashcodec tiers with transformers' DynamicCache and QuantizedCache on one "
+        "model: KV bytes held, peak memory, perplexity, greedy token match, decode and prefill speed.",
+    )
+    add_common_arguments(parser, TIER_NAMES, tuple(PEERS))
+    parser.add_argument(
+        "--device", default=None, help="cpu or cuda[:N] (default: cuda when available, else cpu)"
+    )
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", *_DTYPES),
+        help="model and cache dtype (default auto: float32 on CPU, bfloat16 on CUDA)",
+    )
+    return parser
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    args = _parser().parse_args(argv)
+    if args.list:
+        for name in TIER_NAMES:
+            print(f"tier  {name:16s} {_TIER_TEXT[name]}")
+        for name, (backend, nbits) in PEERS.items():
+            print(f"peer  {name:16s} transformers QuantizedCache(backend={backend!r}, nbits={nbits})")
+        return 0
+    tiers = parse_selection(args.tiers, TIER_NAMES, "--tiers")
+    peers = parse_selection(args.peers, tuple(PEERS), "--peers")
+    settings = Settings(args.windows, args.context_tokens, args.scored_tokens, args.new_tokens)
+    text, text_path = load_eval_text(args.text)
+    prompt_texts = load_prompts(args.prompt, args.prompts)
+    if args.plot:
+        require_matplotlib()
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+    model, tokenizer, info = load_model(args.model, device, args.dtype)
+    candidates, absent = build_candidates(model, tiers, peers)
+    windows, prompts, prompt_source = prepare_tokens(
+        lambda t: tokenizer.encode(t, add_special_tokens=False),
+        tokenizer.encode,
+        text,
+        prompt_texts,
+        settings,
+    )
+    limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    check_positions(limit, settings, prompts)
+
+    runner = TorchRunner(model, tokenizer, device)
+    with warnings.catch_warnings():
+        # transformers' deprecation notes on cache kwargs would interleave with the progress bar
+        warnings.simplefilter("ignore", FutureWarning)
+        rows = measure(runner, candidates, windows, prompts, settings, progress=not args.quiet)
+    result = build_result(
+        tool=TOOL,
+        packages=PACKAGES,
+        model=info,
+        settings=settings,
+        inputs={
+            "text": str(text_path),
+            "text_sha256": text_digest(text),
+            "prompts": len(prompts),
+            "prompt_source": prompt_source,
+            "prompt_texts": prompt_texts,
+            "device": device,
+            "torch_threads": torch.get_num_threads(),
+        },
+        peak_label=runner.peak_label,
+        rows=rows,
+        absent=absent,
+    )
+    emit(result, args.json, args.plot)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``flashcodec compare`` / ``python -m flashcodec.compare``; returns the exit code."""
+    return run_cli(_main, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
