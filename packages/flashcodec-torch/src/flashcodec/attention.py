@@ -43,8 +43,8 @@ __all__ = [
 ]
 
 BACKENDS = ("auto", "torch", "triton")
-#: archived blocks per torch chunk: bounds the fp32 temporaries (rows of one chunk) on long sequences
-TORCH_BLOCKS_PER_SPLIT = 2048
+#: bytes of fp32 rows one torch chunk may cast at once: bounds the temporaries on long sequences
+TORCH_CHUNK_BYTES = 2 << 20
 
 
 def triton_available() -> bool:
@@ -59,21 +59,21 @@ def triton_available() -> bool:
 def coded_rows(stream: CodecStream) -> CodedRows:
     """The stored rows of ``stream`` as the kernels read them: views into its archive, nothing decoded.
 
-    jpeg: ``first = coeffs[..., 0, :]``, ``rest = coeffs[..., 1:, :]`` (int8 or the input dtype),
-    ``scales = [B, H, n, K]`` fp32 with ``quant_bits=8``; png: ``first = anchors``, ``rest = deltas``.
+    jpeg: ``segments = (coeffs,)`` (int8 or the input dtype) and, with ``quant_bits=8``,
+    ``scales [B, H, n, K]`` fp32; png: ``segments = (anchors[..., None, :], deltas)``.
     """
     codec = stream.codec
     parts = stream.archived_parts()
     if isinstance(codec, JPEGCodec):
-        coeffs = parts[0]
+        segments = (parts[0],)
         scales = parts[1][..., 0] if codec.quant_bits == 8 else None
-        first, rest = coeffs[:, :, :, 0], coeffs[:, :, :, 1:]
     elif isinstance(codec, PNGCodec):
-        (first, rest), scales = parts, None
+        anchors, deltas = parts
+        segments, scales = (anchors.unsqueeze(3), deltas), None
     else:  # a codec this module does not know how to address
         raise KVConfigError(f"codec must be a JPEGCodec or PNGCodec; got {type(codec).__name__}")
     synthesis = codec.synthesis_matrix(torch.float32, stream.device)
-    return CodedRows(first, rest, scales, synthesis, stream.tail())
+    return CodedRows(segments, scales, synthesis, stream.tail())
 
 
 def additive_key_mask(key_mask: torch.Tensor | None, batch: int, seq_len: int) -> torch.Tensor | None:
@@ -154,6 +154,15 @@ def _check_call(
         raise KVConfigError(f"blocks_per_split must be None or an integer >= 1; got {blocks_per_split!r}")
 
 
+def _torch_chunk_blocks(keys: CodedRows, values: CodedRows) -> int:
+    """Blocks per torch chunk so that one chunk's fp32 rows stay within :data:`TORCH_CHUNK_BYTES`."""
+    # elements of one block over the batch and heads: B * H * R * D
+    per_block = max(
+        sum(math.prod(seg.shape) // max(1, seg.shape[2]) for seg in rows.segments) for rows in (keys, values)
+    )
+    return max(16, TORCH_CHUNK_BYTES // (4 * max(1, per_block)))
+
+
 @torch.no_grad()
 def codec_decode_attention(
     query: torch.Tensor,
@@ -179,7 +188,8 @@ def codec_decode_attention(
             left-padded batches.
         backend: ``"auto"``, ``"torch"`` or ``"triton"`` (see the module docstring).
         blocks_per_split: archived blocks per split (torch: per chunk; Triton: per program);
-            default chosen per backend.
+            default: torch chunks cast at most :data:`TORCH_CHUNK_BYTES` of rows to fp32 at a time;
+            Triton aims at ~256 programs.
 
     Returns:
         ``[B, Hq, 1, Dv]`` in ``query.dtype``; arithmetic in fp32 from the stored rows.
@@ -209,7 +219,7 @@ def codec_decode_attention(
             values,
             scale=scale,
             key_mask=mask,
-            blocks_per_split=blocks_per_split or TORCH_BLOCKS_PER_SPLIT,
+            blocks_per_split=blocks_per_split or _torch_chunk_blocks(keys, values),
         )
     return out.unsqueeze(2)
 

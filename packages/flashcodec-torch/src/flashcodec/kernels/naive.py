@@ -38,25 +38,23 @@ class CodedRows(NamedTuple):
     """One stream (keys or values) as the kernels read it, without decoding anything.
 
     Attributes:
-        first: row 0 of every archived block, ``[B, H, n, D]`` (jpeg: the DC coefficients, png:
-            the anchors); int8, fp16, bf16, fp32 or fp64.
-        rest: rows ``1 .. R-1``, ``[B, H, n, R-1, D]`` (jpeg: the other coefficients, png: the deltas).
-        scales: ``[B, H, n, R]`` fp32 dequantization scales per (block, row), or None (rows are floats).
+        segments: the stored rows of every archived block, split in one or two tensors
+            ``[B, H, n, R_i, D]`` whose rows, in order, are the ``R = sum R_i`` rows of a block
+            (jpeg: ``(coeffs,)``; png: ``(anchors[..., None, :], deltas)``); int8, fp16, bf16, fp32
+            or fp64; usually views into the archive buffers (no copy).
+        scales: ``[B, H, n, R]`` fp32 dequantization scales per (block, row), or None (float rows).
         synthesis: ``A [r, R]`` fp32 with ``block = A @ rows``.
         tail: raw tail tokens ``[B, H, t, D]`` (``t < r``), after the archived blocks.
-
-    ``first`` and ``rest`` are usually strided views into the archive buffers (no copy).
     """
 
-    first: torch.Tensor
-    rest: torch.Tensor
+    segments: tuple[torch.Tensor, ...]
     scales: torch.Tensor | None
     synthesis: torch.Tensor
     tail: torch.Tensor
 
     @property
     def n_blocks(self) -> int:
-        return self.first.shape[2]
+        return self.segments[0].shape[2]
 
     @property
     def block_size(self) -> int:
@@ -70,12 +68,50 @@ class CodedRows(NamedTuple):
 
 def dense_rows(rows: CodedRows, start: int, stop: int) -> torch.Tensor:
     """The dequantized rows of blocks ``start .. stop-1`` as fp32 ``[B, H, stop-start, R, D]`` (a copy)."""
-    dense = torch.cat(
-        [rows.first[:, :, start:stop, None, :].float(), rows.rest[:, :, start:stop].float()], dim=3
-    )
+    dense = torch.cat([seg[:, :, start:stop].float() for seg in rows.segments], dim=3)
     if rows.scales is not None:
         dense = dense * rows.scales[:, :, start:stop, :, None]
     return dense
+
+
+def _flat_rows(segment: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """Blocks ``start..stop-1`` of one segment as fp32 ``[B, H, nb * R_i, D]`` (int8 cast here)."""
+    b, h, _, rows, d = segment.shape
+    return segment[:, :, start:stop].reshape(b, h, (stop - start) * rows, d).float()
+
+
+def _row_dots(q: torch.Tensor, rows: CodedRows, start: int, stop: int) -> torch.Tensor:
+    """``q [B, Hkv, G, D]`` against the stored rows of blocks ``start..stop-1`` -> ``[B, Hkv, G, nb, R]``.
+
+    One matmul per segment on the rows as stored; the scales multiply the dot products, which
+    are ``D`` times fewer than the rows.
+    """
+    b, h, g, _ = q.shape
+    nb = stop - start
+    dots = [
+        (q @ _flat_rows(seg, start, stop).transpose(-1, -2)).reshape(b, h, g, nb, seg.shape[3])
+        for seg in rows.segments
+    ]
+    out = dots[0] if len(dots) == 1 else torch.cat(dots, dim=-1)
+    if rows.scales is not None:
+        out = out * rows.scales[:, :, None, start:stop]
+    return out
+
+
+def _weighted_rows(weights: torch.Tensor, rows: CodedRows, start: int, stop: int) -> torch.Tensor:
+    """``sum_{n, j} weights[..., n, j] * rows[n, j]``: ``weights [B, Hkv, G, nb, R]`` -> ``[B, Hkv, G, D]``."""
+    if rows.scales is not None:
+        weights = weights * rows.scales[:, :, None, start:stop]
+    b, h, g, nb, _ = weights.shape
+    out, offset = None, 0
+    for seg in rows.segments:
+        count = seg.shape[3]
+        part = weights[..., offset : offset + count].reshape(b, h, g, nb * count)
+        term = part @ _flat_rows(seg, start, stop)
+        out = term if out is None else out + term
+        offset += count
+    assert out is not None
+    return out
 
 
 def _softmax_partial(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -113,7 +149,7 @@ def decode_attention_partials(
         sees no token has ``m = EMPTY_MAX``, ``denom = 0``, ``acc = 0``.
     """
     b, hq, d = query.shape
-    hkv = keys.first.shape[1]
+    hkv = keys.segments[0].shape[1]
     g = hq // hkv
     r, n = keys.block_size, keys.n_blocks
     q = (query.float() * scale).reshape(b, hkv, g, d)
@@ -124,15 +160,13 @@ def decode_attention_partials(
         stop = min(start + step, n)
         nb = stop - start
         # q . S^T per stored row, then the synthesis matrix turns rows into token scores
-        rows_k = dense_rows(keys, start, stop)  # [B, Hkv, nb, Rk, D]
-        row_scores = torch.einsum("bhgd,bhnjd->bhgnj", q, rows_k)
-        scores = (row_scores @ a_k.T).reshape(b, hkv, g, nb * r)
+        scores = (_row_dots(q, keys, start, stop) @ a_k.T).reshape(b, hkv, g, nb * r)
         if key_mask is not None:
             scores = scores + key_mask[:, None, None, start * r : stop * r]
         m, denom, p = _softmax_partial(scores)
         # prob @ V_block = (prob @ A_v) @ S_v: weights per stored value row
         row_weights = p.reshape(b, hkv, g, nb, r) @ a_v  # [B, Hkv, G, nb, Rv]
-        acc = torch.einsum("bhgnj,bhnjd->bhgd", row_weights, dense_rows(values, start, stop))
+        acc = _weighted_rows(row_weights, values, start, stop)
         ms.append(m), ls.append(denom), accs.append(acc)
     # the raw tail: ordinary attention over at most r - 1 tokens
     tail_k, tail_v = keys.tail.float(), values.tail.float()

@@ -50,11 +50,11 @@ _EMPTY = tl.constexpr(EMPTY_MAX)
 @triton.jit
 def _codec_partial_kernel(
     Q, sqb, sqh, sqd,
-    K0, sk0b, sk0h, sk0n, sk0d,
+    K0, sk0b, sk0h, sk0n, sk0j, sk0d,
     K1, sk1b, sk1h, sk1n, sk1j, sk1d,
     KS, sksb, sksh, sksn, sksj,
     AK,
-    V0, sv0b, sv0h, sv0n, sv0d,
+    V0, sv0b, sv0h, sv0n, sv0j, sv0d,
     V1, sv1b, sv1h, sv1n, sv1j, sv1d,
     VS, svsb, svsh, svsn, svsj,
     AV,
@@ -63,7 +63,8 @@ def _codec_partial_kernel(
     MASK, smb, sms,
     M_OUT, L_OUT, ACC_OUT, smob, smoh, smos, saob, saoh, saos, saod,
     n_blocks, tail_len, n_splits, blocks_per_split, hkv, groups, dim, dim_v, scale,
-    R: tl.constexpr, RK: tl.constexpr, RV: tl.constexpr, RP: tl.constexpr,
+    R: tl.constexpr, RK: tl.constexpr, RK0: tl.constexpr, RV: tl.constexpr, RV0: tl.constexpr,
+    RP: tl.constexpr,
     GP: tl.constexpr, DP: tl.constexpr, DVP: tl.constexpr, TILE: tl.constexpr,
     HAS_KS: tl.constexpr, HAS_VS: tl.constexpr, HAS_MASK: tl.constexpr,
 ):  # fmt: skip
@@ -98,10 +99,10 @@ def _codec_partial_kernel(
             # scores[g, n, p] = sum_j (q[g] . S_k[n, j]) * A_k[p, j]
             scores = tl.zeros([GP, TILE, RP], tl.float32)
             for j in tl.static_range(RK):
-                if j == 0:
-                    ptr = K0 + b * sk0b + h * sk0h + n[:, None] * sk0n + d[None, :] * sk0d
+                if j < RK0:  # a compile-time choice of segment
+                    ptr = K0 + b * sk0b + h * sk0h + n[:, None] * sk0n + j * sk0j + d[None, :] * sk0d
                 else:
-                    ptr = K1 + b * sk1b + h * sk1h + n[:, None] * sk1n + (j - 1) * sk1j + d[None, :] * sk1d
+                    ptr = K1 + b * sk1b + h * sk1h + n[:, None] * sk1n + (j - RK0) * sk1j + d[None, :] * sk1d
                 row = tl.load(ptr, mask=n_ok[:, None] & d_ok[None, :], other=0).to(tl.float32)  # [TILE, DP]
                 qs = tl.sum(q[:, None, :] * row[None, :, :], axis=2)  # [GP, TILE]
                 if HAS_KS:
@@ -126,10 +127,10 @@ def _codec_partial_kernel(
                 if HAS_VS:
                     vs = tl.load(VS + b * svsb + h * svsh + n * svsn + j * svsj, mask=n_ok, other=0.0)
                     w = w * vs[None, :]
-                if j == 0:
-                    ptr = V0 + b * sv0b + h * sv0h + n[:, None] * sv0n + dv[None, :] * sv0d
+                if j < RV0:
+                    ptr = V0 + b * sv0b + h * sv0h + n[:, None] * sv0n + j * sv0j + dv[None, :] * sv0d
                 else:
-                    ptr = V1 + b * sv1b + h * sv1h + n[:, None] * sv1n + (j - 1) * sv1j + dv[None, :] * sv1d
+                    ptr = V1 + b * sv1b + h * sv1h + n[:, None] * sv1n + (j - RV0) * sv1j + dv[None, :] * sv1d
                 row = tl.load(ptr, mask=n_ok[:, None] & dv_ok[None, :], other=0).to(tl.float32)  # [TILE, DVP]
                 acc += tl.sum(w[:, :, None] * row[None, :, :], axis=1)
             m_i = m_new
@@ -225,8 +226,13 @@ def _scale_args(rows: CodedRows) -> tuple:
     return (s, *s.stride())
 
 
-def _rest_strides(rest: torch.Tensor) -> tuple:
-    return tuple(rest.stride())
+def _segment_args(rows: CodedRows) -> tuple:
+    """Pointers + strides of the (one or two) row segments; a lone segment is passed twice."""
+    if len(rows.segments) > 2:
+        raise ValueError(f"the Triton kernel reads at most two row segments; got {len(rows.segments)}")
+    first = rows.segments[0]
+    second = rows.segments[-1]
+    return (first, *first.stride(), second, *second.stride())
 
 
 def default_blocks_per_split(n_blocks: int, programs: int, tile: int = DEFAULT_TILE) -> int:
@@ -253,7 +259,7 @@ def decode_attention_partials_triton(
     :func:`default_blocks_per_split`). ``query [B, Hq, D]``; ``key_mask`` additive fp32 ``[B, S]``.
     """
     b, hq, d = query.shape
-    hkv = keys.first.shape[1]
+    hkv = keys.segments[0].shape[1]
     groups = hq // hkv
     dv = values.tail.shape[-1]
     r, n_blocks = keys.block_size, keys.n_blocks
@@ -273,12 +279,10 @@ def decode_attention_partials_triton(
     _check_device(query)
     _codec_partial_kernel[(b * hkv, parts)](
         query, *query.stride(),
-        keys.first, *keys.first.stride(),
-        keys.rest, *_rest_strides(keys.rest),
+        *_segment_args(keys),
         *_scale_args(keys),
         a_k,
-        values.first, *values.first.stride(),
-        values.rest, *_rest_strides(values.rest),
+        *_segment_args(values),
         *_scale_args(values),
         a_v,
         keys.tail, *keys.tail.stride(),
@@ -286,7 +290,8 @@ def decode_attention_partials_triton(
         mask, *mask_strides,
         m, denom, acc, *m.stride(), *acc.stride(),
         n_blocks, keys.tail.shape[2], n_splits, per, hkv, groups, d, dv, float(scale),
-        R=r, RK=a_k.shape[1], RV=a_v.shape[1], RP=_pow2(r),
+        R=r, RK=a_k.shape[1], RK0=keys.segments[0].shape[3], RV=a_v.shape[1], RV0=values.segments[0].shape[3],
+        RP=_pow2(r),
         GP=_pow2(groups), DP=_pow2(d), DVP=_pow2(dv), TILE=tile,
         HAS_KS=keys.scales is not None, HAS_VS=values.scales is not None, HAS_MASK=key_mask is not None,
     )  # fmt: skip

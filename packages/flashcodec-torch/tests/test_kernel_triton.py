@@ -1,0 +1,156 @@
+"""The Triton split-K kernel against its pure-torch reference (``kernels/naive.py``).
+
+On the CPU the kernels run under Triton's interpreter, which triton only provides when
+``TRITON_INTERPRET=1`` is set before its first import in the process. This module sets it when
+it can (triton not imported yet, no GPU); when something imported triton earlier in the pytest
+process (transformers does), the interpreter cases are re-run in a fresh subprocess by
+``test_interpreter_cases_in_a_subprocess`` and skipped here, saying so. Shapes are tiny: the
+interpreter runs every program in Python. With a GPU, the same cases and a larger one run on CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+_SUBPROCESS_FLAG = "FLASHCODEC_KERNEL_TESTS_CHILD"
+if not HAS_CUDA and "triton" not in sys.modules:
+    # triton builds its library functions in one mode at import and reads the switch again at
+    # launch, so it stays on for this process (nothing else here runs triton)
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+from conftest import TIERS  # noqa: E402
+from flashcodec import CodecKVCache  # noqa: E402
+from flashcodec.attention import codec_decode_attention, coded_rows, materialized_decode_attention  # noqa: E402
+from flashcodec.kernels import triton_attention as ta  # noqa: E402
+from flashcodec.kernels.naive import combine_partials, decode_attention_partials  # noqa: E402
+
+INTERPRETER = ta.interpreter_active()
+needs_interpreter = pytest.mark.skipif(
+    not INTERPRETER,
+    reason="triton was imported before TRITON_INTERPRET=1 could be set in this process; "
+    "these cases run in test_interpreter_cases_in_a_subprocess instead",
+)
+needs_cuda = pytest.mark.skipif(
+    not HAS_CUDA, reason="no CUDA device here: the compiled kernel is not exercised"
+)
+
+#: name -> (cache keywords, B, Hkv, G, S, D, dtype, blocks_per_split, tile, padding)
+CASES = {
+    "jpeg-k2-fp32": (TIERS["jpeg-k2"], 2, 1, 3, 45, 24, torch.float32, 3, 2, False),
+    "jpeg-k2-int8-masked": (TIERS["jpeg-k2-int8"], 2, 2, 2, 43, 16, torch.float32, 2, 2, True),
+    "png-r4-fp64-deltas": (dict(mode="png", block_size=4), 1, 2, 2, 26, 16, torch.float32, 3, 2, False),
+    "jpeg-k4-bf16": (TIERS["jpeg-k4"], 1, 2, 2, 37, 16, torch.bfloat16, 2, 2, False),
+    "tail-only": (TIERS["jpeg-k2-int8"], 2, 1, 2, 5, 16, torch.float32, 2, 2, False),
+    "no-tail-default-split": (TIERS["jpeg-k2-int8"], 1, 1, 4, 48, 16, torch.float32, None, 16, False),
+}
+
+
+def build(case, device="cpu"):
+    kwargs, b, h, g, s, d, dtype, per, tile, padding = CASES[case]
+    gen = torch.Generator().manual_seed(len(case))
+    keys = torch.randn(b, h, s, d, generator=gen).to(dtype)
+    values = torch.randn(b, h, s, d, generator=gen).to(dtype)
+    cache = CodecKVCache(**kwargs)
+    cache.append(keys.to(device), values.to(device))
+    query = torch.randn(b, h * g, d, generator=gen).to(dtype).to(device)
+    mask = None
+    if padding:
+        mask = torch.zeros(b, s, device=device)
+        mask[-1, :7] = float("-inf")  # the last sequence is left-padded
+    return cache, query, mask, per, tile
+
+
+def check_against_reference(case, device):
+    cache, query, mask, per, tile = build(case, device)
+    keys, values = coded_rows(cache.keys), coded_rows(cache.values)
+    scale = query.shape[-1] ** -0.5
+    got = ta.decode_attention_partials_triton(
+        query, keys, values, scale=scale, key_mask=mask, blocks_per_split=per, tile=tile
+    )
+    per_used = per or ta.default_blocks_per_split(
+        keys.n_blocks, query.shape[0] * keys.segments[0].shape[1], tile
+    )
+    want = decode_attention_partials(
+        query, keys, values, scale=scale, key_mask=mask, blocks_per_split=per_used
+    )
+    for name, a, b in zip(("max", "sum", "acc"), got, want, strict=True):
+        assert a.shape == b.shape, name
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-5), (name, (a - b).abs().max())
+    out = ta.combine_partials_triton(*got, dtype=query.dtype)
+    ref = combine_partials(*want, dtype=torch.float32)
+    assert out.dtype == query.dtype
+    tol = 2e-6 if query.dtype == torch.float32 else 2**-7  # one bf16 step (the interpreter may truncate)
+    assert (out.float() - ref).abs().max() <= tol * ref.abs().max()
+    return cache, query, mask, out
+
+
+@needs_interpreter
+@pytest.mark.parametrize("case", CASES)
+def test_interpreted_kernel_matches_reference(case):
+    check_against_reference(case, "cpu")
+
+
+@needs_interpreter
+def test_interpreted_kernel_through_the_public_entry_point():
+    cache, query, mask, _, _ = build("jpeg-k2-int8-masked")
+    got = codec_decode_attention(query[:, :, None], cache.keys, cache.values, key_mask=mask, backend="triton")
+    assert not cache.keys.has_view and not cache.values.has_view
+    want = materialized_decode_attention(query[:, :, None], cache.keys, cache.values, key_mask=mask)
+    assert (got - want).abs().max() <= 1e-6 * want.abs().max()
+
+
+def test_interpreter_cases_in_a_subprocess():
+    if INTERPRETER or HAS_CUDA:
+        pytest.skip(
+            "the interpreter cases already run in this process" if INTERPRETER else "CUDA cases run instead"
+        )
+    if os.environ.get(_SUBPROCESS_FLAG):
+        pytest.fail("the child process could not enable the Triton interpreter")
+    env = dict(os.environ, TRITON_INTERPRET="1", **{_SUBPROCESS_FLAG: "1"})
+    here = Path(__file__).resolve()
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(here), "-k", "interpreted"],
+        cwd=here.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert f"{len(CASES) + 1} passed" in result.stdout, result.stdout[-2000:]
+
+
+def test_cpu_tensors_without_the_interpreter_are_refused():
+    if INTERPRETER:
+        pytest.skip("the interpreter is active in this process, so CPU tensors are served")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        ta._check_device(torch.zeros(1))
+
+
+@needs_cuda
+@pytest.mark.parametrize("case", CASES)
+def test_cuda_kernel_matches_reference(case):
+    check_against_reference(case, "cuda")
+
+
+@needs_cuda
+@pytest.mark.parametrize("tier", ["jpeg-k2-int8", "jpeg-k2", "png-keep1"])
+def test_cuda_kernel_matches_materialized_at_length(tier):
+    gen = torch.Generator().manual_seed(0)
+    b, h, g, s, d = 2, 8, 2, 4096 + 5, 128
+    cache = CodecKVCache(**TIERS[tier])
+    cache.append(torch.randn(b, h, s, d, generator=gen).cuda(), torch.randn(b, h, s, d, generator=gen).cuda())
+    query = torch.randn(b, h * g, 1, d, generator=gen).cuda()
+    got = codec_decode_attention(query, cache.keys, cache.values, backend="triton")
+    torch_path = codec_decode_attention(query, cache.keys, cache.values, backend="torch")
+    assert not cache.keys.has_view
+    want = materialized_decode_attention(query, cache.keys, cache.values)
+    assert (got - torch_path).abs().max() <= 2e-6 * want.abs().max()
+    assert (got - want).abs().max() <= 2e-6 * want.abs().max()
