@@ -59,6 +59,7 @@ def stamp() -> dict:
             "processor": platform.processor() or platform.machine(),
             "cpu_count": os.cpu_count(),
             "torch_threads": torch.get_num_threads(),
+            "load_average_1_5_15min": os.getloadavg(),  # the machine is shared: timings depend on it
         },
         "versions": {
             "python": sys.version.split()[0],
