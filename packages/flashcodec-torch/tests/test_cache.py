@@ -274,3 +274,17 @@ def test_bad_beam_index_raises_and_leaves_cache(idx):
     with pytest.raises(KVShapeError, match="beam_idx"):
         cache.reorder(torch.tensor(idx))
     assert _same(cache, snap)
+
+
+def test_device_mixing_raises_and_leaves_cache():
+    # the "meta" device stands in for a second device on a CPU-only machine
+    cache = CodecKVCache()
+    x = random_walk(s=13)
+    cache.forward(x, x)
+    snap = _snapshot(cache)
+    on_meta = torch.empty(2, 3, 1, 16, device="meta")
+    with pytest.raises(KVDtypeError, match="one device"):
+        cache.update_and_fetch(x[:, :, :1], on_meta)
+    with pytest.raises(KVDtypeError, match="device is fixed"):
+        cache.update_and_fetch(on_meta, on_meta)
+    assert _same(cache, snap)
