@@ -11,6 +11,7 @@
 Importing this package never imports transformers or triton.
 """
 
+from .attention import codec_decode_attention
 from .cache import SUPPORTED_DTYPES, CodecKVCache
 from .codecs import BlockCodec, JPEGCodec, PNGCodec, dct_matrix, delta_variance_ratio, make_codec
 from .storage import CodecStorage
@@ -19,7 +20,14 @@ from .stream import CodecStream
 __version__ = "0.1.0"
 
 # The transformers backend is exported lazily: `import flashcodec` must not import transformers.
-_HF_EXPORTS = ("FlashCodecCache", "FlashCodecLayer", "apply_flash_codec", "remove_flash_codec")
+_HF_EXPORTS = (
+    "FlashCodecCache",
+    "FlashCodecLayer",
+    "apply_flash_codec",
+    "remove_flash_codec",
+    "apply_codec_attention",
+    "remove_codec_attention",
+)
 
 
 def __getattr__(name: str):
@@ -44,6 +52,7 @@ __all__ = [
     "make_codec",
     "dct_matrix",
     "delta_variance_ratio",
+    "codec_decode_attention",
     "SUPPORTED_DTYPES",
     "__version__",
     *_HF_EXPORTS,

@@ -16,6 +16,7 @@ from .requirements import MIN_TRANSFORMERS, require_layer_api
 require_layer_api()
 
 from .cache import CODEC_LAYER_TYPES, FlashCodecCache, config_layer_types  # noqa: E402
+from .codec_attention import apply_codec_attention, remove_codec_attention  # noqa: E402
 from .layer import FlashCodecLayer  # noqa: E402
 from .options import OPTION_NAMES  # noqa: E402
 from .patch import FlashCodecPatch, apply_flash_codec, get_flash_codec_patch, remove_flash_codec  # noqa: E402
@@ -27,6 +28,8 @@ __all__ = [
     "apply_flash_codec",
     "remove_flash_codec",
     "get_flash_codec_patch",
+    "apply_codec_attention",
+    "remove_codec_attention",
     "config_layer_types",
     "CODEC_LAYER_TYPES",
     "OPTION_NAMES",

@@ -125,6 +125,7 @@ def apply_flash_codec(
     delta_dtype: torch.dtype | str | None = None,
     check_finite: bool = True,
     initial_blocks: int = 16,
+    materialization_free: bool = False,
 ) -> torch.nn.Module:
     """Make every ``model.generate()`` of this one instance default to a :class:`FlashCodecCache`.
 
@@ -133,6 +134,9 @@ def apply_flash_codec(
             cache: codec layers on full attention, native layers elsewhere).
         mode, block_size, keep_freqs, keep_ratio, quant_bits, per_layer, delta_dtype,
             check_finite, initial_blocks: as :class:`FlashCodecCache`.
+        materialization_free: also wrap the model's Llama / Qwen-style attention modules so decode
+            steps attend on the stored rows without building the K/V view
+            (:func:`flashcodec.hf.codec_attention.apply_codec_attention`; undone by remove).
 
     Returns ``model`` (patched in place). Calls that pass their own cache, ``use_cache=False``,
     a ``cache_implementation`` or ``custom_generate`` are not changed. Applying again replaces
@@ -149,6 +153,8 @@ def apply_flash_codec(
         check_finite=check_finite,
         initial_blocks=initial_blocks,
     )
+    if not isinstance(materialization_free, bool):
+        raise KVConfigError(f"materialization_free must be a bool; got {materialization_free!r}")
     if not callable(getattr(model, "generate", None)):
         raise KVConfigError(f"model must be a transformers model with generate(); got {type(model).__name__}")
     config = getattr(model, "config", None)
@@ -164,6 +170,11 @@ def apply_flash_codec(
         remove_flash_codec(model)
     patch = FlashCodecPatch(model_ref=weakref.ref(model), options=options)
     _install_generate_hook(model, patch)
+    if materialization_free:
+        from .codec_attention import apply_codec_attention, remove_codec_attention
+
+        apply_codec_attention(model)
+        patch.on_remove(lambda: remove_codec_attention(model))
     return model
 
 

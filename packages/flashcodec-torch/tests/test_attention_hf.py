@@ -1,0 +1,249 @@
+"""Materialization-free decode inside transformers: the attention-forward wrapper.
+
+Evidence on the embedded model (64 greedy tokens): tokens equal the materialized path's on the
+lossy int8 tiers and the unpatched model's on png lossless, with every decode step served on the
+stored rows and no K/V view left. Mechanics (padding, GQA, Llama without q/k norms, fallbacks,
+apply / remove) run on seeded random models built in memory.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from flashcodec import CodecStream  # noqa: E402
+from flashcodec.hf import (  # noqa: E402
+    FlashCodecCache,
+    apply_codec_attention,
+    apply_flash_codec,
+    get_flash_codec_patch,
+    remove_codec_attention,
+    remove_flash_codec,
+)
+from flashcodec.hf import codec_attention as ca  # noqa: E402
+from kvspec import KVConfigError  # noqa: E402
+from transformers import (  # noqa: E402
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    DynamicCache,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+NEW = 64
+GREEDY = dict(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
+PROMPT = (
+    "The os module provides a portable way of using operating system dependent functionality. "
+    "If you just want to read or write a file see open(), if you want to manipulate paths, "
+    "see the os.path module, and if you want to read all the lines in all the files on the "
+    "command line see the fileinput module. For creating temporary files and directories see "
+    "the tempfile module, and for high-level file and directory handling see the shutil module."
+)
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    from kvspec.models import embedded_model_path
+
+    try:
+        path = embedded_model_path()
+    except FileNotFoundError as err:
+        pytest.skip(str(err))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = AutoTokenizer.from_pretrained(path)(PROMPT, return_tensors="pt").input_ids
+    return model, ids
+
+
+def tiny(kind="qwen3", seed=0, kv_heads=2):
+    common = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        if kind == "qwen3":
+            return Qwen3ForCausalLM(Qwen3Config(head_dim=16, **common)).eval()
+        return LlamaForCausalLM(LlamaConfig(**common)).eval()
+
+
+def no_views(cache: FlashCodecCache) -> bool:
+    return all(cache.layers[i].codec_cache.storage_bytes().view == 0 for i in cache.codec_layer_indices)
+
+
+@pytest.mark.parametrize(
+    "tier",
+    [
+        dict(mode="jpeg", block_size=8, keep_freqs=2, quant_bits=8),
+        dict(mode="jpeg", block_size=8, keep_freqs=8, quant_bits=8),
+    ],
+    ids=["jpeg-k2-int8", "jpeg-k8-int8"],
+)
+def test_embedded_tokens_equal_the_materialized_path(embedded, tier):
+    model, ids = embedded
+    materialized = model.generate(ids, cache=FlashCodecCache.from_config(model.config, **tier), **GREEDY)
+    stats = apply_codec_attention(model, backend="torch")
+    try:
+        cache = FlashCodecCache.from_config(model.config, **tier)
+        coded = model.generate(ids, cache=cache, **GREEDY)
+    finally:
+        remove_codec_attention(model)
+    layers = model.config.num_hidden_layers
+    assert stats.coded == (NEW - 1) * layers  # every decode step of every layer took the coded path
+    assert stats.fallbacks == {"not a single-token step": layers}  # the prefill only
+    assert no_views(cache)
+    assert torch.equal(coded, materialized)
+
+
+def test_embedded_png_lossless_equals_the_unpatched_model(embedded):
+    model, ids = embedded
+    base = model.generate(ids, **GREEDY)
+    apply_flash_codec(model, mode="png", block_size=8, keep_ratio=1.0, materialization_free=True)
+    try:
+        result = model.generate(ids, return_dict_in_generate=True, **GREEDY)
+        assert isinstance(result.cache, FlashCodecCache) and no_views(result.cache)
+        assert result.cache.get_seq_length() == ids.shape[1] + NEW - 1
+    finally:
+        remove_flash_codec(model)
+    assert torch.equal(result.sequences, base)
+    assert ca.codec_attention_modules(model) == []  # remove_flash_codec also removed the wrappers
+
+
+@pytest.mark.parametrize(
+    "kind, kv_heads", [("qwen3", 2), ("llama", 1), ("llama", 4)], ids=["qwen3-G2", "llama-G4", "llama-G1"]
+)
+def test_left_padded_batch_matches_the_unpatched_model(kind, kv_heads):
+    model = tiny(kind, kv_heads=kv_heads)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 128, (3, 29), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[1, :6], mask[2, :17] = 0, 0
+    ids[mask == 0] = 0
+    run = dict(attention_mask=mask, max_new_tokens=24, min_new_tokens=24, do_sample=False, pad_token_id=0)
+    base = model.generate(ids, **run)
+    stats = apply_codec_attention(model, backend="torch")
+    try:
+        out = model.generate(ids, cache=FlashCodecCache.from_config(model.config, mode="png"), **run)
+    finally:
+        remove_codec_attention(model)
+    assert stats.coded == 23 * 2
+    assert torch.equal(out, base)
+
+
+def test_the_padding_mask_reaches_the_kernel(monkeypatch):
+    # the same run with the mask dropped gives other tokens for the padded rows: the test above can fail
+    model = tiny("qwen3")
+    ids = torch.randint(3, 128, (2, 29), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :17] = 0
+    run = dict(attention_mask=mask, max_new_tokens=24, min_new_tokens=24, do_sample=False, pad_token_id=0)
+    apply_codec_attention(model, backend="torch")
+    try:
+        good = model.generate(ids, cache=FlashCodecCache.from_config(model.config, mode="png"), **run)
+        monkeypatch.setattr(ca, "_key_mask", lambda *args: (True, None))
+        bad = model.generate(ids, cache=FlashCodecCache.from_config(model.config, mode="png"), **run)
+    finally:
+        remove_codec_attention(model)
+    assert torch.equal(good[0], bad[0]) and not torch.equal(good[1], bad[1])
+
+
+def test_decode_never_reads_the_view_after_the_prefill(monkeypatch):
+    model = tiny("qwen3")
+    ids = torch.randint(3, 128, (1, 21), generator=torch.Generator().manual_seed(2))
+    cache = FlashCodecCache.from_config(model.config, mode="jpeg", keep_freqs=2, quant_bits=8)
+    model(ids, cache=cache)  # prefill: builds and returns the view, as transformers needs it
+    assert not no_views(cache)
+    stats = apply_codec_attention(model, backend="torch")
+
+    def refuse(self):
+        raise AssertionError("a decode step read the reconstructed view")
+
+    monkeypatch.setattr(CodecStream, "read", refuse)
+    try:
+        token = ids[:, -1:]
+        for _ in range(12):  # crosses a block boundary: archiving happens without a read
+            logits = model(token, cache=cache).logits
+            token = logits[:, -1:].argmax(-1)
+    finally:
+        remove_codec_attention(model)
+    assert stats.coded == 12 * 2 and no_views(cache)  # released on the first decode step
+    assert cache.get_seq_length() == 33
+
+
+def test_fallbacks_take_the_original_forward():
+    model = tiny("qwen3")
+    ids = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(3))
+    stats = apply_codec_attention(model, backend="torch")
+    try:
+        base = model.generate(ids, max_new_tokens=4, do_sample=False)  # DynamicCache: not coded
+        assert stats.coded == 0 and stats.fallbacks["not a FlashCodecCache"] == 4 * 2
+        model.train()
+        cache = FlashCodecCache.from_config(model.config, mode="png")
+        with torch.no_grad():
+            model(ids, cache=cache)
+            model(ids[:, :1], cache=cache)
+        assert stats.coded == 0 and stats.fallbacks["training"] == 2
+        model.eval()
+        with torch.no_grad():
+            model(ids[:, :2], cache=cache)  # two new tokens: the view path
+        assert stats.coded == 0
+    finally:
+        model.eval()
+        remove_codec_attention(model)
+    assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False), base)
+
+
+def test_apply_twice_and_remove_restore_the_modules_exactly():
+    model = tiny("llama")
+    attention = [m for m in model.modules() if type(m).__name__ == "LlamaAttention"]
+    assert attention and all("forward" not in vars(m) for m in attention)
+    apply_codec_attention(model)
+    first = [vars(m)["forward"] for m in attention]
+    apply_codec_attention(model, backend="torch")  # replaces, never stacks
+    assert ca.codec_attention_modules(model) == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    assert all(vars(m)["forward"] is not f for m, f in zip(attention, first, strict=True))
+    assert remove_codec_attention(model) == 2
+    assert all("forward" not in vars(m) for m in attention)
+    assert remove_codec_attention(model) == 0
+    other = tiny("llama", seed=1)
+    assert all("forward" not in vars(m) for m in other.modules())  # other instances never touched
+
+
+def test_unsupported_models_warn_and_stay_untouched():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    with pytest.warns(UserWarning, match="nothing was wrapped"):
+        apply_codec_attention(model)
+    assert "forward" not in vars(model[0])
+
+
+def test_bad_arguments_are_rejected_before_anything_changes():
+    model = tiny("qwen3")
+    with pytest.raises(KVConfigError, match="backend"):
+        apply_codec_attention(model, backend="cuda")
+    with pytest.raises(KVConfigError, match="materialization_free"):
+        apply_flash_codec(model, mode="png", materialization_free="yes")
+    assert ca.codec_attention_modules(model) == [] and get_flash_codec_patch(model) is None
+
+
+def test_a_dynamic_cache_step_after_coded_steps_is_untouched():
+    # mixing caches across calls: each call decides on its own cache
+    model = tiny("qwen3")
+    ids = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(4))
+    apply_codec_attention(model)
+    try:
+        cache = DynamicCache(config=model.config)
+        out = model.generate(ids, cache=cache, max_new_tokens=5, do_sample=False)
+    finally:
+        remove_codec_attention(model)
+    assert torch.equal(out, model.generate(ids, max_new_tokens=5, do_sample=False))
