@@ -38,7 +38,7 @@ def flatten_arrays(tree: Any) -> list[Any]:
 
 @dataclass(frozen=True)
 class Capabilities:
-    """What a cache configuration promises; checks that need a capability skip without it.
+    """What a cache configuration promises; a check about a capability the case lacks is not run.
 
     lossless: output equals input within float rounding of the input dtype.
     bitwise_lossless: output equals input bit for bit.
