@@ -91,7 +91,7 @@ MEASURES: dict[str, str] = {
     "summed from the arrays' .nbytes as the cache reports them",
     "kv_raw_bytes": "bytes the uncompressed baseline cache held for exactly the same tokens "
     "(its K/V arrays cut to the tokens held, no spare capacity)",
-    "kv_ratio": "kv_bytes / kv_raw_bytes",
+    "kv_ratio": "kv_bytes / kv_raw_bytes (below 1: fewer bytes than the uncompressed cache needs)",
     "nll": "mean negative log-likelihood (nats/token) of the scored tokens of every window, "
     "teacher-forced: prefill the context, then feed one true token per call",
     "perplexity": "exp(nll)",

@@ -124,6 +124,8 @@ def load_model(model: str | None) -> tuple[Any, Any, dict[str, Any]]:
         raise CompareError(
             f"--model {source!r}: mlx-lm cannot load it ({type(err).__name__}: {first})"
         ) from None
+    # the held-out text is tokenized whole, then cut into windows; the length warning does not apply
+    getattr(tokenizer, "_tokenizer", tokenizer).model_max_length = int(1e12)
     head_dim, n_kv = model_kv_dims(loaded)
     weights = tree_flatten(loaded.parameters())
     info = {
@@ -169,8 +171,14 @@ class MLXRunner:
         return KVBytes(held=sum(int(c.nbytes) for c in cache))
 
     def raw_bytes(self, cache: list[Any]) -> int:
-        # mlx-lm's state cuts the K/V buffers to the tokens held
-        return sum(int(a.nbytes) for c in cache for a in flatten_arrays(c.state))
+        # KVCache reserves 256-token steps; keys_and_values() is its K/V cut to the tokens held
+        total = 0
+        for c in cache:
+            if getattr(c, "keys", None) is not None and hasattr(c, "keys_and_values"):
+                total += sum(int(a.nbytes) for a in c.keys_and_values())
+            else:  # other layer kinds (rotating windows, SSM state): what their state holds
+                total += sum(int(a.nbytes) for a in flatten_arrays(c.state))
+        return total
 
     def reset_peak(self) -> None:
         gc.collect()
@@ -201,7 +209,7 @@ def build_candidates(model: Any, tiers: Sequence[str], peers: Sequence[str]) -> 
     head_dim, n_kv = model_kv_dims(model)
     if head_dim is None:
         raise CompareError("--model: cannot read the head dim from the model's args; palu needs it")
-    dtype = str(_default_dtype(model))
+    dtype = str(_default_dtype(model)).replace("mlx.core.", "")
     out = [
         Candidate(
             "baseline",
@@ -303,7 +311,7 @@ def _main(argv: Sequence[str] | None) -> int:
             "prompts": len(prompts),
             "prompt_source": prompt_source,
             "prompt_texts": prompt_texts,
-            "device": str(mx.default_device()),
+            "device": "gpu" if mx.default_device() == mx.gpu else "cpu",
         },
         peak_label=MLXRunner.peak_label,
         rows=rows,

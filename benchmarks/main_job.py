@@ -1,0 +1,90 @@
+"""The main job (README's first command, ``hatch run demo``): both comparisons on the embedded model.
+
+    python benchmarks/main_job.py            # palu-mlx compare, flashcodec compare, then the docs
+    python benchmarks/main_job.py --quick    # a smoke run (1 window, few tokens) into a temp folder
+
+Runs ``python -m palu_mlx.compare`` and ``python -m flashcodec.compare`` one after the other, each
+in its own process (so one framework's memory does not sit under the other's peak-memory figure),
+with the sizes below, writing ``benchmarks/results/compare_palu.{json,png}`` and
+``compare_flashcodec.{json,png}``; then regenerates docs/benchmarks.md (and README.md's results
+block) with ``benchmarks/make_docs.py`` and prints where everything is. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+
+#: the sizes of the committed run: a few minutes on 2 CPU cores for both comparisons
+SIZES = {"--windows": "4", "--context-tokens": "128", "--scored-tokens": "64", "--new-tokens": "32"}
+#: ``--quick``: enough to see every column filled, in well under a minute per comparison
+QUICK = {"--windows": "1", "--context-tokens": "64", "--scored-tokens": "8", "--new-tokens": "4"}
+
+#: (name, module, result stem)
+JOBS = (
+    ("palu-mlx", "palu_mlx.compare", "compare_palu"),
+    ("flashcodec", "flashcodec.compare", "compare_flashcodec"),
+)
+
+
+def run_job(module: str, stem: str, out_dir: Path, sizes: dict[str, str], extra: list[str]) -> int:
+    """Run one compare module in a child process; its table and progress go to this terminal."""
+    cmd = [
+        sys.executable,
+        "-m",
+        module,
+        "--json",
+        str(out_dir / f"{stem}.json"),
+        "--plot",
+        str(out_dir / f"{stem}.png"),
+    ]
+    for option, value in sizes.items():
+        cmd += [option, value]
+    return subprocess.call(cmd + extra, cwd=ROOT)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description="Run both comparisons on the embedded model and regenerate the docs."
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="tiny sizes, results in a temporary folder, docs untouched"
+    )
+    parser.add_argument("--only", choices=[name for name, _, _ in JOBS], help="run one comparison only")
+    args, extra = parser.parse_known_args(argv)
+    out_dir = Path(tempfile.mkdtemp(prefix="kv-main-job-")) if args.quick else RESULTS
+    sizes = QUICK if args.quick else SIZES
+    started = time.perf_counter()
+    written: list[Path] = []
+    for name, module, stem in JOBS:
+        if args.only and name != args.only:
+            continue
+        print(f"\n=== {name}: python -m {module} ===", flush=True)
+        code = run_job(module, stem, out_dir, sizes, extra)
+        if code != 0:
+            print(f"main job: {module} failed with exit code {code}", file=sys.stderr)
+            return code
+        written += [out_dir / f"{stem}.json", out_dir / f"{stem}.png"]
+    if not args.quick:
+        from make_docs import main as make_docs
+
+        make_docs([])
+        written += [ROOT / "docs" / "benchmarks.md"]
+    elapsed = time.perf_counter() - started
+    print(f"\nmain job done in {elapsed:.0f} s. Results:")
+    for path in written:
+        print(f"  {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
+    if not args.quick:
+        print("Read docs/benchmarks.md for the tables, the charts and what they mean.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""The two compare commands on the embedded model: JSON fields are real figures of that run;
+user mistakes give one line and exit code 2; docs/benchmarks.md matches the committed results."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from kvspec.report import MEASURES, SCHEMA
+
+# 64 context tokens: palu fits its projections once it holds head_dim (64) tokens
+SMALL = ["--windows", "1", "--context-tokens", "64", "--scored-tokens", "8", "--new-tokens", "4", "--quiet"]
+PROMPT = ["--prompt", "The json module encodes"]
+
+#: (module, one tier, one peer)
+CLIS = [("palu_mlx.compare", "default", "mlx-lm-q4"), ("flashcodec.compare", "jpeg-k8-int8", "hf-fp8")]
+
+
+def _main(module: str):
+    import importlib
+
+    return importlib.import_module(module).main
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@pytest.fixture(scope="module", params=CLIS, ids=[c[0].split(".")[0] for c in CLIS])
+def run(request, tmp_path_factory):
+    module, tier, peer = request.param
+    out = tmp_path_factory.mktemp(module) / "result.json"
+    code = _main(module)([*SMALL, *PROMPT, "--tiers", tier, "--peers", peer, "--json", str(out)])
+    assert code == 0
+    return module, tier, peer, json.loads(out.read_text())
+
+
+def test_json_has_every_field_as_a_measured_number(run, model_path):
+    module, tier, peer, result = run
+    assert result["schema"] == SCHEMA
+    assert [r["name"] for r in result["rows"]] == ["baseline", tier, peer]
+    assert set(MEASURES) <= set(result["measures"])
+    assert result["settings"]["prompts"] == 1 and result["settings"]["prompt_texts"] == [PROMPT[1]]
+    assert result["stamp"]["machine"]["cpu_count"] >= 1 and result["stamp"]["versions"]["kvcache-spec"]
+    for row in result["rows"]:
+        for key in (
+            "kv_bytes", "kv_raw_bytes", "kv_ratio", "nll", "perplexity", "ppl_delta", "token_match",
+            "first_divergence", "decode_tokens_per_s", "decode_speed_ratio", "prefill_seconds",
+            "prefill_time_ratio", "elapsed_seconds",
+        ):  # fmt: skip
+            assert _finite(row[key]), (row["name"], key, row[key])
+        assert (
+            row["kv_bytes"] > 0
+            and row["nll"] > 0
+            and row["decode_tokens_per_s"] > 0
+            and row["prefill_seconds"] > 0
+        )
+        assert 0 <= row["token_match"] <= 1 and isinstance(row["sample"], str)
+        assert row["peak_memory_bytes"] is None or row["peak_memory_bytes"] >= 0
+    base, ours, theirs = result["rows"]
+    assert base["token_match"] == 1 and base["ppl_delta"] == 0 and base["decode_speed_ratio"] == 1
+    # raw bytes checked against the model's shape, independently of any cache: 72 float32 tokens
+    m = result["model"]
+    tokens = 64 + 8
+    assert base["kv_tokens"] == tokens
+    assert base["kv_raw_bytes"] == m["layers"] * 2 * m["kv_heads"] * m["head_dim"] * tokens * 4
+    assert base["kv_bytes"] >= base["kv_raw_bytes"]  # mlx-lm's KVCache reserves 256-token steps
+    assert ours["kv_ratio"] == pytest.approx(ours["kv_bytes"] / base["kv_raw_bytes"])
+    assert theirs["kv_bytes"] < base["kv_bytes"]  # a 4-bit / fp8 peer holds fewer bytes
+    # the lossy tier really ran: its perplexity is its own (not copied from the baseline)
+    assert ours["nll"] != base["nll"]
+
+
+@pytest.mark.parametrize("module", [c[0] for c in CLIS])
+def test_user_mistakes_are_one_line(module, tmp_path, capsys):
+    main = _main(module)
+    not_model = tmp_path / "plain"
+    not_model.mkdir()
+    unknown_arch = tmp_path / "arch"
+    unknown_arch.mkdir()
+    (unknown_arch / "config.json").write_text(json.dumps({"model_type": "no-such-architecture"}))
+    cases = [
+        (["--model", str(not_model)], "is not a model directory"),
+        (["--model", "not/a/hub/id/at/all"], "neither a local directory nor a hub id"),
+        (["--tiers", "no-such-tier"], "--tiers='no-such-tier': unknown name"),
+        (["--peers", "nope"], "--peers='nope': unknown name"),
+        (["--model", str(unknown_arch)], "cannot load it"),
+        (["--text", str(tmp_path / "missing.txt")], "--text"),
+        (["--windows", "0"], "--windows=0"),
+    ]
+    for argv, expected in cases:
+        assert main([*argv, "--quiet"]) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and expected in err[0], (argv, err)
+
+
+def test_docs_match_the_committed_results():
+    from make_docs import main as make_docs
+
+    assert make_docs(["--check"]) == 0, "run: python benchmarks/make_docs.py"
