@@ -165,7 +165,6 @@ class CodecKVCache:
         self.reset()
         return self.update_and_fetch(k_seq, v_seq)
 
-
     def decode_step(self, new_k: torch.Tensor, new_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Incremental decode: append ``new_k [B, H, s, D]`` / ``new_v [B, H, s, Dv]`` (usually ``s = 1``).
 
