@@ -8,6 +8,9 @@ apply / remove) run on seeded random models built in memory.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -33,6 +36,10 @@ from transformers import (  # noqa: E402
     Qwen3Config,
     Qwen3ForCausalLM,
 )
+
+ROOT = next(p for p in Path(__file__).resolve().parents if (p / "benchmarks").is_dir())
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from peak_memory import PeakMemory  # noqa: E402
 
 NEW = 64
 GREEDY = dict(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
@@ -179,6 +186,28 @@ def test_decode_never_reads_the_view_after_the_prefill(monkeypatch):
         remove_codec_attention(model)
     assert stats.coded == 12 * 2 and no_views(cache)  # released on the first decode step
     assert cache.get_seq_length() == 33
+
+
+def test_the_prefill_view_is_released_as_soon_as_its_layer_is_done():
+    model = tiny("qwen3")
+    ids = torch.randint(3, 128, (1, 200), generator=torch.Generator().manual_seed(2))
+    tier = dict(mode="jpeg", keep_freqs=2, quant_bits=8)
+    without = FlashCodecCache.from_config(model.config, **tier)
+    with torch.no_grad():
+        want = model(ids, cache=without, logits_to_keep=1).logits
+    view_bytes = without.storage_bytes().view
+    assert view_bytes > 0  # the plain backend keeps one view per layer
+    cache = FlashCodecCache.from_config(model.config, **tier)
+    stats = apply_codec_attention(model, backend="torch")
+    try:
+        with torch.no_grad(), PeakMemory() as tracker:  # no autograd graph keeping activations
+            got = model(ids, cache=cache, logits_to_keep=1).logits
+    finally:
+        remove_codec_attention(model)
+    assert stats.fallbacks == {"not a single-token step": 2} and no_views(cache)
+    # and the memory is really gone (nothing else keeps the view storages alive)
+    assert tracker.current < view_bytes / 2, (tracker.current, view_bytes)
+    assert torch.equal(got, want) and cache.get_seq_length() == 200
 
 
 def test_fallbacks_take_the_original_forward():

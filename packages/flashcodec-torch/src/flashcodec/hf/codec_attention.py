@@ -5,15 +5,21 @@ Qwen-style attention module of that one model (the class and every other model a
 On a decode step whose layer lives in a :class:`~flashcodec.hf.FlashCodecLayer`, the wrapper runs
 the module's own projections, q/k norms and RoPE (the same submodules and the same
 ``apply_rotary_pos_emb`` of the module's modeling file), appends the new key/value to the layer's
-codec cache *without reading it*, releases the memoized reconstruction (the prefill built it),
-and replaces the attention output by :func:`flashcodec.attention.codec_decode_attention` before
-``o_proj``. Everything else falls back to the original forward, unchanged:
+codec cache *without reading it*, and replaces the attention output by
+:func:`flashcodec.attention.codec_decode_attention` before ``o_proj``. Everything else falls back
+to the original forward, unchanged:
 
 * prefill and any step with more than one new token (the coefficient form would blow the score
   tensor up to ``[S, n_blocks * R]``);
 * a cache that is not a ``FlashCodecCache``, or a layer that is not a codec layer (hybrid models);
 * training mode, sliding-window layers, ``output_attentions``, and masks that are not a plain
   ``[B, 1|H, 1, S]`` tensor (or ``[B, S]``) over exactly the cached tokens.
+
+The reconstructed view a fallback call builds through ``cache.update`` (the prefill, above all) is
+needed only inside that call: the wrapper releases it as soon as the original forward returns, so
+the prefill never leaves one view per layer behind, and the decode steps never rebuild it. The
+price: a later multi-token step (chunked prefill, assisted decoding's verification) decodes that
+layer's whole archive again instead of only its new blocks.
 
 Batches of any size are served; left padding reaches the kernel as a per-sequence key mask.
 ``remove_codec_attention(model)`` puts back exactly what each module's ``__dict__`` held.
@@ -150,6 +156,26 @@ def _unsupported_reason(
     return None
 
 
+def _release_view(layer: FlashCodecLayer) -> None:
+    """Drop the layer's memoized ``[B, H, S, D]`` reconstruction and the layer's references to it."""
+    layer.codec_cache.release_view()
+    if isinstance(layer.keys, torch.Tensor) and isinstance(layer.values, torch.Tensor):
+        # fresh empty tensors: even a zero-length slice of the view would keep its storage alive
+        b, h, _, d = layer.keys.shape
+        layer.keys = layer.keys.new_empty((b, h, 0, d))
+        layer.values = layer.values.new_empty((b, h, 0, layer.values.shape[-1]))
+
+
+def _release_after_original(found: dict[str, Any], module: torch.nn.Module) -> None:
+    """After a call served by the original forward (the prefill, a multi-token step), free the view
+    its ``cache.update`` built for this layer: the coded decode steps never read it again."""
+    cache = found.get("cache", found.get("past_key_values"))
+    if isinstance(cache, FlashCodecCache) and module.layer_idx < len(cache.layers):
+        layer = cache.layers[module.layer_idx]
+        if isinstance(layer, FlashCodecLayer) and layer.codec_cache.offset:
+            _release_view(layer)
+
+
 def _decode_on_rows(
     module: torch.nn.Module,
     found: dict[str, Any],
@@ -188,9 +214,7 @@ def _decode_on_rows(
     query, key = rope(query, key, cos, sin)
 
     codec_cache.append(key, value)
-    # The prefill read built the [B, H, S, D] view; drop it and the layer's references to it.
-    codec_cache.release_view()
-    layer.keys, layer.values = key[:, :, :0], value[:, :, :0]
+    _release_view(layer)  # in case something rebuilt it since (a crop, a beam reorder)
 
     out = codec_decode_attention(
         query, codec_cache.keys, codec_cache.values, scale=module.scaling, key_mask=mask, backend=backend
@@ -243,9 +267,12 @@ def _wrap(module: torch.nn.Module, backend: str, stats: CodecAttentionStats) -> 
         mod = module_ref()
         found = _bound_arguments(original, args, kwargs)
         result = None if found is None else _decode_on_rows(mod, found, backend, stats)
-        if result is None:
-            return original(*args, **kwargs)
-        return result
+        if result is not None:
+            return result
+        out = original(*args, **kwargs)
+        if found is not None:
+            _release_after_original(found, mod)
+        return out
 
     setattr(forward, _WRAPPER_ATTR, (before, stats))
     instance["forward"] = forward
