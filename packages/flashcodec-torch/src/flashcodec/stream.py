@@ -157,9 +157,7 @@ class CodecStream:
             new_cap *= 2
         new = []
         for i, spec in enumerate(self.codec.part_specs(self.dim)):
-            # empty, not zeros: slots past n_blocks are never read, and a memset of the doubled
-            # buffer would touch every page of it at each regrowth
-            buf = torch.empty(
+            buf = torch.zeros(
                 self.batch,
                 self.heads,
                 new_cap,
