@@ -177,10 +177,18 @@ def _section(stem: str, title: str, peers: str, result: dict[str, Any]) -> list[
         f"`{result['tool']}` compares every tier with the uncompressed baseline and with {peers}.",
         "",
         f"- **Run:** {st['date']} on {mach['platform']} ({mach['processor']}, {mach['cpu_count']} CPUs, "
-        f"Python {mach['python']}), device `{s.get('device')}`.",
+        f"Python {mach['python']}), device `{s.get('device')}`"
+        + (
+            f"; load average {mach['load_average'][0]:.1f} / {mach['load_average'][1]:.1f} (1 / 5 min) at the end."
+            if mach.get("load_average")
+            else "."
+        ),
+        f"- **Timing:** best of {s['speed_rounds']} round-robin rounds of {s['speed_steps']} one-token calls "
+        "after a prefill of one window's context.",
         f"- **Versions:** {versions}." + (f" Not installed: {missing}." if missing else ""),
         f"- **Model:** `{m['name']}`: {m['architecture']}, {m['layers']} layers, {m['kv_heads']} KV heads of "
-        f"dim {m['head_dim']}, {m['dtype']}, {format_bytes(m['weights_bytes'])} of weights.",
+        f"dim {m['head_dim']}, {m['dtype']}, {format_bytes(m['weights_bytes'])} of weights"
+        + (f" (sha256 `{m['weights_sha256'][:12]}`)." if m.get("weights_sha256") else "."),
         f"- **Text:** {s['windows']} windows of {s['context_tokens']} context + {s['scored_tokens']} scored "
         f"tokens from `{Path(s['text']).name}` (sha256 `{s['text_sha256'][:12]}`); greedy: {s['prompts']} prompts "
         f"({s['prompt_source']}) x {s['new_tokens']} new tokens.",

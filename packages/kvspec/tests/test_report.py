@@ -91,7 +91,9 @@ def candidates(events=None):
     ]
 
 
-SETTINGS = rp.Settings(windows=2, context_tokens=4, scored_tokens=5, new_tokens=6)
+SETTINGS = rp.Settings(
+    windows=2, context_tokens=4, scored_tokens=5, new_tokens=6, speed_rounds=2, speed_steps=3
+)
 TOKENS = [(3 * i + i // 4) % VOCAB for i in range(40)]
 
 
@@ -141,9 +143,9 @@ def test_measure_rows_follow_the_protocol():
     assert even["token_match"] == pytest.approx(same / 12)
     assert even["sample"] == " ".join(map(str, ours[0]))
     assert even["peak_memory_bytes"] == 1234 and runner.resets == 2
-    # 5 scored steps per window and 5 greedy steps per prompt (the 6th token needs no call)
-    assert even["decode_steps_timed"] == 2 * 5 + 2 * 5
-    assert events == ["enter", "exit"] and even["details"] == {"events": 2} and "details" not in base
+    assert even["decode_steps_timed"] == 2 * 3  # speed rounds x timed steps
+    # the context wraps the quality run and each speed round; details are read at the end
+    assert events == ["enter", "exit"] * 3 and even["details"] == {"events": 6} and "details" not in base
     for row in rows:
         for key in ("decode_tokens_per_s", "prefill_seconds", "prefill_time_ratio", "elapsed_seconds"):
             assert math.isfinite(row[key]) and row[key] > 0
@@ -164,7 +166,9 @@ def test_text_windows_are_spread_and_disjoint():
         rp.text_windows(tokens, rp.Settings(windows=6, context_tokens=10, scored_tokens=10))
 
 
-@pytest.mark.parametrize("field", ["windows", "context_tokens", "scored_tokens", "new_tokens"])
+@pytest.mark.parametrize(
+    "field", ["windows", "context_tokens", "scored_tokens", "new_tokens", "speed_rounds", "speed_steps"]
+)
 def test_settings_reject_non_positive(field):
     with pytest.raises(rp.CompareError, match=f"--{field.replace('_', '-')}=0"):
         rp.Settings(**{field: 0})

@@ -25,6 +25,7 @@ import argparse
 import contextlib
 import ctypes
 import gc
+import inspect
 import re
 import sys
 import warnings
@@ -52,6 +53,7 @@ from kvspec.report import (
     require_matplotlib,
     run_cli,
     text_digest,
+    weights_digest,
 )
 
 from .spec import TIERS
@@ -139,6 +141,7 @@ def load_model(model: str | None, device: str, dtype: str) -> tuple[Any, Any, di
         "head_dim": head_dim,
         "dtype": str(torch_dtype).replace("torch.", ""),
         "weights_bytes": sum(p.nbytes for p in loaded.parameters()),
+        "weights_sha256": weights_digest(source) if local else None,
         "framework": f"torch {torch.__version__}",
     }
     return loaded, tokenizer, info
@@ -203,6 +206,9 @@ class TorchRunner:
         self._cuda = self.device.type == "cuda"
         self._rss = RSSPeak()
         self._cuda_start = 0
+        # recent transformers 5.x name the forward's cache argument `cache` (`past_key_values` is deprecated)
+        params = inspect.signature(model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         if self._cuda:
             self.peak_label = (
                 "torch.cuda.max_memory_allocated during the candidate's run minus memory allocated "
@@ -217,9 +223,9 @@ class TorchRunner:
         with torch.inference_mode():
             out = self.model(
                 input_ids=torch.tensor([ids], device=self.device),
-                past_key_values=cache,
                 use_cache=True,
                 logits_to_keep=1,
+                **{self._cache_kwarg: cache},
             )
         return out.logits[0, -1].float().cpu().numpy()  # .cpu() waits for the device
 
@@ -422,7 +428,14 @@ def _main(argv: Sequence[str] | None) -> int:
         return 0
     tiers = parse_selection(args.tiers, TIER_NAMES, "--tiers")
     peers = parse_selection(args.peers, tuple(PEERS), "--peers")
-    settings = Settings(args.windows, args.context_tokens, args.scored_tokens, args.new_tokens)
+    settings = Settings(
+        args.windows,
+        args.context_tokens,
+        args.scored_tokens,
+        args.new_tokens,
+        args.speed_rounds,
+        args.speed_steps,
+    )
     text, text_path = load_eval_text(args.text)
     prompt_texts = load_prompts(args.prompt, args.prompts)
     if args.plot:

@@ -17,12 +17,15 @@ caches; everything a reader sees is decided here, once, so the two reports are c
 The protocol, per candidate (``windows`` are token windows of held-out text):
 
 1. for each window: a fresh cache, one prefill call on its first ``context_tokens`` tokens
-   (timed), then the rest fed one token per call (each call timed), scoring the negative
+   then the rest fed one token per call, scoring the negative
    log-likelihood of every fed token from the logits before it. This is teacher-forced decoding:
    every scored prediction reads the compressed history exactly as generation would. The cache's
    bytes are measured after the first window (all candidates then hold the same tokens);
-2. for each prompt: a fresh cache, prefill, then ``new_tokens`` greedy tokens (steps timed);
-3. peak memory over 1 and 2, as the runner measures it (its label goes into the JSON).
+2. for each prompt: a fresh cache, prefill, then ``new_tokens`` greedy tokens;
+3. peak memory over 1 and 2, as the runner measures it (its label goes into the JSON);
+4. after every candidate went through 1-3: ``speed_rounds`` rounds, each visiting every
+   candidate in turn: a fresh cache, one timed prefill of a window's context, ``speed_steps``
+   timed one-token calls. The best round counts (machine load only ever adds time).
 
 Only numpy and the standard library are imported; matplotlib and tqdm are imported when used.
 """
@@ -63,6 +66,8 @@ __all__ = [
     "write_json",
     "read_json",
     "text_windows",
+    "text_digest",
+    "weights_digest",
     "token_nll",
     "measure",
     "build_result",
@@ -99,9 +104,10 @@ MEASURES: dict[str, str] = {
     "token_match": "share of greedy tokens equal to the baseline's at the same position (all prompts)",
     "first_divergence": "mean index of the first greedy token that differs from the baseline "
     "(new_tokens when none differs)",
-    "decode_tokens_per_s": "1 / median seconds of a one-token call (teacher-forced and greedy steps)",
+    "decode_tokens_per_s": "1 / median seconds of a one-token call, over speed_steps calls after prefilling "
+    "a window's context; best of speed_rounds rounds that visit every cache in turn",
     "decode_speed_ratio": "decode_tokens_per_s / baseline decode_tokens_per_s (above 1: faster)",
-    "prefill_seconds": "median seconds of the prefill call on a window's context",
+    "prefill_seconds": "seconds of the prefill call on a window's context, best of the same rounds",
     "prefill_time_ratio": "prefill_seconds / baseline prefill_seconds (above 1: slower)",
 }
 
@@ -129,6 +135,8 @@ def environment_stamp(packages: Iterable[str]) -> dict[str, Any]:
             "processor": platform.processor() or platform.machine(),
             "cpu_count": os.cpu_count(),
             "python": platform.python_version(),
+            # other work on the machine slows the timing columns; this says how busy it was
+            "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         },
         "versions": versions,
     }
@@ -247,12 +255,21 @@ class Settings:
     """How much text each candidate sees (see the module docstring for the protocol)."""
 
     windows: int = 4
-    context_tokens: int = 128
-    scored_tokens: int = 128
+    context_tokens: int = 192
+    scored_tokens: int = 64
     new_tokens: int = 32
+    speed_rounds: int = 3
+    speed_steps: int = 32
 
     def __post_init__(self) -> None:
-        for name in ("windows", "context_tokens", "scored_tokens", "new_tokens"):
+        for name in (
+            "windows",
+            "context_tokens",
+            "scored_tokens",
+            "new_tokens",
+            "speed_rounds",
+            "speed_steps",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise CompareError(f"--{name.replace('_', '-')}={value!r} must be a positive integer")
@@ -325,14 +342,19 @@ def measure(
     ``prompts``: token lists for greedy generation. Returns one row (a dict of the
     :data:`MEASURES` fields plus name, kind, description, config and a text sample) per candidate,
     with ratios taken against the baseline row of this same run.
+
+    Quality, bytes and peak memory are measured one candidate after the other; speed afterwards,
+    in ``settings.speed_rounds`` rounds that visit every candidate in turn, so a change of machine
+    load during the run slows every candidate alike instead of whichever ran at the time.
     """
     if not candidates or candidates[0].kind != "baseline":
         raise ValueError("the first candidate must be the baseline")
     if not windows or not prompts:
         raise ValueError("measure needs at least one window and one prompt")
     ctx = settings.context_tokens
-    steps_per = sum(len(w) - ctx for w in windows) + len(prompts) * settings.new_tokens
-    bar = _Progress(total=steps_per * len(candidates), enabled=progress)
+    quality_steps = sum(len(w) - ctx for w in windows) + len(prompts) * settings.new_tokens
+    speed_steps = settings.speed_rounds * settings.speed_steps
+    bar = _Progress(total=(quality_steps + speed_steps) * len(candidates), enabled=progress)
     rows: list[dict[str, Any]] = []
     _warm_up(runner, candidates[0], windows[0][:ctx])
     try:
@@ -340,20 +362,39 @@ def measure(
         base_tokens: list[list[int]] | None = None
         for cand in candidates:
             bar.start(cand.name)
-            with cand.context() if cand.context is not None else nullcontext():
-                row, generations, raw = _measure_one(runner, cand, windows, prompts, settings, bar)
-            if cand.details is not None:
-                row["details"] = cand.details()
+            with _entered(cand):
+                row, generations, raw = _measure_quality(runner, cand, windows, prompts, settings, bar)
             if cand.kind == "baseline":
                 raw_bytes, base_tokens = raw, generations
             row["kv_raw_bytes"] = raw_bytes
             row["kv_ratio"] = row["kv_bytes"] / raw_bytes if raw_bytes else None
             row.update(_greedy_agreement(generations, base_tokens, settings.new_tokens))
             rows.append(row)
+        prefill: list[list[float]] = [[] for _ in candidates]
+        decode: list[list[float]] = [[] for _ in candidates]
+        for round_index in range(settings.speed_rounds):
+            window = windows[round_index % len(windows)]
+            for i, cand in enumerate(candidates):
+                bar.start(f"speed {round_index + 1}/{settings.speed_rounds}: {cand.name}")
+                with _entered(cand):
+                    p, d = _time_once(runner, cand, window, settings, bar)
+                prefill[i].append(p)
+                decode[i].append(d)
+        for i, (cand, row) in enumerate(zip(candidates, rows, strict=True)):
+            # best round: contention only ever adds time, so the fastest round is the cleanest
+            row["decode_tokens_per_s"] = 1.0 / min(decode[i])
+            row["prefill_seconds"] = min(prefill[i])
+            row["decode_steps_timed"] = speed_steps
+            if cand.details is not None:
+                row["details"] = cand.details()
     finally:
         bar.close()
     _add_ratios(rows)
     return rows
+
+
+def _entered(cand: Candidate) -> AbstractContextManager[Any]:
+    return cand.context() if cand.context is not None else nullcontext()
 
 
 def _warm_up(runner: Runner, baseline: Candidate, tokens: Sequence[int], steps: int = 8) -> None:
@@ -365,26 +406,38 @@ def _warm_up(runner: Runner, baseline: Candidate, tokens: Sequence[int], steps: 
         logits = runner.step(cache, int(np.argmax(logits)))
 
 
-def _measure_one(runner, cand, windows, prompts, settings, bar):
+def _time_once(runner: Runner, cand: Candidate, window: Sequence[int], settings: Settings, bar: _Progress):
+    """``(prefill seconds, median seconds of one decode step)`` on a fresh cache for ``window``."""
+    ctx = settings.context_tokens
+    cache = cand.make_cache()
+    t = time.perf_counter()
+    logits = runner.prefill(cache, window[:ctx])
+    prefill = time.perf_counter() - t
+    feed = list(window[ctx:]) or [int(np.argmax(logits))]
+    steps = []
+    for k in range(settings.speed_steps):
+        token = int(feed[k % len(feed)])
+        t = time.perf_counter()
+        runner.step(cache, token)
+        steps.append(time.perf_counter() - t)
+        bar.update()
+    return prefill, statistics.median(steps)
+
+
+def _measure_quality(runner, cand, windows, prompts, settings, bar):
     ctx = settings.context_tokens
     started = time.perf_counter()
     runner.reset_peak()
     nll_total, scored = 0.0, 0
-    prefill_times: list[float] = []
-    step_times: list[float] = []
     kv = None
     raw = None
     for index, window in enumerate(windows):
         cache = cand.make_cache()
-        t = time.perf_counter()
         logits = runner.prefill(cache, window[:ctx])
-        prefill_times.append(time.perf_counter() - t)
         for token in window[ctx:]:
             nll_total += token_nll(logits, token)
             scored += 1
-            t = time.perf_counter()
             logits = runner.step(cache, int(token))
-            step_times.append(time.perf_counter() - t)
             bar.update()
         if index == 0:
             kv = runner.kv_bytes(cache)
@@ -400,16 +453,12 @@ def _measure_one(runner, cand, windows, prompts, settings, bar):
             token = int(np.argmax(logits))
             out.append(token)
             bar.update()
-            if k + 1 == settings.new_tokens:
-                break
-            t = time.perf_counter()
-            logits = runner.step(cache, token)
-            step_times.append(time.perf_counter() - t)
+            if k + 1 < settings.new_tokens:
+                logits = runner.step(cache, token)
         generations.append(out)
         del cache
     peak = runner.peak_bytes()
     nll = nll_total / scored
-    median_step = statistics.median(step_times) if step_times else float("nan")
     row = {
         "name": cand.name,
         "kind": cand.kind,
@@ -421,9 +470,6 @@ def _measure_one(runner, cand, windows, prompts, settings, bar):
         "peak_memory_bytes": None if peak is None else int(peak),
         "nll": nll,
         "perplexity": math.exp(nll),
-        "decode_tokens_per_s": 1.0 / median_step,
-        "decode_steps_timed": len(step_times),
-        "prefill_seconds": statistics.median(prefill_times),
         "sample": runner.detokenize(generations[0]),
         "elapsed_seconds": time.perf_counter() - started,
     }
@@ -476,12 +522,28 @@ def build_result(
             "context_tokens": settings.context_tokens,
             "scored_tokens": settings.scored_tokens,
             "new_tokens": settings.new_tokens,
+            "speed_rounds": settings.speed_rounds,
+            "speed_steps": settings.speed_steps,
             **inputs,
         },
         "measures": measures,
         "rows": rows,
         "absent": list(absent),
     }
+
+
+def weights_digest(directory: str | os.PathLike) -> str | None:
+    """sha256 over the ``*.safetensors`` files of a local model directory (sorted by name), so a
+    result names the exact weights it was measured on; None when there are none."""
+    files = sorted(Path(directory).glob("*.safetensors"))
+    if not files:
+        return None
+    digest = hashlib.sha256()
+    for file in files:
+        with file.open("rb") as handle:
+            for chunk in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(chunk)
+    return digest.hexdigest()
 
 
 def text_digest(text: str) -> str:
@@ -683,16 +745,28 @@ def add_common_arguments(parser: argparse.ArgumentParser, tiers: Sequence[str], 
         "--context-tokens",
         type=int,
         default=Settings.context_tokens,
-        help="prefilled tokens per window (default 128)",
+        help="prefilled tokens per window (default 192)",
     )
     parser.add_argument(
         "--scored-tokens",
         type=int,
         default=Settings.scored_tokens,
-        help="teacher-forced, scored tokens per window after the context (default 128)",
+        help="teacher-forced, scored tokens per window after the context (default 64)",
     )
     parser.add_argument(
         "--new-tokens", type=int, default=Settings.new_tokens, help="greedy tokens per prompt (default 32)"
+    )
+    parser.add_argument(
+        "--speed-rounds",
+        type=int,
+        default=Settings.speed_rounds,
+        help="round-robin timing rounds (default 3)",
+    )
+    parser.add_argument(
+        "--speed-steps",
+        type=int,
+        default=Settings.speed_steps,
+        help="timed one-token calls per round (default 32)",
     )
     parser.add_argument("--json", metavar="PATH", help="write the full result as JSON")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG chart (needs matplotlib)")

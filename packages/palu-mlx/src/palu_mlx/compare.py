@@ -49,6 +49,7 @@ from kvspec.report import (
     require_matplotlib,
     run_cli,
     text_digest,
+    weights_digest,
 )
 from mlx.utils import tree_flatten
 
@@ -138,6 +139,7 @@ def load_model(model: str | None) -> tuple[Any, Any, dict[str, Any]]:
         "head_dim": head_dim,
         "dtype": str(weights[0][1].dtype).replace("mlx.core.", "") if weights else None,
         "weights_bytes": sum(v.nbytes for _, v in weights),
+        "weights_sha256": weights_digest(source) if Path(source).is_dir() else None,
         "framework": f"mlx {mx.__version__}",
     }
     return loaded, tokenizer, info
@@ -281,7 +283,14 @@ def _main(argv: Sequence[str] | None) -> int:
         return 0
     tiers = parse_selection(args.tiers, TIER_NAMES, "--tiers")
     peers = parse_selection(args.peers, tuple(PEER_BITS), "--peers")
-    settings = Settings(args.windows, args.context_tokens, args.scored_tokens, args.new_tokens)
+    settings = Settings(
+        args.windows,
+        args.context_tokens,
+        args.scored_tokens,
+        args.new_tokens,
+        args.speed_rounds,
+        args.speed_steps,
+    )
     text, text_path = load_eval_text(args.text)
     prompt_texts = load_prompts(args.prompt, args.prompts)
     if args.plot:
