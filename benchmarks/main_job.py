@@ -23,9 +23,24 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 
 #: the sizes of the committed run: a few minutes on 2 CPU cores for both comparisons
-SIZES = {"--windows": "4", "--context-tokens": "128", "--scored-tokens": "64", "--new-tokens": "32"}
+#: (192 + 64 = 256 tokens per window: one allocation step of mlx-lm's KVCache, 32 flashcodec blocks)
+SIZES = {
+    "--windows": "4",
+    "--context-tokens": "192",
+    "--scored-tokens": "64",
+    "--new-tokens": "32",
+    "--speed-rounds": "3",
+    "--speed-steps": "32",
+}
 #: ``--quick``: enough to see every column filled, in well under a minute per comparison
-QUICK = {"--windows": "1", "--context-tokens": "64", "--scored-tokens": "8", "--new-tokens": "4"}
+QUICK = {
+    "--windows": "1",
+    "--context-tokens": "64",
+    "--scored-tokens": "8",
+    "--new-tokens": "4",
+    "--speed-rounds": "1",
+    "--speed-steps": "4",
+}
 
 #: (name, module, result stem)
 JOBS = (

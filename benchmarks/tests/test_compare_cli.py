@@ -102,3 +102,19 @@ def test_docs_match_the_committed_results():
     from make_docs import main as make_docs
 
     assert make_docs(["--check"]) == 0, "run: python benchmarks/make_docs.py"
+
+
+@pytest.mark.parametrize(
+    "cli, tiers",
+    [("palu_mlx.cli", ["default", "r8-4bit"]), ("flashcodec.cli", ["png-keep1", "jpeg-k2-int8-mf"])],
+)
+def test_console_script_dispatch(cli, tiers, capsys):
+    import importlib
+
+    main = importlib.import_module(cli).main
+    assert main(["compare", "--list"]) == 0
+    listed = capsys.readouterr().out
+    assert all(f"tier  {t}" in listed for t in tiers)
+    assert main(["bogus"]) == 2
+    assert capsys.readouterr().err.strip() == "error: unknown command 'bogus'; allowed: compare"
+    assert main([]) == 2 and "usage:" in capsys.readouterr().out
