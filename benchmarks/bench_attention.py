@@ -26,7 +26,9 @@ Memory, per path:
 
 The prefill view a materialized cache builds is counted in ``resident_bytes``; the coefficient
 paths never build it. ``max_abs_diff`` compares the last step's output of each coefficient path
-with the materialized one (``max_rel_diff``: divided by the largest output). Ratios (``time_ratio = coefficient / materialized``,
+with the materialized one (``max_rel_diff``: divided by the largest output), and
+``max_rel_error_vs_fp64_truth`` each path's last output with attention computed in fp64 from the
+same stored rows. Ratios (``time_ratio = coefficient / materialized``,
 ``peak_ratio = materialized / coefficient``) are measured side by side in one run.
 
     hatch run torch:python benchmarks/bench_attention.py              # CPU: results/flashcodec_attention.json
@@ -63,6 +65,21 @@ def unit_walk(h: int, s: int, d: int, gen: torch.Generator) -> torch.Tensor:
     """``[1, h, s, d]`` fp32 random walk along the sequence, each token scaled to RMS 1."""
     x = torch.randn(1, h, 1, d, generator=gen) + 0.1 * torch.randn(1, h, s, d, generator=gen).cumsum(2)
     return x / x.pow(2).mean(-1, keepdim=True).sqrt()
+
+
+def fp64_truth(query: torch.Tensor, cache: CodecKVCache) -> torch.Tensor:
+    """The last step's attention computed in fp64 from the same stored rows (the reference both paths approximate)."""
+    groups = query.shape[1] // cache.keys.heads
+
+    def full(stream):
+        view = torch.cat(
+            [cache.codec.decode(stream.archived_parts(), torch.float64), stream.tail().double()], 2
+        )
+        return view.repeat_interleave(groups, dim=1)
+
+    k, v = full(cache.keys), full(cache.values)
+    scores = query.double() @ k.transpose(-1, -2) / query.shape[-1] ** 0.5
+    return scores.softmax(-1) @ v
 
 
 def sync(device: torch.device) -> None:
@@ -134,6 +151,7 @@ def run_path(path: str, tier: dict, prefill: tuple, tokens: list, device: torch.
         "memory_measured_with": how,
         "seq_len_end": cache.offset,
         "_out": out,
+        "_cache": cache,
     }
 
 
@@ -167,6 +185,13 @@ def run(args) -> dict:
             for path in paths:
                 result[path] = run_path(path, TIERS[name], prefill, tokens, device)
             ref = result["materialized"].pop("_out")
+            truth = fp64_truth(tokens[-1][0], result["materialized"]["_cache"])
+            for path in paths:
+                cache = result[path].pop("_cache")
+                result[path]["max_rel_error_vs_fp64_truth"] = float(
+                    (result[path].get("_out", ref).double() - truth).abs().max() / truth.abs().max()
+                )
+                del cache
             for path in paths[1:]:
                 out = result[path].pop("_out")
                 result[path]["max_abs_diff_vs_materialized"] = float((out - ref).abs().max())
@@ -212,7 +237,7 @@ def summary_line(r: dict) -> str:
         f"S={r['seq_len']:>6} {r['tier']:<14} materialized {mat['step_ms_median']:8.2f} ms / {mat['peak_bytes'] / 2**20:7.1f} MiB"
         f" | coefficient(torch) {coef['step_ms_median']:8.2f} ms / {coef['peak_bytes'] / 2**20:7.1f} MiB"
         f" (time x{coef['time_ratio_vs_materialized']:.2f}, peak /{coef['peak_ratio_materialized_over_this']:.1f},"
-        f" rel diff {coef['max_rel_diff_vs_materialized']:.1e})"
+        f" rel err vs fp64: mat {mat['max_rel_error_vs_fp64_truth']:.1e}, coef {coef['max_rel_error_vs_fp64_truth']:.1e})"
     )
     tri = r.get("coefficient_triton")
     if isinstance(tri, dict):

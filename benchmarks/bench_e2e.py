@@ -23,7 +23,9 @@ Figures per run:
 * ``steady_bytes``: bytes the cache holds after the decode, measured from its tensors (baseline:
   the ``DynamicCache`` keys and values; codec: ``storage_bytes().resident`` = archive capacity +
   tail buffers + the memoized view, if any);
-* ``token_match_vs_baseline`` and ``tokens_equal_materialized``.
+* ``token_match_vs_baseline`` and ``tokens_equal_materialized``;
+* ``decode_steps_on_stored_rows`` / ``fallbacks``: the wrapper's counters over every run of the
+  tier (the timed repeats and the memory pass), per layer call.
 
     hatch run torch:python benchmarks/bench_e2e.py          # writes results/flashcodec_e2e.json
 """
