@@ -76,6 +76,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--time-budget-min", type=float, default=0.0, help="stop early after this many minutes (0 = none)"
     )
+    p.add_argument(
+        "--stop-after",
+        type=int,
+        default=0,
+        help="stop after this many steps without changing the --steps schedule (0 = run all); "
+        "reproduces a run that a time budget cut short, bit for bit",
+    )
     return p.parse_args(argv)
 
 
@@ -319,7 +326,10 @@ def main(argv: list[str] | None = None) -> dict:
                 flush=True,
             )
             window_loss, window_n = 0.0, 0
-        out_of_time = args.time_budget_min > 0 and time.perf_counter() - t_start > 60 * args.time_budget_min
+        # Both stops fall on step boundaries, so the weights at step N do not depend on the clock.
+        out_of_time = (
+            args.time_budget_min > 0 and time.perf_counter() - t_start > 60 * args.time_budget_min
+        ) or (args.stop_after > 0 and steps_done >= args.stop_after)
         if steps_done % args.eval_every == 0 and steps_done != args.steps:
             nll, _ = heldout_nll(model, heldout_tokens, args.seq_len, max_windows=32)
             evals.append({"step": steps_done, "heldout_loss_subset": round(nll, 4), "windows": 32})
@@ -327,7 +337,10 @@ def main(argv: list[str] | None = None) -> dict:
         if steps_done % args.save_every == 0 or out_of_time:
             save_checkpoint(model, hf_tok, args.out)
         if out_of_time:
-            print(f"time budget of {args.time_budget_min} min reached at step {steps_done}", flush=True)
+            print(
+                f"stopped at step {steps_done} (time budget {args.time_budget_min} min / --stop-after)",
+                flush=True,
+            )
             break
     train_seconds = time.perf_counter() - t_start
 
