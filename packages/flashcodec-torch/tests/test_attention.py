@@ -25,7 +25,7 @@ from flashcodec.attention import (
     coded_rows,
     materialized_decode_attention,
 )
-from flashcodec.kernels.naive import combine_partials, decode_attention_partials
+from flashcodec.kernels.naive import combine_partials, decode_attention_partials, dense_rows
 from kvspec import KVConfigError, KVDtypeError, KVShapeError
 
 ROOT = next(p for p in Path(__file__).resolve().parents if (p / "benchmarks").is_dir())
@@ -161,6 +161,20 @@ def test_splits_and_tail_lengths_agree(seq):
     want = materialized_decode_attention(query, cache.keys, cache.values)
     for out in outs:
         assert (out - want).abs().max() <= 1e-6 * want.abs().max()
+
+
+@pytest.mark.parametrize("tier", ATTN_TIERS)
+def test_coded_rows_address_the_codec_rows(tier):
+    # segments + scales as the kernels read them are exactly the codec's rows (A @ rows = block)
+    cache, _ = filled_cache(tier, s=45, d=16)
+    for stream in (cache.keys, cache.values):
+        rows = coded_rows(stream)
+        assert all(
+            seg.untyped_storage().data_ptr() == stream.archive[0].untyped_storage().data_ptr()
+            for seg in rows.segments[:1]
+        )  # views of the archive, no copy
+        assert torch.equal(dense_rows(rows, 0, rows.n_blocks), stream.stored_rows(torch.float32))
+        assert rows.seq_len == stream.seq_len and torch.equal(rows.tail, stream.tail())
 
 
 def test_partials_combine_to_the_softmax():

@@ -11,7 +11,7 @@ the sum ``l_s = sum exp(score - m_s)`` and the unnormalized ``acc_s = sum exp(sc
 :func:`combine_partials` merges them with log-sum-exp. The Triton kernel writes exactly these
 partials, so tests compare both the partials and the combined output.
 
-Imports torch only (the flow is kvspec <- codecs <- cache <- attention <- kernels are leaves).
+Imports torch only: the kernels are leaves of the package and know nothing of codecs or caches.
 """
 
 from __future__ import annotations
@@ -67,7 +67,10 @@ class CodedRows(NamedTuple):
 
 
 def dense_rows(rows: CodedRows, start: int, stop: int) -> torch.Tensor:
-    """The dequantized rows of blocks ``start .. stop-1`` as fp32 ``[B, H, stop-start, R, D]`` (a copy)."""
+    """The dequantized rows of blocks ``start .. stop-1`` as fp32 ``[B, H, stop-start, R, D]`` (a copy).
+
+    The kernels never build this; tests use it to check an addressing against ``stored_rows``.
+    """
     dense = torch.cat([seg[:, :, start:stop].float() for seg in rows.segments], dim=3)
     if rows.scales is not None:
         dense = dense * rows.scales[:, :, start:stop, :, None]
