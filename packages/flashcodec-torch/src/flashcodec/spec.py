@@ -48,10 +48,12 @@ _CASES: dict[str, tuple[Capabilities, float, dict[str, float]]] = {
     # K = r: fp32 arithmetic, coefficients rounded to the input dtype (bf16 dominates: ~1.6e-3 measured)
     "jpeg-k8": (Capabilities(causal_stable=False), 3e-3, {}),
     "jpeg-k8-int8": (_LOSSY, 1e-2, {"outlier_keys": 1.5e-2}),
-    # truncation: the default (used for families not listed) is the uncorrelated-data level
-    "jpeg-k4": (_LOSSY, 0.8, {"random_walk": 0.15, "planted_lowrank": 0.65, "edge": 0.65}),
-    "jpeg-k2": (_LOSSY, 0.95, {"random_walk": 0.25, "planted_lowrank": 0.8, "edge": 0.8}),
-    "jpeg-k2-int8": (_LOSSY, 0.95, {"random_walk": 0.25, "planted_lowrank": 0.8, "edge": 0.8}),
+    # truncation: the default (used for families not listed) is the uncorrelated-data level;
+    # the embedded model's real K/V are anti-correlated along the sequence (measured worst: k=4
+    # 0.71, k=2 0.86), so they sit at that level too
+    "jpeg-k4": (_LOSSY, 0.8, {"random_walk": 0.15, "planted_lowrank": 0.65, "edge": 0.65, "real": 0.8}),
+    "jpeg-k2": (_LOSSY, 0.95, {"random_walk": 0.25, "planted_lowrank": 0.8, "edge": 0.8, "real": 0.95}),
+    "jpeg-k2-int8": (_LOSSY, 0.95, {"random_walk": 0.25, "planted_lowrank": 0.8, "edge": 0.8, "real": 0.95}),
 }
 
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
