@@ -12,11 +12,13 @@ Question: what do the three tiers cost in decode speed and memory on a whole mod
 Each codec tier (``--tiers``) is run for the two codec paths. The prompt is the first
 ``--prompt-tokens`` tokens of the committed held-out text (``benchmarks/data/heldout.txt``); the
 decode is ``--new-tokens`` greedy steps written out as the loop ``generate`` runs (one forward
-per token, argmax), so prefill and decode are timed apart.
+per token, argmax), so prefill and decode are timed apart. The timed runs go round robin over
+every configuration (``--repeats`` rounds), so a change in the machine's load hits all alike.
 
 Figures per run:
 
-* ``decode_tokens_per_s``: new tokens / decode-loop seconds (min over ``--repeats`` runs);
+* ``decode_tokens_per_s``: decode steps / decode-loop seconds of the fastest round (every
+  round's seconds are in ``decode_s_all_runs``);
 * ``peak_bytes``: high-water mark of tensors allocated during prefill + decode and alive at once
   (weights excluded). CPU: :class:`peak_memory.PeakMemory` (aten dispatch tracker), in a separate
   pass from the timing; CUDA: ``torch.cuda.max_memory_allocated`` minus the bytes before the run;
@@ -33,6 +35,7 @@ Figures per run:
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import sys
 import time
@@ -63,6 +66,17 @@ def cache_bytes(cache) -> int:
     if isinstance(cache, FlashCodecCache):
         return cache.storage_bytes().resident + cache.native_nbytes()
     return sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values) if t is not None)
+
+
+def weights_digest(path: Path) -> str | None:
+    """sha256 of the model's safetensors weights, so a result names the exact model it ran."""
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        return None
+    digest = hashlib.sha256()
+    for file in files:
+        digest.update(file.read_bytes())
+    return digest.hexdigest()
 
 
 def sync(device: torch.device) -> None:
@@ -97,35 +111,41 @@ def make_cache(model, tier: dict | None):
     )
 
 
-def run_tier(model, ids, tier, new_tokens, repeats, device) -> dict:
-    best = None
-    for _ in range(repeats):
-        cache = make_cache(model, tier)
-        tokens, prefill_s, decode_s = greedy(model, ids, cache, new_tokens)
-        if best is None or decode_s < best[2]:
-            best = (tokens, prefill_s, decode_s)
-        steady = cache_bytes(cache)
-        del cache
-    tokens, prefill_s, decode_s = best
-    # memory pass, apart from the timing
-    cache = make_cache(model, tier)
+class Run:
+    """One configuration: a cache tier (None = ``DynamicCache``), with or without the attention wrapper."""
+
+    def __init__(self, name: str, tier: dict | None, coded: bool):
+        self.name, self.tier, self.coded = name, tier, coded
+        self.decode_s: list[float] = []
+        self.result: dict = {}
+        self.coded_calls = 0  # the wrapper's counters, summed over every run of this configuration
+        self.fallbacks: dict[str, int] = {}
+
+    def __call__(self, model, ids, new_tokens, backend):
+        """One greedy run: returns (tokens, prefill s, decode s, steady bytes)."""
+        stats = apply_codec_attention(model, backend=backend) if self.coded else None
+        try:
+            cache = make_cache(model, self.tier)
+            tokens, prefill_s, decode_s = greedy(model, ids, cache, new_tokens)
+            return tokens, prefill_s, decode_s, cache_bytes(cache)
+        finally:
+            if stats is not None:
+                remove_codec_attention(model)
+                self.coded_calls += stats.coded
+                for reason, n in stats.fallbacks.items():
+                    self.fallbacks[reason] = self.fallbacks.get(reason, 0) + n
+
+
+def measure_memory(run: Run, model, ids, new_tokens, backend, device) -> int:
+    """Peak bytes allocated during one prefill + decode (a pass apart from the timing)."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
-        greedy(model, ids, cache, new_tokens)
-        peak = torch.cuda.max_memory_allocated(device) - before
-    else:
-        with PeakMemory() as tracker:
-            greedy(model, ids, cache, new_tokens)
-        peak = tracker.peak
-    return {
-        "decode_tokens_per_s": (new_tokens - 1) / decode_s,
-        "decode_ms_per_token": decode_s * 1e3 / (new_tokens - 1),
-        "prefill_s": prefill_s,
-        "peak_bytes": peak,
-        "steady_bytes": steady,
-        "tokens": tokens,
-    }
+        run(model, ids, new_tokens, backend)
+        return torch.cuda.max_memory_allocated(device) - before
+    with PeakMemory() as tracker:
+        run(model, ids, new_tokens, backend)
+    return tracker.peak
 
 
 def run(args) -> dict:
@@ -135,19 +155,35 @@ def run(args) -> dict:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().to(device)
     tokenizer = AutoTokenizer.from_pretrained(path)
     ids = tokenizer(load_corpus("heldout"), return_tensors="pt").input_ids[:, : args.prompt_tokens].to(device)
-    rows = {"baseline": run_tier(model, ids, None, args.new_tokens, args.repeats, device)}
-    print(line("baseline", rows["baseline"]), flush=True)
+    runs = [Run("baseline", None, False)]
+    for name in args.tiers:
+        runs += [
+            Run(f"{name} / materialized", TIERS[name], False),
+            Run(f"{name} / materialization-free", TIERS[name], True),
+        ]
+    # timing: round robin, so a change in the machine's load hits every configuration alike
+    for _ in range(args.repeats):
+        for r in runs:
+            tokens, prefill_s, decode_s, steady = r(model, ids, args.new_tokens, args.backend)
+            if not r.decode_s or decode_s < min(r.decode_s):
+                r.result.update(tokens=tokens, prefill_s=prefill_s, steady_bytes=steady)
+            r.decode_s.append(decode_s)
+    rows = {}
+    for r in runs:
+        best = min(r.decode_s)
+        r.result.update(
+            decode_tokens_per_s=(args.new_tokens - 1) / best,
+            decode_ms_per_token=best * 1e3 / (args.new_tokens - 1),
+            decode_s_all_runs=r.decode_s,
+            peak_bytes=measure_memory(r, model, ids, args.new_tokens, args.backend, device),
+        )
+        rows[r.name] = r.result
     base_tokens = rows["baseline"]["tokens"]
     for name in args.tiers:
-        tier = TIERS[name]
-        mat = run_tier(model, ids, tier, args.new_tokens, args.repeats, device)
-        stats = apply_codec_attention(model, backend=args.backend)
-        try:
-            free = run_tier(model, ids, tier, args.new_tokens, args.repeats, device)
-        finally:
-            remove_codec_attention(model)
-        free["decode_steps_on_stored_rows"] = stats.coded
-        free["fallbacks"] = dict(stats.fallbacks)
+        mat, free = rows[f"{name} / materialized"], rows[f"{name} / materialization-free"]
+        coded = next(r for r in runs if r.name == f"{name} / materialization-free")
+        free["decode_steps_on_stored_rows"] = coded.coded_calls
+        free["fallbacks"] = dict(coded.fallbacks)
         for row in (mat, free):
             same = sum(a == b for a, b in zip(row["tokens"], base_tokens, strict=True))
             row["token_match_vs_baseline"] = same / len(base_tokens)
@@ -155,10 +191,8 @@ def run(args) -> dict:
         free["speed_ratio_vs_materialized"] = free["decode_tokens_per_s"] / mat["decode_tokens_per_s"]
         free["steady_ratio_materialized_over_this"] = mat["steady_bytes"] / free["steady_bytes"]
         free["peak_ratio_materialized_over_this"] = mat["peak_bytes"] / free["peak_bytes"]
-        rows[f"{name} / materialized"] = mat
-        rows[f"{name} / materialization-free"] = free
-        print(line(f"{name} / materialized", mat), flush=True)
-        print(line(f"{name} / materialization-free", free), flush=True)
+    for name, row in rows.items():
+        print(line(name, row), flush=True)
     stamp = environment_stamp(["torch", "transformers", "triton", "flashcodec-kv", "kvcache-spec"])
     stamp["machine"].update(
         torch_threads=torch.get_num_threads(),
@@ -171,6 +205,7 @@ def run(args) -> dict:
         "question": "greedy decode on a whole model: baseline vs materialized vs materialization-free",
         "settings": {
             "model": str(path.name),
+            "weights_sha256": weights_digest(path),
             "layers": cfg.num_hidden_layers,
             "kv_heads": cfg.num_key_value_heads,
             "query_heads": cfg.num_attention_heads,
@@ -199,7 +234,7 @@ def main(argv=None) -> None:
     parser.add_argument("--tiers", type=lambda s: s.split(","), default=["jpeg k=2 int8", "jpeg k=8 int8"])
     parser.add_argument("--prompt-tokens", type=int, default=1920)
     parser.add_argument("--new-tokens", type=int, default=33)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
     parser.add_argument("--device", default="cpu")
     parser.add_argument(
