@@ -29,8 +29,9 @@ SIZES = {
     "--context-tokens": "192",
     "--scored-tokens": "64",
     "--new-tokens": "32",
+    "--prompt-count": "2",
     "--speed-rounds": "3",
-    "--speed-steps": "32",
+    "--speed-steps": "16",
 }
 #: ``--quick``: enough to see every column filled, in well under a minute per comparison
 QUICK = {
@@ -38,6 +39,7 @@ QUICK = {
     "--context-tokens": "64",
     "--scored-tokens": "8",
     "--new-tokens": "4",
+    "--prompt-count": "1",
     "--speed-rounds": "1",
     "--speed-steps": "4",
 }

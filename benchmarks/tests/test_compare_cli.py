@@ -12,7 +12,7 @@ from kvspec.report import MEASURES, SCHEMA
 # 64 context tokens: palu fits its projections once it holds head_dim (64) tokens
 SMALL = [
     *("--windows", "1", "--context-tokens", "64", "--scored-tokens", "8", "--new-tokens", "4"),
-    *("--speed-rounds", "1", "--speed-steps", "4", "--quiet"),
+    *("--prompt-count", "1", "--speed-rounds", "1", "--speed-steps", "4", "--quiet"),
 ]
 PROMPT = ["--prompt", "The json module encodes"]
 

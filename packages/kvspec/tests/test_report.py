@@ -92,7 +92,7 @@ def candidates(events=None):
 
 
 SETTINGS = rp.Settings(
-    windows=2, context_tokens=4, scored_tokens=5, new_tokens=6, speed_rounds=2, speed_steps=3
+    windows=2, context_tokens=4, scored_tokens=5, new_tokens=6, speed_rounds=2, speed_steps=3, prompt_count=2
 )
 TOKENS = [(3 * i + i // 4) % VOCAB for i in range(40)]
 
@@ -167,11 +167,32 @@ def test_text_windows_are_spread_and_disjoint():
 
 
 @pytest.mark.parametrize(
-    "field", ["windows", "context_tokens", "scored_tokens", "new_tokens", "speed_rounds", "speed_steps"]
+    "field",
+    [
+        "windows",
+        "context_tokens",
+        "scored_tokens",
+        "new_tokens",
+        "speed_rounds",
+        "speed_steps",
+        "prompt_count",
+    ],
 )
 def test_settings_reject_non_positive(field):
     with pytest.raises(rp.CompareError, match=f"--{field.replace('_', '-')}=0"):
         rp.Settings(**{field: 0})
+
+
+def test_default_prompts_are_the_first_contexts():
+    settings = rp.Settings(windows=3, context_tokens=4, scored_tokens=2, prompt_count=2)
+    windows, prompts, source = rp.prepare_tokens(lambda t: list(range(30)), None, "x", None, settings)
+    assert prompts == [w[:4] for w in windows[:2]] and source == "the context of the first 2 windows"
+    _, prompts, source = rp.prepare_tokens(
+        lambda t: list(range(30)), lambda p: [len(p)], "x", ["ab"], settings
+    )
+    assert prompts == [[2]] and source == "--prompt / --prompts"
+    with pytest.raises(rp.CompareError, match="--prompt-count=4 must not exceed --windows=3"):
+        rp.Settings(windows=3, prompt_count=4)
 
 
 def test_token_nll_is_a_stable_log_softmax():

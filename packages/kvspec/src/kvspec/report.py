@@ -259,7 +259,8 @@ class Settings:
     scored_tokens: int = 64
     new_tokens: int = 32
     speed_rounds: int = 3
-    speed_steps: int = 32
+    speed_steps: int = 16
+    prompt_count: int = 2
 
     def __post_init__(self) -> None:
         for name in (
@@ -269,10 +270,16 @@ class Settings:
             "new_tokens",
             "speed_rounds",
             "speed_steps",
+            "prompt_count",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise CompareError(f"--{name.replace('_', '-')}={value!r} must be a positive integer")
+        if self.prompt_count > self.windows:
+            raise CompareError(
+                f"--prompt-count={self.prompt_count} must not exceed --windows={self.windows} "
+                "(default prompts are the windows' contexts)"
+            )
 
     @property
     def window_tokens(self) -> int:
@@ -524,6 +531,7 @@ def build_result(
             "new_tokens": settings.new_tokens,
             "speed_rounds": settings.speed_rounds,
             "speed_steps": settings.speed_steps,
+            "prompt_count": settings.prompt_count,
             **inputs,
         },
         "measures": measures,
@@ -757,6 +765,12 @@ def add_common_arguments(parser: argparse.ArgumentParser, tiers: Sequence[str], 
         "--new-tokens", type=int, default=Settings.new_tokens, help="greedy tokens per prompt (default 32)"
     )
     parser.add_argument(
+        "--prompt-count",
+        type=int,
+        default=Settings.prompt_count,
+        help="without --prompt/--prompts: greedy prompts taken from the first windows' contexts (default 2)",
+    )
+    parser.add_argument(
         "--speed-rounds",
         type=int,
         default=Settings.speed_rounds,
@@ -766,7 +780,7 @@ def add_common_arguments(parser: argparse.ArgumentParser, tiers: Sequence[str], 
         "--speed-steps",
         type=int,
         default=Settings.speed_steps,
-        help="timed one-token calls per round (default 32)",
+        help="timed one-token calls per round (default 16)",
     )
     parser.add_argument("--json", metavar="PATH", help="write the full result as JSON")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG chart (needs matplotlib)")
@@ -840,7 +854,8 @@ def prepare_tokens(
     (``prompt_texts`` encoded, or, when None, the context of each window)."""
     windows = text_windows(encode_text(text), settings)
     if prompt_texts is None:
-        return windows, [w[: settings.context_tokens] for w in windows], "the context of each window"
+        contexts = [w[: settings.context_tokens] for w in windows[: settings.prompt_count]]
+        return windows, contexts, f"the context of the first {len(contexts)} windows"
     return windows, [encode_prompt(p) for p in prompt_texts], "--prompt / --prompts"
 
 

@@ -290,6 +290,7 @@ def _main(argv: Sequence[str] | None) -> int:
         args.new_tokens,
         args.speed_rounds,
         args.speed_steps,
+        args.prompt_count,
     )
     text, text_path = load_eval_text(args.text)
     prompt_texts = load_prompts(args.prompt, args.prompts)
