@@ -7,6 +7,7 @@ equality of the patched model is in ``test_hf_generate.py``.
 from __future__ import annotations
 
 import functools
+import inspect
 from types import SimpleNamespace
 
 import pytest
@@ -76,8 +77,10 @@ def test_remove_restores_generate_exactly_and_no_class_is_touched(model, ids):
     before_dict = dict(vars(model))
     before = model.generate(ids, **GEN)
     other = tiny_qwen3(seed=1)
+    signature = inspect.signature(model.generate)
     apply_flash_codec(model, mode="jpeg", keep_freqs=2, quant_bits=8)
     assert type(model).generate is class_generate  # the class is untouched
+    assert inspect.signature(model.generate) == signature  # introspection sees the same parameters
     assert "generate" not in vars(other)  # other instances are untouched
     other.generate(ids, **GEN)
     assert get_flash_codec_patch(other) is None

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -202,6 +203,8 @@ def _install_generate_hook(model: torch.nn.Module, patch: FlashCodecPatch) -> No
             kwargs[cache_kwarg] = patch.new_cache()
         return inner_generate()(*args, **kwargs)
 
+    # Report the bound signature (no `self`), as the class method seen through the instance does.
+    generate.__signature__ = inspect.signature(inner_generate())
     setattr(generate, _PATCH_ATTR, patch)
     instance["generate"] = generate
 
