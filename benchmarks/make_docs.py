@@ -35,6 +35,19 @@ SECTIONS = (
     ),
 )
 
+#: how each method works, where it explains the figures (descriptions of the code, no figures)
+MECHANISMS = {
+    "compare_palu": "palu stores low-rank latents and, at every step, reconstructs the whole history to "
+    "full K/V before mlx's attention (there is no fused low-rank attention kernel): the bytes held "
+    "shrink, the work per decode step does not, and it grows with the context. mlx-lm's "
+    "`QuantizedKVCache` instead attends on its quantized keys and values directly.",
+    "compare_flashcodec": "flashcodec's materialized tiers keep a decoded view of the whole history beside "
+    "their archive and attend over it; the `-mf` tier attends on the stored coefficients and releases "
+    "that view. transformers' `QuantizedCache` dequantizes its stored states at every step (its hqq and "
+    "quanto backends keep the newest tokens, up to a residual length, in full precision; fp8 codes every "
+    "token with one scale per tensor).",
+}
+
 #: perplexity differences below this share of the baseline's perplexity are read as "the same quality":
 #: a few hundred scored tokens cannot separate smaller differences from noise
 SAME_QUALITY = 0.01
@@ -116,10 +129,12 @@ def reading(result: dict[str, Any]) -> list[str]:
         beats = [p for p in peers if dominates(tier, p, tie)]
         if beaten_by:
             p = min(beaten_by, key=lambda r: r["kv_ratio"])
-            out.append(f"{_at(tier)} loses to {_at(p)}, which is no larger and no worse.")
+            out.append(
+                f"{_at(tier)} loses to {_at(p)}, which is no larger and no worse." + _match_note(tier, p)
+            )
         elif beats:
             p = max(beats, key=lambda r: r["kv_ratio"])
-            out.append(f"{_at(tier)} beats {_at(p)}: no larger and no worse.")
+            out.append(f"{_at(tier)} beats {_at(p)}: no larger and no worse." + _match_note(p, tier))
         else:
             p = min(peers, key=lambda r: abs(r["kv_ratio"] - tier["kv_ratio"]))
             if abs(tier["kv_ratio"] - p["kv_ratio"]) <= 1e-3 * p["kv_ratio"]:
@@ -145,6 +160,19 @@ def reading(result: dict[str, Any]) -> list[str]:
         + "."
     )
 
+    by_name = {r["name"]: r for r in rows}
+    for row in rows:
+        twin = by_name.get(row["name"].removesuffix("-mf")) if row["name"].endswith("-mf") else None
+        if twin is None or not row.get("kv_resident_bytes") or not twin.get("kv_resident_bytes"):
+            continue
+        out.append(
+            f"`{row['name']}` against `{twin['name']}` (same codes, attention computed on them instead of on a "
+            f"decoded view): perplexity {row['perplexity']:.3f} vs {twin['perplexity']:.3f}, decode "
+            f"{row['decode_tokens_per_s'] / twin['decode_tokens_per_s']:.2f}x its speed, resident bytes "
+            f"{row['kv_resident_bytes'] / twin['kv_resident_bytes']:.3f}x, peak memory "
+            f"{row['peak_memory_bytes'] / twin['peak_memory_bytes']:.2f}x."
+        )
+
     if abs(base["kv_ratio"] - 1) > 1e-9:
         out.append(
             f"The baseline itself holds {base['kv_ratio']:.3f}x the bytes of its tokens: it reserves "
@@ -159,6 +187,16 @@ def reading(result: dict[str, Any]) -> list[str]:
             + "."
         )
     return out
+
+
+def _match_note(worse: dict[str, Any], better: dict[str, Any]) -> str:
+    """A clause when greedy token match points the other way than perplexity and size do."""
+    if worse["token_match"] - better["token_match"] < 0.1:
+        return ""
+    return (
+        f" Its greedy token match is higher, though: {_pct(worse['token_match'])} against "
+        f"{_pct(better['token_match'])} for `{better['name']}`."
+    )
 
 
 # --------------------------------------------------------------------------- page
@@ -206,6 +244,8 @@ def _section(stem: str, title: str, peers: str, result: dict[str, Any]) -> list[
         lines.append("")
     lines += ["**Reading.**", ""]
     lines += [f"- {point}" for point in reading(result)]
+    if stem in MECHANISMS:
+        lines += [f"- How it works, where that explains the figures: {MECHANISMS[stem]}"]
     lines += ["", "<details><summary>Greedy continuation of the first prompt, per cache</summary>", ""]
     lines += ["| cache | text |", "|---|---|"]
     lines += [f"| {r['name']} | `{_cell(r['sample']) or ' '}` |" for r in result["rows"]]

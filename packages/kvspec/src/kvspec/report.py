@@ -651,6 +651,11 @@ def render_markdown(result: dict[str, Any], columns: Sequence[str] | None = None
     return "\n".join(lines)
 
 
+def _log_height(y: float) -> float:
+    # where a value sits on a symlog-like axis, for deciding whether two labels would collide
+    return math.copysign(math.log10(1 + abs(y) * 1000), y)
+
+
 _KIND_COLORS = {"baseline": "black", "tier": "tab:blue", "peer": "tab:orange"}
 
 
@@ -676,9 +681,22 @@ def plot_comparison(result: dict[str, Any], path: str | os.PathLike) -> Path:
     for r in rows:
         ax_q.scatter(r["kv_ratio"], r["ppl_delta"], color=_KIND_COLORS[r["kind"]], s=36, zorder=3)
         # rows on (nearly) the same spot share one label instead of overprinting each other
-        labels.setdefault((round(r["kv_ratio"], 2), float(f"{r['ppl_delta']:.2g}")), []).append(r["name"])
-    for (x, y), names in labels.items():
-        ax_q.annotate(" / ".join(names), (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
+        y = r["ppl_delta"]
+        key_y = round(y, 2) if abs(y) < 1 else float(f"{y:.2g}")
+        labels.setdefault((round(r["kv_ratio"], 2), key_y + 0.0), []).append(r["name"])
+    span = max(r["kv_ratio"] for r in rows) - min(r["kv_ratio"] for r in rows) or 1.0
+    placed: list[tuple[float, float, bool]] = []
+    for (x, y), names in sorted(labels.items()):
+        # a label close to the previous one (in x, at a similar height) goes below its point instead
+        near = [
+            below
+            for px, py, below in placed
+            if x - px < 0.15 * span and abs(_log_height(y) - _log_height(py)) < 0.6
+        ]
+        below = bool(near) and not near[-1]
+        placed.append((x, y, below))
+        offset = (5, -11) if below else (5, 4)
+        ax_q.annotate(" / ".join(names), (x, y), textcoords="offset points", xytext=offset, fontsize=8)
     ax_q.axhline(0.0, color="grey", lw=0.8)
     positive = [abs(d) for d in deltas if d]
     if positive and max(positive) / max(min(positive), 1e-12) > 100:
