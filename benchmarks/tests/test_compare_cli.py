@@ -91,6 +91,8 @@ def test_user_mistakes_are_one_line(module, tmp_path, capsys):
         (["--model", str(unknown_arch)], "cannot load it"),
         (["--text", str(tmp_path / "missing.txt")], "--text"),
         (["--windows", "0"], "--windows=0"),
+        (["--windows", "abc"], "argument --windows: invalid int value: 'abc'"),
+        (["--no-such-option"], "unrecognized arguments: --no-such-option"),
     ]
     for argv, expected in cases:
         assert main([*argv, "--quiet"]) == 2, argv

@@ -325,3 +325,11 @@ def test_run_cli_prints_one_line_and_exits_2(capsys):
     err = capsys.readouterr().err
     assert err == "error: head_dim=3 is wrong; allowed: 64\n"
     assert rp.run_cli(lambda argv: 0, []) == 0
+
+
+def test_one_line_parser_errors(capsys):
+    parser = rp.OneLineParser(prog="toy compare")
+    rp.add_common_arguments(parser, ["a"], ["p"])
+    assert rp.run_cli(lambda argv: parser.parse_args(argv) and 0, ["--windows", "x"]) == 2
+    err = capsys.readouterr().err
+    assert err == "error: argument --windows: invalid int value: 'x' (see toy compare --help)\n"

@@ -21,7 +21,6 @@ The measuring protocol, the JSON layout and the table are :mod:`kvspec.report`'s
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import ctypes
 import gc
@@ -40,6 +39,7 @@ from kvspec.report import (
     Candidate,
     CompareError,
     KVBytes,
+    OneLineParser,
     Settings,
     add_common_arguments,
     build_result,
@@ -399,8 +399,8 @@ def _codec_attention(model: Any) -> tuple[Any, Any]:
 
 
 # --------------------------------------------------------------------------- command line
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+def _parser() -> OneLineParser:
+    parser = OneLineParser(
         prog="flashcodec compare",
         description="Compare flashcodec tiers with transformers' DynamicCache and QuantizedCache on one "
         "model: KV bytes held, peak memory, perplexity, greedy token match, decode and prefill speed.",

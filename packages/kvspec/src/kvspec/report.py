@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 import numpy as np
 
@@ -75,6 +75,7 @@ __all__ = [
     "render_markdown",
     "plot_comparison",
     "format_bytes",
+    "OneLineParser",
     "add_common_arguments",
     "parse_selection",
     "load_eval_text",
@@ -744,6 +745,14 @@ def default_text_path(cwd: Path | None = None) -> Path | None:
     return None
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors are one line (``error: ...``, exit code 2), like every
+    other mistake the compare commands report."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
 def add_common_arguments(parser: argparse.ArgumentParser, tiers: Sequence[str], peers: Sequence[str]) -> None:
     """The options both compare commands share (model, text, prompts, selection, sizes, outputs)."""
     parser.add_argument(
@@ -764,7 +773,9 @@ def add_common_arguments(parser: argparse.ArgumentParser, tiers: Sequence[str], 
         "--tiers", help=f"comma-separated tiers (default: all): {', '.join(tiers)}; 'none' for no tier"
     )
     parser.add_argument(
-        "--peers", help=f"comma-separated peer caches (default: all): {', '.join(peers)}; 'none' for no peer"
+        "--peers",
+        help=f"comma-separated peer caches (default: all): {', '.join(peers)}; 'none' for no peer. "
+        "A peer whose package is not installed is reported as absent, with the error",
     )
     parser.add_argument("--windows", type=int, default=Settings.windows, help="held-out windows (default 4)")
     parser.add_argument(
@@ -918,3 +929,5 @@ def run_cli(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | N
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130
+    except SystemExit as done:  # argparse: --help (0) or a bad option (2, already printed)
+        return done.code if isinstance(done.code, int) else int(done.code is not None)

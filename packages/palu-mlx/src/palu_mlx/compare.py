@@ -19,7 +19,6 @@ The measuring protocol, the JSON layout and the table are :mod:`kvspec.report`'s
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import gc
 import re
@@ -36,6 +35,7 @@ from kvspec.report import (
     Candidate,
     CompareError,
     KVBytes,
+    OneLineParser,
     Settings,
     add_common_arguments,
     build_result,
@@ -263,8 +263,8 @@ def _default_dtype(model: Any) -> Any:
     return weights[0][1].dtype if weights else None
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+def _parser() -> OneLineParser:
+    parser = OneLineParser(
         prog="palu-mlx compare",
         description="Compare palu-mlx tiers with mlx-lm's KVCache and QuantizedKVCache on one model: "
         "KV bytes held, peak memory, perplexity, greedy token match, decode and prefill speed.",
