@@ -58,7 +58,12 @@ def test_statistics_in_manifest_are_measured(manifest, vectors):
     by_name = {v.name: v for v in vectors}
     for entry in manifest:
         vec = by_name[entry["name"]]
-        assert entry["statistics"] == json.loads(json.dumps(vector_statistics(vec.keys, vec.values)))
+        measured = json.loads(json.dumps(vector_statistics(vec.keys, vec.values)))
+        # capture_kv.py adds codec statistics of its own to real vectors; every statistic kvspec
+        # measures must still be there and equal.
+        for tensor, stats in measured.items():
+            stored = entry["statistics"][tensor]
+            assert {k: stored.get(k) for k in stats} == stats, (entry["name"], tensor)
 
 
 def test_every_vector_is_representable_in_its_dtype(vectors):
