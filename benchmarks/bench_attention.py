@@ -47,7 +47,7 @@ from pathlib import Path
 import torch
 from flashcodec import CodecKVCache
 from flashcodec.attention import codec_decode_attention, triton_available
-from kvspec.report import environment_stamp, write_json
+from kvspec.results import environment_stamp, write_json
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peak_memory import PeakMemory  # noqa: E402

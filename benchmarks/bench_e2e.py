@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 from flashcodec.hf import FlashCodecCache, apply_codec_attention, remove_codec_attention
 from kvspec.models import embedded_model_path
-from kvspec.report import environment_stamp, write_json
+from kvspec.results import environment_stamp, write_json
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 HERE = Path(__file__).resolve().parent

@@ -73,7 +73,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("gpu_check.py needs a CUDA device; none is visible here (nothing was run)")
     sys.path.insert(0, str(HERE))
-    from kvspec.report import environment_stamp, write_json
+    from kvspec.results import environment_stamp, write_json
 
     tests = run_tests()
     stamp = environment_stamp(["torch", "triton", "transformers", "flashcodec-kv", "kvcache-spec"])

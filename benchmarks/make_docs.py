@@ -17,7 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvspec.report import format_bytes, read_json, render_markdown
+from kvspec.report import format_bytes, render_markdown
+from kvspec.results import read_json
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"

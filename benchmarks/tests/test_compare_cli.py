@@ -7,7 +7,7 @@ import json
 import math
 
 import pytest
-from kvspec.report import MEASURES, SCHEMA
+from kvspec.measure import MEASURES, SCHEMA
 
 # 64 context tokens: palu fits its projections once it holds head_dim (64) tokens
 SMALL = [

@@ -1,4 +1,5 @@
-"""kvspec.report: the comparison protocol on a toy numpy model, JSON stamping, rendering, CLI helpers."""
+"""The compare modules: the protocol on a toy numpy model (kvspec.measure), JSON stamping
+(kvspec.results), rendering (kvspec.report) and the command-line helpers (kvspec.compare_cli)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,29 @@ from datetime import datetime
 import numpy as np
 import pytest
 from kvspec import KVConfigError
-from kvspec import report as rp
+from kvspec.compare_cli import (
+    OneLineParser,
+    add_common_arguments,
+    check_positions,
+    default_text_path,
+    load_eval_text,
+    load_prompts,
+    parse_selection,
+    prepare_tokens,
+    run_cli,
+)
+from kvspec.measure import (
+    SCHEMA,
+    Candidate,
+    KVBytes,
+    Settings,
+    build_result,
+    measure,
+    text_windows,
+    token_nll,
+)
+from kvspec.report import format_bytes, plot_comparison, render_markdown, render_table, require_matplotlib
+from kvspec.results import CompareError, environment_stamp, read_json, write_json
 
 VOCAB = 7
 
@@ -51,7 +74,7 @@ class ToyRunner:
 
     def kv_bytes(self, cache):
         per = 1 if cache.lossy else 8
-        return rp.KVBytes(
+        return KVBytes(
             held=per * len(cache.tokens), resident=None if not cache.lossy else 2 * len(cache.tokens)
         )
 
@@ -78,8 +101,8 @@ def candidates(events=None):
         events.append("exit")
 
     return [
-        rp.Candidate("baseline", "baseline", "exact", lambda: ToyCache()),
-        rp.Candidate(
+        Candidate("baseline", "baseline", "exact", lambda: ToyCache()),
+        Candidate(
             "even",
             "tier",
             "rounds to even ids",
@@ -91,7 +114,7 @@ def candidates(events=None):
     ]
 
 
-SETTINGS = rp.Settings(
+SETTINGS = Settings(
     windows=2, context_tokens=4, scored_tokens=5, new_tokens=6, speed_rounds=2, speed_steps=3, prompt_count=2
 )
 TOKENS = [(3 * i + i // 4) % VOCAB for i in range(40)]
@@ -103,7 +126,7 @@ def expected_nll(windows, lossy):
         cache = ToyCache(lossy)
         cache.add(w[:4])
         for tok in w[4:]:
-            total += rp.token_nll(toy_logits(cache.tokens), tok)
+            total += token_nll(toy_logits(cache.tokens), tok)
             n += 1
             cache.add([tok])
     return total / n
@@ -123,9 +146,9 @@ def greedy(prompt, lossy, n):
 def test_measure_rows_follow_the_protocol():
     events: list[str] = []
     runner = ToyRunner()
-    windows = rp.text_windows(TOKENS, SETTINGS)
+    windows = text_windows(TOKENS, SETTINGS)
     prompts = [[1, 2], [5]]
-    rows = rp.measure(runner, candidates(events), windows, prompts, SETTINGS, progress=False)
+    rows = measure(runner, candidates(events), windows, prompts, SETTINGS, progress=False)
     base, even = rows
     assert [r["name"] for r in rows] == ["baseline", "even"]
     assert base["nll"] == pytest.approx(expected_nll(windows, False))
@@ -153,17 +176,17 @@ def test_measure_rows_follow_the_protocol():
 
 def test_measure_needs_the_baseline_first():
     runner = ToyRunner()
-    windows = rp.text_windows(TOKENS, SETTINGS)
+    windows = text_windows(TOKENS, SETTINGS)
     with pytest.raises(ValueError, match="baseline"):
-        rp.measure(runner, candidates()[::-1], windows, [[1]], SETTINGS, progress=False)
+        measure(runner, candidates()[::-1], windows, [[1]], SETTINGS, progress=False)
 
 
 def test_text_windows_are_spread_and_disjoint():
     tokens = list(range(100))
-    windows = rp.text_windows(tokens, rp.Settings(windows=3, context_tokens=10, scored_tokens=10))
+    windows = text_windows(tokens, Settings(windows=3, context_tokens=10, scored_tokens=10))
     assert [w[0] for w in windows] == [0, 40, 80] and all(len(w) == 20 for w in windows)
-    with pytest.raises(rp.CompareError, match="--text has 100 tokens"):
-        rp.text_windows(tokens, rp.Settings(windows=6, context_tokens=10, scored_tokens=10))
+    with pytest.raises(CompareError, match="--text has 100 tokens"):
+        text_windows(tokens, Settings(windows=6, context_tokens=10, scored_tokens=10))
 
 
 @pytest.mark.parametrize(
@@ -179,31 +202,29 @@ def test_text_windows_are_spread_and_disjoint():
     ],
 )
 def test_settings_reject_non_positive(field):
-    with pytest.raises(rp.CompareError, match=f"--{field.replace('_', '-')}=0"):
-        rp.Settings(**{field: 0})
+    with pytest.raises(CompareError, match=f"--{field.replace('_', '-')}=0"):
+        Settings(**{field: 0})
 
 
 def test_default_prompts_are_the_first_contexts():
-    settings = rp.Settings(windows=3, context_tokens=4, scored_tokens=2, prompt_count=2)
-    windows, prompts, source = rp.prepare_tokens(lambda t: list(range(30)), None, "x", None, settings)
+    settings = Settings(windows=3, context_tokens=4, scored_tokens=2, prompt_count=2)
+    windows, prompts, source = prepare_tokens(lambda t: list(range(30)), None, "x", None, settings)
     assert prompts == [w[:4] for w in windows[:2]] and source == "the context of the first 2 windows"
-    _, prompts, source = rp.prepare_tokens(
-        lambda t: list(range(30)), lambda p: [len(p)], "x", ["ab"], settings
-    )
+    _, prompts, source = prepare_tokens(lambda t: list(range(30)), lambda p: [len(p)], "x", ["ab"], settings)
     assert prompts == [[2]] and source == "--prompt / --prompts"
-    with pytest.raises(rp.CompareError, match="--prompt-count=4 must not exceed --windows=3"):
-        rp.Settings(windows=3, prompt_count=4)
+    with pytest.raises(CompareError, match="--prompt-count=4 must not exceed --windows=3"):
+        Settings(windows=3, prompt_count=4)
 
 
 def test_token_nll_is_a_stable_log_softmax():
     z = np.array([1000.0, 1001.0, 999.0])
     p = np.exp(z - z.max()) / np.exp(z - z.max()).sum()
-    assert rp.token_nll(z, 1) == pytest.approx(-math.log(p[1]))
+    assert token_nll(z, 1) == pytest.approx(-math.log(p[1]))
 
 
 # --------------------------------------------------------------------------- JSON and stamping
 def test_environment_stamp():
-    stamp = rp.environment_stamp(["numpy", "surely-not-installed-pkg"])
+    stamp = environment_stamp(["numpy", "surely-not-installed-pkg"])
     assert stamp["versions"]["numpy"] == np.__version__
     assert stamp["versions"]["surely-not-installed-pkg"] is None
     assert datetime.fromisoformat(stamp["date"]).tzinfo is not None
@@ -211,21 +232,19 @@ def test_environment_stamp():
 
 
 def test_write_json_is_strict(tmp_path):
-    path = rp.write_json(
-        tmp_path / "a" / "r.json", {"x": np.float32(1.5), "n": float("nan"), "a": np.arange(2)}
-    )
+    path = write_json(tmp_path / "a" / "r.json", {"x": np.float32(1.5), "n": float("nan"), "a": np.arange(2)})
     text = path.read_text()
     assert json.loads(text) == {"x": 1.5, "n": None, "a": [0, 1]}
     assert "NaN" not in text
-    assert rp.read_json(path)["x"] == 1.5
-    with pytest.raises(rp.CompareError, match="does not exist"):
-        rp.read_json(tmp_path / "missing.json")
+    assert read_json(path)["x"] == 1.5
+    with pytest.raises(CompareError, match="does not exist"):
+        read_json(tmp_path / "missing.json")
 
 
 def _result():
-    windows = rp.text_windows(TOKENS, SETTINGS)
-    rows = rp.measure(ToyRunner(), candidates(), windows, [[1, 2]], SETTINGS, progress=False)
-    return rp.build_result(
+    windows = text_windows(TOKENS, SETTINGS)
+    rows = measure(ToyRunner(), candidates(), windows, [[1, 2]], SETTINGS, progress=False)
+    return build_result(
         tool="toy compare",
         packages=["numpy"],
         model={
@@ -246,61 +265,61 @@ def _result():
 
 def test_build_result_layout_and_rendering():
     result = _result()
-    assert result["schema"] == rp.SCHEMA and result["measures"]["peak_memory_bytes"] == ToyRunner.peak_label
+    assert result["schema"] == SCHEMA and result["measures"]["peak_memory_bytes"] == ToyRunner.peak_label
     assert result["settings"]["windows"] == 2 and result["settings"]["prompts"] == 1
-    table = rp.render_table(result)
+    table = render_table(result)
     assert "baseline" in table and "even" in table and "ImportError: not here" in table
     assert ToyRunner.peak_label in table
-    md = rp.render_markdown(result).splitlines()
+    md = render_markdown(result).splitlines()
     assert md[0].startswith("| cache | kind |") and len(md) == 2 + 2
-    short = rp.render_markdown(result, columns=["cache", "x raw"]).splitlines()
+    short = render_markdown(result, columns=["cache", "x raw"]).splitlines()
     assert short[0] == "| cache | x raw |" and short[3] == "| even | 0.125 |"
     with pytest.raises(ValueError, match="unknown columns"):
-        rp.render_markdown(result, columns=["cache", "bogus"])
+        render_markdown(result, columns=["cache", "bogus"])
 
 
 def test_plot_without_matplotlib_is_one_clear_error(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` raise ImportError
-    with pytest.raises(rp.CompareError, match="pip install matplotlib"):
-        rp.plot_comparison(_result(), tmp_path / "c.png")
-    with pytest.raises(rp.CompareError, match="pip install matplotlib"):
-        rp.require_matplotlib()
+    with pytest.raises(CompareError, match="pip install matplotlib"):
+        plot_comparison(_result(), tmp_path / "c.png")
+    with pytest.raises(CompareError, match="pip install matplotlib"):
+        require_matplotlib()
 
 
 def test_plot_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib")
-    out = rp.plot_comparison(_result(), tmp_path / "c.png")
+    out = plot_comparison(_result(), tmp_path / "c.png")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_format_bytes():
-    assert rp.format_bytes(None) == "n/a"
-    assert rp.format_bytes(512) == "512 B"
-    assert rp.format_bytes(1536) == "1.5 KiB"
-    assert rp.format_bytes(3 * 1024**2) == "3.0 MiB"
+    assert format_bytes(None) == "n/a"
+    assert format_bytes(512) == "512 B"
+    assert format_bytes(1536) == "1.5 KiB"
+    assert format_bytes(3 * 1024**2) == "3.0 MiB"
 
 
 # --------------------------------------------------------------------------- command-line helpers
 def test_parse_selection():
     allowed = ("a", "b", "c")
-    assert rp.parse_selection(None, allowed, "--tiers") == ["a", "b", "c"]
-    assert rp.parse_selection("none", allowed, "--tiers") == []
-    assert rp.parse_selection("c, a", allowed, "--tiers") == ["a", "c"]
-    with pytest.raises(rp.CompareError, match=r"--tiers='a,zz': unknown name 'zz'; allowed: a, b, c"):
-        rp.parse_selection("a,zz", allowed, "--tiers")
+    assert parse_selection(None, allowed, "--tiers") == ["a", "b", "c"]
+    assert parse_selection("none", allowed, "--tiers") == []
+    assert parse_selection("c, a", allowed, "--tiers") == ["a", "c"]
+    with pytest.raises(CompareError, match=r"--tiers='a,zz': unknown name 'zz'; allowed: a, b, c"):
+        parse_selection("a,zz", allowed, "--tiers")
 
 
 def test_text_and_prompt_files(tmp_path):
-    with pytest.raises(rp.CompareError, match="no such file"):
-        rp.load_eval_text(str(tmp_path / "nope.txt"))
+    with pytest.raises(CompareError, match="no such file"):
+        load_eval_text(str(tmp_path / "nope.txt"))
     (tmp_path / "empty.txt").write_text("  \n")
-    with pytest.raises(rp.CompareError, match="is empty"):
-        rp.load_eval_text(str(tmp_path / "empty.txt"))
+    with pytest.raises(CompareError, match="is empty"):
+        load_eval_text(str(tmp_path / "empty.txt"))
     (tmp_path / "p.txt").write_text("first\n\n  \nsecond\n")
-    assert rp.load_prompts(["zero"], str(tmp_path / "p.txt")) == ["zero", "first", "second"]
-    assert rp.load_prompts(None, None) is None
-    with pytest.raises(rp.CompareError, match="--prompts"):
-        rp.load_prompts(None, str(tmp_path / "missing.txt"))
+    assert load_prompts(["zero"], str(tmp_path / "p.txt")) == ["zero", "first", "second"]
+    assert load_prompts(None, None) is None
+    with pytest.raises(CompareError, match="--prompts"):
+        load_prompts(None, str(tmp_path / "missing.txt"))
 
 
 def test_default_text_is_found_above_the_working_directory(tmp_path):
@@ -308,28 +327,28 @@ def test_default_text_is_found_above_the_working_directory(tmp_path):
     heldout.parent.mkdir(parents=True)
     heldout.write_text("text")
     (tmp_path / "deep" / "er").mkdir(parents=True)
-    assert rp.default_text_path(cwd=tmp_path / "deep" / "er") == heldout
+    assert default_text_path(cwd=tmp_path / "deep" / "er") == heldout
 
 
 def test_check_positions():
-    rp.check_positions(None, SETTINGS, [[1] * 100])
-    with pytest.raises(rp.CompareError, match="needs 16 positions but the model allows 10"):
-        rp.check_positions(10, SETTINGS, [[1] * 10])
+    check_positions(None, SETTINGS, [[1] * 100])
+    with pytest.raises(CompareError, match="needs 16 positions but the model allows 10"):
+        check_positions(10, SETTINGS, [[1] * 10])
 
 
 def test_run_cli_prints_one_line_and_exits_2(capsys):
     def bad(argv):
         raise KVConfigError("head_dim=3 is wrong;\n allowed: 64")
 
-    assert rp.run_cli(bad, []) == 2
+    assert run_cli(bad, []) == 2
     err = capsys.readouterr().err
     assert err == "error: head_dim=3 is wrong; allowed: 64\n"
-    assert rp.run_cli(lambda argv: 0, []) == 0
+    assert run_cli(lambda argv: 0, []) == 0
 
 
 def test_one_line_parser_errors(capsys):
-    parser = rp.OneLineParser(prog="toy compare")
-    rp.add_common_arguments(parser, ["a"], ["p"])
-    assert rp.run_cli(lambda argv: parser.parse_args(argv) and 0, ["--windows", "x"]) == 2
+    parser = OneLineParser(prog="toy compare")
+    add_common_arguments(parser, ["a"], ["p"])
+    assert run_cli(lambda argv: parser.parse_args(argv) and 0, ["--windows", "x"]) == 2
     err = capsys.readouterr().err
     assert err == "error: argument --windows: invalid int value: 'x' (see toy compare --help)\n"

@@ -15,7 +15,8 @@ Candidates (needs transformers >= 5, the ``hf`` extra):
   bits, ``quanto`` 4 bits: optional packages; ``fp8``: built in). A backend that cannot be built
   is listed under ``absent`` with the exact error.
 
-The measuring protocol, the JSON layout and the table are :mod:`kvspec.report`'s, shared with
+The measuring protocol and the JSON layout are :mod:`kvspec.measure`'s, the table and chart
+:mod:`kvspec.report`'s and the shared options :mod:`kvspec.compare_cli`'s, all shared with
 ``palu-mlx compare``.
 """
 
@@ -35,26 +36,19 @@ from typing import Any
 import numpy as np
 import torch
 from kvspec import KVSpecError, embedded_model_path
-from kvspec.report import (
-    Candidate,
-    CompareError,
-    KVBytes,
+from kvspec.compare_cli import (
     OneLineParser,
-    Settings,
     add_common_arguments,
-    build_result,
     check_positions,
-    emit,
     load_eval_text,
     load_prompts,
-    measure,
     parse_selection,
     prepare_tokens,
-    require_matplotlib,
     run_cli,
-    text_digest,
-    weights_digest,
 )
+from kvspec.measure import Candidate, KVBytes, Settings, build_result, measure
+from kvspec.report import emit, require_matplotlib
+from kvspec.results import CompareError, text_digest, weights_digest
 
 from .spec import TIERS
 
@@ -197,7 +191,7 @@ class RSSPeak:
 
 
 class TorchRunner:
-    """Drives a transformers causal LM for :func:`kvspec.report.measure` (batch 1, greedy)."""
+    """Drives a transformers causal LM for :func:`kvspec.measure.measure` (batch 1, greedy)."""
 
     def __init__(self, model: Any, tokenizer: Any, device: str):
         self.model = model

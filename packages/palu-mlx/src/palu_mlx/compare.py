@@ -13,7 +13,8 @@ plain ``KVCache``, e.g. rotating windows or SSM state, keep their default in eve
 * peers: mlx-lm's ``QuantizedKVCache`` at 8 and 4 bits (group size 64, or 32 for head dims 64
   does not divide).
 
-The measuring protocol, the JSON layout and the table are :mod:`kvspec.report`'s, shared with
+The measuring protocol and the JSON layout are :mod:`kvspec.measure`'s, the table and chart
+:mod:`kvspec.report`'s and the shared options :mod:`kvspec.compare_cli`'s, all shared with
 ``flashcodec compare``.
 """
 
@@ -31,26 +32,19 @@ import mlx.core as mx
 import numpy as np
 from kvspec import KVConfigError, embedded_model_path
 from kvspec.adapter import flatten_arrays
-from kvspec.report import (
-    Candidate,
-    CompareError,
-    KVBytes,
+from kvspec.compare_cli import (
     OneLineParser,
-    Settings,
     add_common_arguments,
-    build_result,
     check_positions,
-    emit,
     load_eval_text,
     load_prompts,
-    measure,
     parse_selection,
     prepare_tokens,
-    require_matplotlib,
     run_cli,
-    text_digest,
-    weights_digest,
 )
+from kvspec.measure import Candidate, KVBytes, Settings, build_result, measure
+from kvspec.report import emit, require_matplotlib
+from kvspec.results import CompareError, text_digest, weights_digest
 from mlx.utils import tree_flatten
 
 from .builder import KVCacheBuilder, model_kv_dims
@@ -146,7 +140,7 @@ def load_model(model: str | None) -> tuple[Any, Any, dict[str, Any]]:
 
 
 class MLXRunner:
-    """Drives an mlx-lm model for :func:`kvspec.report.measure` (batch 1, greedy)."""
+    """Drives an mlx-lm model for :func:`kvspec.measure.measure` (batch 1, greedy)."""
 
     peak_label = (
         "MLX allocator peak (mx.get_peak_memory) during the candidate's run, minus the memory "
