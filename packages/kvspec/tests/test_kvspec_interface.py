@@ -15,6 +15,7 @@ from kvspec import (
     KVValueError,
     StorageStats,
     check_kv_pair,
+    trim_count,
 )
 
 F32 = np.dtype(np.float32)
@@ -72,3 +73,13 @@ def test_storage_stats():
     assert math.isnan(empty.ratio) and math.isnan(empty.bits_per_element)
     with pytest.raises(AttributeError):
         stats.nbytes = 1  # frozen
+
+
+def test_trim_count_validates_and_clamps():
+    assert trim_count(0, 5) == 0
+    assert trim_count(3, 5) == 3
+    assert trim_count(9, 5) == 5  # clamped to what is held
+    assert trim_count(np.int64(2), 5) == 2
+    for bad in (-1, 1.5, True, "2", None):
+        with pytest.raises(KVTrimError, match=r"trim\(n=.*\) needs an int n >= 0"):
+            trim_count(bad, 5)

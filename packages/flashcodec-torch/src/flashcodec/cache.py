@@ -16,7 +16,15 @@ import numbers
 from collections.abc import Sequence
 
 import torch
-from kvspec import KVConfigError, KVDtypeError, KVShapeError, KVTrimError, KVValueError, check_kv_pair
+from kvspec import (
+    KVConfigError,
+    KVDtypeError,
+    KVShapeError,
+    KVTrimError,
+    KVValueError,
+    check_kv_pair,
+    trim_count,
+)
 
 from .codecs import BlockCodec, make_codec
 from .storage import CodecStorage
@@ -239,9 +247,7 @@ class CodecKVCache:
 
     def trim(self, n: int) -> int:
         """Drop the last ``n`` tokens (clamped to :attr:`offset`); returns how many were dropped."""
-        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
-            raise KVTrimError(f"trim count n must be an integer >= 0; got {n!r}")
-        dropped = min(int(n), self.offset)
+        dropped = trim_count(n, self.offset)
         if dropped:
             self.crop(self.offset - dropped)
         return dropped

@@ -19,6 +19,7 @@ from .interface import (
     KVValueError,
     StorageStats,
     check_kv_pair,
+    trim_count,
 )
 from .models import embedded_model_path
 from .reference import NumpyReferenceCache, ReferenceAdapter
@@ -61,4 +62,5 @@ __all__ = [
     "embedded_model_path",
     "get_vector",
     "load_vectors",
+    "trim_count",
 ]

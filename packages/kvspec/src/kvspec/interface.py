@@ -11,6 +11,7 @@ Modelled on mlx-lm's cache classes (``update_and_fetch``, ``offset``,
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -24,6 +25,7 @@ __all__ = [
     "KVCacheLayer",
     "StorageStats",
     "check_kv_pair",
+    "trim_count",
 ]
 
 
@@ -170,3 +172,13 @@ def check_kv_pair(
             f"got ({b}, {h}, {d}, {dv})"
         )
     return b, h, s, d, dv
+
+
+def trim_count(n: Any, offset: int) -> int:
+    """Validate ``trim(n)``'s argument and clamp it to ``offset``: how many tokens to drop.
+
+    Raises ``KVTrimError`` unless ``n`` is an integer >= 0 (bools are refused).
+    """
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
+        raise KVTrimError(f"trim(n={n!r}) needs an int n >= 0 (a token count)")
+    return min(int(n), offset)

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from .adapter import Adapter, CacheConfigCase, Capabilities
-from .interface import KVConfigError, KVDtypeError, KVTrimError, KVValueError, check_kv_pair
+from .interface import KVConfigError, KVDtypeError, KVValueError, check_kv_pair, trim_count
 
 __all__ = ["ReferenceConfig", "NumpyReferenceCache", "ReferenceAdapter"]
 
@@ -121,9 +121,7 @@ class NumpyReferenceCache:
 
     def trim(self, n: int) -> int:
         """Drop the last ``n`` tokens (clamped to ``offset``); return how many were dropped."""
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
-            raise KVTrimError(f"trim(n) needs an int n >= 0; got {n!r}")
-        dropped = min(int(n), self._offset)
+        dropped = trim_count(n, self._offset)
         self._offset -= dropped
         return dropped
 

@@ -32,10 +32,10 @@ from kvspec import (
     KVConfigError,
     KVDtypeError,
     KVShapeError,
-    KVTrimError,
     KVValueError,
     StorageStats,
     check_kv_pair,
+    trim_count,
 )
 from mlx_lm.models.cache import create_attention_mask
 
@@ -246,9 +246,7 @@ class PaluKVCache:
 
         The projections stay fitted: trimming back below the fit point does not refit.
         """
-        if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 0:
-            raise KVTrimError(f"trim(n={n!r}): n must be a non-negative integer")
-        n = min(self.offset, int(n))
+        n = trim_count(n, self.offset)
         self.offset -= n
         return n
 

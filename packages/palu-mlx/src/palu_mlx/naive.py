@@ -16,8 +16,7 @@ import json
 from typing import Any
 
 import mlx.core as mx
-import numpy as np
-from kvspec import KVConfigError, KVDtypeError, KVShapeError, KVTrimError, KVValueError, check_kv_pair
+from kvspec import KVConfigError, KVDtypeError, KVShapeError, KVValueError, check_kv_pair, trim_count
 from mlx_lm.models.cache import create_attention_mask
 
 from .cache import SUPPORTED_DTYPES, dtype_from_name, dtype_name, write_rows
@@ -126,9 +125,7 @@ class NaiveQuantKVCache:
         return True
 
     def trim(self, n: int) -> int:
-        if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 0:
-            raise KVTrimError(f"trim(n={n!r}): n must be a non-negative integer")
-        n = min(self.offset, int(n))
+        n = trim_count(n, self.offset)
         self.offset -= n
         return n
 
