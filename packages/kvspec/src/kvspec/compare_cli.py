@@ -29,6 +29,7 @@ __all__ = [
     "prepare_tokens",
     "check_positions",
     "run_cli",
+    "dispatch",
 ]
 
 
@@ -213,3 +214,27 @@ def run_cli(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | N
         return 130
     except SystemExit as done:  # argparse: --help (0) or a bad option (2, already printed)
         return done.code if isinstance(done.code, int) else int(done.code is not None)
+
+
+def dispatch(
+    program: str,
+    commands: dict[str, tuple[str, Callable[[], Callable[[list[str]], int]]]],
+    argv: Sequence[str] | None = None,
+) -> int:
+    """Run ``<program> <command> [options]``: the package CLIs' shared sub-command dispatch.
+
+    ``commands`` maps a command name to ``(one-line help, loader)``; the loader imports and
+    returns the command's ``main`` only when chosen (so ``--help`` imports no framework).
+    Returns the exit code: 0 for ``--help``, 2 for no or an unknown command.
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        lines = [f"usage: {program} <command> [options]", "", "commands:"]
+        lines += [f"  {name:9s} {text} ({program} {name} --help)" for name, (text, _) in commands.items()]
+        print("\n".join(lines))
+        return 0 if args else 2
+    command, rest = args[0], args[1:]
+    if command not in commands:
+        print(f"error: unknown command {command!r}; allowed: {', '.join(commands)}", file=sys.stderr)
+        return 2
+    return commands[command][1]()(rest)
