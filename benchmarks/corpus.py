@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import importlib.util
 import inspect
 import platform
 import warnings
@@ -33,8 +34,10 @@ from pathlib import Path
 
 __all__ = [
     "HELDOUT_PATH",
+    "LONG_PACKAGES",
     "MODULES",
     "corpus_record",
+    "long_streams",
     "iter_documents",
     "load_corpus",
     "split_documents",
@@ -189,6 +192,182 @@ def corpus_record() -> dict:
         "heldout_chars": len(heldout_file) if heldout_file is not None else None,
         "heldout_sha256": _sha256(heldout_file) if heldout_file is not None else None,
     }
+
+
+# --------------------------------------------------------------------------- long-context corpus
+# The long-context model needs far more text than the 1.4 MB of stdlib documentation, and long
+# documents. Both are on every machine that has the bench environment: the standard library's own
+# source files (long, self-referential: a model learns to look back to copy identifiers) and the
+# docstrings of the installed scientific and ML packages (English prose with code examples).
+
+#: third-party packages whose docstrings join the long corpus (all installed by the bench env)
+LONG_PACKAGES: tuple[str, ...] = (
+    "numpy", "sympy", "networkx", "mpmath", "matplotlib", "transformers", "torch",
+    "pydantic", "jinja2", "pygments", "click", "rich", "tokenizers",
+)  # fmt: skip
+
+#: stdlib folders that are tests, GUIs, demos or vendored data rather than library text
+_STDLIB_SKIP = {
+    "test", "tests", "idlelib", "tkinter", "turtledemo", "lib2to3", "ensurepip", "site-packages",
+    "__pycache__", "pydoc_data", "encodings", "unittest/test", "distutils",
+}  # fmt: skip
+
+#: relative weight of each stream when sampling training windows
+# stdlib-docs is small (0.35 M tokens) and the held-out domain: a low weight keeps it from being memorised.
+LONG_WEIGHTS = {"stdlib-docs": 0.10, "package-docstrings": 0.50, "stdlib-source": 0.40}
+
+#: cap per stream (characters), so a package update cannot blow up tokenization time
+_STREAM_CAP = 60_000_000
+
+
+def _heldout_files() -> set[Path]:
+    """Source files of every held-out module (a package's whole folder): never trained on."""
+    import importlib.util
+
+    out: set[Path] = set()
+    for name, _ in split_documents()[1]:
+        kind, _, mod = name.partition(":")
+        if kind != "module":
+            continue
+        spec = importlib.util.find_spec(mod)
+        if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+            continue  # built-in (sys, marshal): no source file
+        origin = Path(spec.origin)
+        out.update(origin.parent.rglob("*.py") if origin.name == "__init__.py" else [origin])
+    return {p.resolve() for p in out}
+
+
+def _python_files(root: Path, skip: set[str]) -> list[Path]:
+    files = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if any(part in skip for part in rel.split("/")[:-1]) or any(rel.startswith(s + "/") for s in skip):
+            continue
+        files.append(path)
+    return files
+
+
+def _docstring_document(source: str, header: str) -> str:
+    """Module, class and function docstrings of one source file, each under a one-line header."""
+    import ast
+
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return ""
+    parts = []
+    doc = ast.get_docstring(tree)
+    if doc and len(doc) >= 40:
+        parts.append(f"Module {header}\n{_clean(doc)}")
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            doc = ast.get_docstring(node)
+            if doc and len(doc) >= 40:
+                kind = "class" if isinstance(node, ast.ClassDef) else "def"
+                parts.append(f"{kind} {header}.{node.name}\n{_clean(doc)}")
+    return "\n\n".join(parts)
+
+
+def _licence(dist: str) -> str:
+    from importlib import metadata
+
+    try:
+        meta = metadata.metadata(dist)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+    expr = meta.get("License-Expression") or ""
+    if expr:
+        return expr
+    classifiers = [
+        c.split(" :: ")[-1] for c in meta.get_all("Classifier") or [] if c.startswith("License ::")
+    ]
+    lic = (meta.get("License") or "").splitlines()[0:1]
+    return "; ".join(classifiers) or (lic[0][:80] if lic else "unknown")
+
+
+def long_streams() -> list[dict]:
+    """The long-context training corpus as named streams of documents, with sources and licences.
+
+    Each entry: ``{"name", "weight", "documents": [(name, text)], "sources": {...}}``. Nothing here
+    is held out by ``split_documents``: held-out modules' source files are excluded outright.
+    """
+    import sysconfig
+    from importlib import metadata
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    heldout = _heldout_files()
+    std_files = [p for p in _python_files(stdlib, _STDLIB_SKIP) if p.resolve() not in heldout]
+
+    source_docs, total = [], 0
+    for path in std_files:
+        text = _clean(path.read_text(encoding="utf-8", errors="replace"))
+        if len(text) < 200 or total > _STREAM_CAP:
+            continue
+        source_docs.append((f"source:{path.relative_to(stdlib).as_posix()}", text))
+        total += len(text)
+
+    doc_docs, sources, total = [], {}, 0
+    for path in std_files:
+        name = path.relative_to(stdlib).with_suffix("").as_posix().replace("/", ".")
+        text = _docstring_document(path.read_text(encoding="utf-8", errors="replace"), name)
+        if text:
+            doc_docs.append((f"docstrings:{name}", text))
+            total += len(text)
+    sources["stdlib"] = {"version": platform.python_version(), "licence": "PSF-2.0"}
+    for package in LONG_PACKAGES:
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            continue
+        root = Path(next(iter(spec.submodule_search_locations)))
+        dist = {"jinja2": "Jinja2", "pygments": "Pygments"}.get(package, package)
+        try:
+            version = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            version = None
+        sources[package] = {"version": version, "licence": _licence(dist)}
+        for path in _python_files(root, {"tests", "test", "testing"}):
+            if total > _STREAM_CAP:
+                break
+            rel = path.relative_to(root).with_suffix("").as_posix().replace("/", ".")
+            text = _docstring_document(path.read_text(encoding="utf-8", errors="replace"), f"{package}.{rel}")
+            if len(text) >= 200:
+                doc_docs.append((f"docstrings:{package}.{rel}", text))
+                total += len(text)
+    return [
+        {
+            "name": "stdlib-docs",
+            "weight": LONG_WEIGHTS["stdlib-docs"],
+            "documents": split_documents()[0],
+            "sources": {"stdlib": sources["stdlib"]},
+        },
+        {
+            "name": "package-docstrings",
+            "weight": LONG_WEIGHTS["package-docstrings"],
+            "documents": doc_docs,
+            "sources": sources,
+        },
+        {
+            "name": "stdlib-source",
+            "weight": LONG_WEIGHTS["stdlib-source"],
+            "documents": source_docs,
+            "sources": {"stdlib": sources["stdlib"]},
+        },
+    ]
+
+
+def long_corpus_record(streams: list[dict]) -> dict:
+    """What the long corpus was: per stream its weight, sources with licences, size and sha256."""
+    out = {"heldout_exclusion": "source files of held-out modules are excluded; held-out text unchanged"}
+    for stream in streams:
+        text = _join(stream["documents"])
+        out[stream["name"]] = {
+            "weight": stream["weight"],
+            "documents": len(stream["documents"]),
+            "chars": len(text),
+            "sha256": _sha256(text),
+            "sources": stream["sources"],
+        }
+    return out
 
 
 if __name__ == "__main__":

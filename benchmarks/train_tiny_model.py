@@ -31,7 +31,14 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from corpus import DOC_SEPARATOR, corpus_record, load_corpus, split_documents  # noqa: E402
+from corpus import (  # noqa: E402
+    DOC_SEPARATOR,
+    corpus_record,
+    load_corpus,
+    long_corpus_record,
+    long_streams,
+    split_documents,
+)
 
 BENCH_DIR = Path(__file__).resolve().parent
 DEFAULT_OUT = BENCH_DIR / "models" / "tiny-qwen3"
@@ -75,6 +82,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--save-every", type=int, default=100)
     p.add_argument(
         "--time-budget-min", type=float, default=0.0, help="stop early after this many minutes (0 = none)"
+    )
+    p.add_argument(
+        "--init-from",
+        type=Path,
+        default=None,
+        help="continue from this HF checkpoint (its tokenizer and weights) instead of training from scratch",
+    )
+    p.add_argument(
+        "--corpus",
+        choices=("docs", "long"),
+        default="docs",
+        help="docs: the stdlib documentation split; long: corpus.long_streams() (docs + package "
+        "docstrings + stdlib source), sampled by stream weight",
+    )
+    p.add_argument(
+        "--state-dir",
+        type=Path,
+        default=None,
+        help="resumable training state (weights, optimizer, data RNG, curves), written at every save; "
+        "a run started with an existing state continues from its step",
+    )
+    p.add_argument(
+        "--bf16", action="store_true", help="bf16 autocast for the forward pass (fp32 master weights)"
+    )
+    p.add_argument(
+        "--eval-seq-len",
+        type=int,
+        default=0,
+        help="held-out window length for evaluation and the per-position buckets (0 = --seq-len)",
     )
     p.add_argument(
         "--stop-after",
@@ -206,6 +242,40 @@ def heldout_nll(model, tokens: np.ndarray, seq_len: int, max_windows: int | None
     return total / count, count
 
 
+#: held-out perplexity is reported per bucket of target position inside the window
+POSITION_BUCKETS = ((0, 256), (256, 512), (512, 1024), (1024, 2048))
+
+
+@torch.no_grad()
+def heldout_nll_by_position(model, tokens: np.ndarray, seq_len: int) -> dict:
+    """Mean next-token NLL per position bucket over non-overlapping ``seq_len``-token windows.
+
+    A model that uses its context predicts later positions better: the buckets must fall.
+    """
+    model.eval()
+    n_windows = (len(tokens) - 1) // seq_len
+    sums = torch.zeros(seq_len, dtype=torch.float64)
+    for i in range(n_windows):
+        row = torch.from_numpy(tokens[i * seq_len : i * seq_len + seq_len + 1])[None]
+        logits = model(input_ids=row[:, :-1]).logits.float()
+        nll = torch.nn.functional.cross_entropy(logits[0], row[0, 1:], reduction="none")
+        sums += nll.double()
+    model.train()
+    out = {"windows": n_windows, "seq_len": seq_len, "buckets": []}
+    for lo, hi in POSITION_BUCKETS:
+        if lo >= seq_len:
+            break
+        mean = float(sums[lo:hi].sum() / (n_windows * (min(hi, seq_len) - lo)))
+        out["buckets"].append(
+            {
+                "positions": [lo, min(hi, seq_len)],
+                "loss_nats": round(mean, 4),
+                "perplexity": round(math.exp(mean), 3),
+            }
+        )
+    return out
+
+
 def unigram_nll(train_tokens: np.ndarray, tokens: np.ndarray, seq_len: int, vocab_size: int) -> float:
     """Add-one-smoothed unigram NLL (nats), estimated on training tokens, on the same held-out targets."""
     counts = np.bincount(train_tokens, minlength=vocab_size).astype(np.float64) + 1.0
@@ -257,6 +327,54 @@ def versions() -> dict:
     }
 
 
+def load_data(args: argparse.Namespace, tok) -> tuple[list[tuple[str, np.ndarray, float]], dict]:
+    """Training token streams ``(name, tokens, weight)`` and the corpus record."""
+    if args.corpus == "docs":
+        train_docs = [text for _, text in split_documents()[0]]
+        return [("stdlib-docs", encode_documents(tok, train_docs), 1.0)], corpus_record()
+    streams = long_streams()
+    record = corpus_record()
+    record["long"] = long_corpus_record(streams)
+    out = []
+    for stream in streams:
+        tokens = encode_documents(tok, [text for _, text in stream["documents"]])
+        record["long"][stream["name"]]["tokens"] = int(len(tokens))
+        out.append((stream["name"], tokens, stream["weight"]))
+    return out, record
+
+
+def sample_batch(gen: np.random.Generator, streams, batch: int, seq_len: int) -> torch.Tensor:
+    """``batch`` windows of ``seq_len + 1`` tokens: a stream drawn by weight, then a uniform start."""
+    weights = np.asarray([w for _, _, w in streams], dtype=np.float64)
+    picks = gen.choice(len(streams), size=batch, p=weights / weights.sum())
+    rows = []
+    for pick in picks:
+        tokens = streams[pick][1]
+        start = int(gen.integers(0, len(tokens) - seq_len - 1))
+        rows.append(tokens[start : start + seq_len + 1])
+    return torch.from_numpy(np.stack(rows))
+
+
+def save_state(path: Path, model, opt, gen, steps_done: int, losses, evals, elapsed: float) -> None:
+    """Everything a later run needs to continue bit for bit; written atomically."""
+    path.mkdir(parents=True, exist_ok=True)
+    tmp = path / "state.pt.tmp"
+    torch.save(
+        {
+            "model": model.state_dict(),
+            "optimizer": opt.state_dict(),
+            "data_rng": gen.bit_generator.state,
+            "torch_rng": torch.get_rng_state(),
+            "steps_done": steps_done,
+            "losses": losses,
+            "evals": evals,
+            "elapsed_s": elapsed,
+        },
+        tmp,
+    )
+    tmp.replace(path / "state.pt")
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     random.seed(args.seed)
@@ -264,20 +382,32 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(args.threads)
     torch.use_deterministic_algorithms(True)
     t_start = time.perf_counter()
+    eval_len = args.eval_seq_len or args.seq_len
 
-    train_docs = [text for _, text in split_documents()[0]]
-    heldout_docs = load_corpus("heldout").rstrip("\n").split(DOC_SEPARATOR)  # same text, committed file
-    tok = train_tokenizer(train_docs, args.vocab_size)
+    if args.init_from is not None:
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(args.init_from / "tokenizer.json"))
+    else:
+        tok = train_tokenizer([text for _, text in split_documents()[0]], args.vocab_size)
     args.vocab_size = tok.get_vocab_size()
     hf_tok = wrap_tokenizer(tok, args.context)
-    train_tokens = encode_documents(tok, train_docs)
+    streams, corpus = load_data(args, tok)
+    heldout_docs = load_corpus("heldout").rstrip("\n").split(DOC_SEPARATOR)  # same text, committed file
     heldout_tokens = encode_documents(tok, heldout_docs)
+    train_tokens = streams[0][1]  # the stdlib-docs stream: the unigram baseline's counts
     print(
-        f"tokenizer: vocab {args.vocab_size}; train {len(train_tokens)} tokens, heldout {len(heldout_tokens)}",
+        f"tokenizer: vocab {args.vocab_size}; train { ({name: len(t) for name, t, _ in streams}) }; heldout {len(heldout_tokens)}",
         flush=True,
     )
 
-    model = build_model(args, bos_id=tok.token_to_id(BOS), eos_id=tok.token_to_id(EOS))
+    if args.init_from is not None:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(args.init_from, dtype=torch.float32)
+        model.config.max_position_embeddings = args.context
+    else:
+        model = build_model(args, bos_id=tok.token_to_id(BOS), eos_id=tok.token_to_id(EOS))
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params / 1e6:.2f}M parameters", flush=True)
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
@@ -288,21 +418,35 @@ def main(argv: list[str] | None = None) -> dict:
         betas=(0.9, 0.95),
     )
     gen = np.random.default_rng(args.seed)
-    max_start = len(train_tokens) - args.seq_len - 1
 
     losses: list[dict] = []
     evals: list[dict] = []
+    first_step, elapsed_before = 0, 0.0
+    state_file = args.state_dir / "state.pt" if args.state_dir is not None else None
+    if state_file is not None and state_file.exists():
+        state = torch.load(state_file, weights_only=False)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        gen.bit_generator.state = state["data_rng"]
+        torch.set_rng_state(state["torch_rng"])
+        first_step, losses, evals = state["steps_done"], state["losses"], state["evals"]
+        elapsed_before = state["elapsed_s"]
+        print(f"resumed from {state_file} at step {first_step}", flush=True)
+
+    def elapsed() -> float:
+        return elapsed_before + time.perf_counter() - t_start
+
     window_loss, window_n = 0.0, 0
-    steps_done = 0
+    steps_done = first_step
     model.train()
-    for step in range(args.steps):
+    for step in range(first_step, args.steps):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args)
-        starts = gen.integers(0, max_start, size=args.batch)
-        batch = torch.from_numpy(np.stack([train_tokens[s : s + args.seq_len + 1] for s in starts]))
-        logits = model(input_ids=batch[:, :-1]).logits
+        batch = sample_batch(gen, streams, args.batch, args.seq_len)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
+            logits = model(input_ids=batch[:, :-1]).logits
         loss = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1)
+            logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1)
         )
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -312,17 +456,16 @@ def main(argv: list[str] | None = None) -> dict:
         window_loss += loss.item()
         window_n += 1
         if steps_done % args.log_every == 0 or steps_done == args.steps:
-            elapsed = time.perf_counter() - t_start
             losses.append(
                 {
                     "step": steps_done,
                     "train_loss": round(window_loss / window_n, 4),
                     "lr": lr_at(step, args),
-                    "elapsed_s": round(elapsed, 1),
+                    "elapsed_s": round(elapsed(), 1),
                 }
             )
             print(
-                f"step {steps_done}/{args.steps} loss {window_loss / window_n:.4f} lr {lr_at(step, args):.2e} {elapsed:.0f}s",
+                f"step {steps_done}/{args.steps} loss {window_loss / window_n:.4f} lr {lr_at(step, args):.2e} {elapsed():.0f}s",
                 flush=True,
             )
             window_loss, window_n = 0.0, 0
@@ -331,23 +474,31 @@ def main(argv: list[str] | None = None) -> dict:
             args.time_budget_min > 0 and time.perf_counter() - t_start > 60 * args.time_budget_min
         ) or (args.stop_after > 0 and steps_done >= args.stop_after)
         if steps_done % args.eval_every == 0 and steps_done != args.steps:
-            nll, _ = heldout_nll(model, heldout_tokens, args.seq_len, max_windows=32)
-            evals.append({"step": steps_done, "heldout_loss_subset": round(nll, 4), "windows": 32})
-            print(f"  heldout (32 windows) loss {nll:.4f} ppl {math.exp(nll):.1f}", flush=True)
+            nll, _ = heldout_nll(model, heldout_tokens, eval_len, max_windows=8)
+            evals.append(
+                {"step": steps_done, "heldout_loss_subset": round(nll, 4), "windows": 8, "seq_len": eval_len}
+            )
+            print(f"  heldout (8 windows of {eval_len}) loss {nll:.4f} ppl {math.exp(nll):.1f}", flush=True)
         if steps_done % args.save_every == 0 or out_of_time:
             save_checkpoint(model, hf_tok, args.out)
+            if args.state_dir is not None:
+                save_state(args.state_dir, model, opt, gen, steps_done, losses, evals, elapsed())
         if out_of_time:
             print(
                 f"stopped at step {steps_done} (time budget {args.time_budget_min} min / --stop-after)",
                 flush=True,
             )
             break
-    train_seconds = time.perf_counter() - t_start
+    train_seconds = elapsed()
 
     nll, n_targets = heldout_nll(model, heldout_tokens, args.seq_len)
+    by_position = heldout_nll_by_position(model, heldout_tokens, eval_len)
     uni = unigram_nll(train_tokens, heldout_tokens, args.seq_len, args.vocab_size)
     print(f"heldout: loss {nll:.4f} ppl {math.exp(nll):.2f}; unigram ppl {math.exp(uni):.2f}", flush=True)
+    print(f"heldout by position: {by_position['buckets']}", flush=True)
     save_checkpoint(model, hf_tok, args.out)
+    if args.state_dir is not None:
+        save_state(args.state_dir, model, opt, gen, steps_done, losses, evals, train_seconds)
     samples = continuations(model, hf_tok)
     for s in samples:
         print(f"  {s['prompt']!r} -> {s['continuation']!r}", flush=True)
@@ -367,15 +518,16 @@ def main(argv: list[str] | None = None) -> dict:
         "model_config": json.loads((args.out / "config.json").read_text()),
         "n_parameters": n_params,
         "checkpoint_bytes": sum(f.stat().st_size for f in args.out.iterdir()),
-        "corpus": corpus_record(),
+        "corpus": corpus,
         "tokens": {
-            "train": int(len(train_tokens)),
+            "train": {name: int(len(t)) for name, t, _ in streams},
             "heldout": int(len(heldout_tokens)),
             "heldout_targets_scored": n_targets,
         },
         "steps_planned": args.steps,
         "steps_done": steps_done,
-        "tokens_seen": steps_done * args.batch * args.seq_len,
+        "tokens_seen": (steps_done - first_step) * args.batch * args.seq_len,
+        "resumed_at_step": first_step,
         "train_seconds": round(train_seconds, 1),
         "loss_curve": losses,
         "heldout_curve": evals,
@@ -385,8 +537,9 @@ def main(argv: list[str] | None = None) -> dict:
             "unigram_add_one_loss_nats": round(uni, 4),
             "unigram_add_one_perplexity": round(math.exp(uni), 3),
             "perplexity_ratio_unigram_over_model": round(math.exp(uni - nll), 2),
-            "eval": f"non-overlapping {args.seq_len}-token windows of benchmarks/data/heldout.txt, BOS doc EOS per document",
+            "eval": f"non-overlapping {args.seq_len}-token windows of the held-out text, BOS doc EOS per document",
         },
+        "heldout_by_position": by_position,
         "greedy_continuations": samples,
     }
     args.record.parent.mkdir(parents=True, exist_ok=True)
