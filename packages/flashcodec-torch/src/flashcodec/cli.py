@@ -1,11 +1,12 @@
-"""The ``flashcodec`` command: ``flashcodec compare [options]`` (see :mod:`flashcodec.compare`)."""
+"""The ``flashcodec`` command: ``flashcodec compare [options]`` (see :mod:`flashcodec.compare`).
+
+The command needs the ``compare`` extra (kvbench); without it, it says how to install it.
+"""
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-
-from kvspec.compare_cli import dispatch
 
 __all__ = ["main"]
 
@@ -18,6 +19,13 @@ def _compare():
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Dispatch ``flashcodec <command>``; returns the exit code (2 for an unknown command)."""
+    try:
+        from kvbench.cli import dispatch
+    except ImportError:
+        print(
+            'error: flashcodec compare needs kvbench: pip install "flashcodec-kv[compare]"', file=sys.stderr
+        )
+        return 2
     return dispatch(
         "flashcodec",
         {"compare": ("compare flashcodec tiers with transformers' caches on a model", _compare)},

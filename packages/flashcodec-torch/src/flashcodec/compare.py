@@ -4,24 +4,25 @@
     python -m flashcodec.compare --model Qwen/Qwen3-0.6B --device cuda --text notes.txt
     flashcodec compare --tiers jpeg-k8-int8 --peers none --json out.json --plot out.png
 
-Candidates (needs transformers >= 5, the ``hf`` extra):
+Needs the ``compare`` extra (``pip install "flashcodec-kv[compare]"``: kvbench and transformers).
+Candidates:
 
 * ``baseline``: transformers' ``DynamicCache`` (uncompressed, the model's dtype);
-* tiers: the conformance tiers of :mod:`flashcodec.spec` (same names) as a
-  :class:`flashcodec.hf.FlashCodecCache` on every full-attention layer, plus ``jpeg-k2-int8-mf``:
-  the same cache as ``jpeg-k2-int8`` with materialization-free decode attention
-  (:func:`flashcodec.hf.codec_attention.apply_codec_attention`, removed again after its run);
+* tiers: :data:`flashcodec.tiers.TIERS` (same names) as a :class:`flashcodec.hf.FlashCodecCache`
+  on every full-attention layer; a tier with ``materialization_free`` runs with decode attention
+  on the stored codes (:func:`flashcodec.hf.codec_attention.apply_codec_attention`, removed again
+  after each of its runs);
 * peers: transformers' ``QuantizedCache`` with each backend that works here (``hqq`` 8 and 4
   bits, ``quanto`` 4 bits: optional packages; ``fp8``: built in). A backend that cannot be built
   is listed under ``absent`` with the exact error.
 
-The measuring protocol and the JSON layout are :mod:`kvspec.measure`'s, the table and chart
-:mod:`kvspec.report`'s and the shared options :mod:`kvspec.compare_cli`'s, all shared with
-``palu-mlx compare``.
+The protocol, options, JSON layout, table and chart are kvbench's, shared with ``palu-mlx
+compare``; this module is the torch runner and the candidates.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import ctypes
 import gc
@@ -29,47 +30,21 @@ import inspect
 import re
 import sys
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from kvspec import KVSpecError, embedded_model_path
-from kvspec.compare_cli import (
-    OneLineParser,
-    add_common_arguments,
-    check_positions,
-    load_eval_text,
-    load_prompts,
-    parse_selection,
-    prepare_tokens,
-    run_cli,
-)
-from kvspec.measure import Candidate, KVBytes, Settings, build_result, measure
-from kvspec.report import emit, require_matplotlib
-from kvspec.results import CompareError, text_digest, weights_digest
+from kvbench.cli import Loaded, run_cli, run_compare
+from kvbench.models import embedded_model_path
+from kvbench.protocol import Candidate, KVBytes
+from kvbench.results import CompareError, weights_digest
+from kvspec import KVSpecError
 
-from .spec import TIERS
+from .tiers import TIERS
 
-__all__ = ["TIER_NAMES", "PEERS", "load_model", "TorchRunner", "RSSPeak", "build_candidates", "main"]
-
-TOOL = "flashcodec compare"
-PACKAGES = ("flashcodec-kv", "kvcache-spec", "torch", "transformers", "numpy", "hqq", "optimum-quanto")
-
-_MF = "jpeg-k2-int8-mf"
-#: tier names: the conformance tiers of flashcodec.spec, then the materialization-free variant
-TIER_NAMES: tuple[str, ...] = (*TIERS, _MF)
-
-_TIER_TEXT = {
-    "png-keep1": "png, anchor + all deltas (fp64): lossless",
-    "jpeg-k8": "jpeg, all 8 DCT coefficients of each 8-token block (lossless basis, rounding only)",
-    "jpeg-k8-int8": "jpeg, all 8 coefficients stored int8 with a scale per (block, frequency)",
-    "jpeg-k4": "jpeg, lowest 4 of 8 coefficients",
-    "jpeg-k2": "jpeg, lowest 2 of 8 coefficients",
-    "jpeg-k2-int8": "jpeg, lowest 2 of 8 coefficients, int8",
-    _MF: "jpeg-k2-int8 with materialization-free decode attention (attention on the stored coefficients)",
-}
+__all__ = ["PEERS", "load_model", "TorchRunner", "RSSPeak", "build_candidates", "FlashCodecHarness", "main"]
 
 #: peer name -> (QuantizedCache backend, nbits or None)
 PEERS: dict[str, tuple[str, int | None]] = {
@@ -87,8 +62,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 def load_model(model: str | None, device: str, dtype: str) -> tuple[Any, Any, dict[str, Any]]:
     """``(model, tokenizer, info)`` for a local directory, a hub id, or (None) the embedded model.
 
-    ``dtype``: ``"auto"`` (float32 on CPU, bfloat16 on CUDA) or a name in float32 / bfloat16 /
-    float16. Raises CompareError with one line when the path is not a model or it cannot be loaded.
+    ``dtype``: float32 / bfloat16 / float16. Raises CompareError with one line when the path is not a model or it cannot be loaded.
     """
     try:
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -110,9 +84,7 @@ def load_model(model: str | None, device: str, dtype: str) -> tuple[Any, Any, di
         source = str(path) if local else model
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise CompareError(f"--device {device!r}: CUDA is not available here; use --device cpu")
-    torch_dtype = (
-        (torch.float32 if device == "cpu" else torch.bfloat16) if dtype == "auto" else _DTYPES[dtype]
-    )
+    torch_dtype = _DTYPES[dtype]
     try:
         loaded = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, local_files_only=local)
         tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local)
@@ -173,16 +145,20 @@ class RSSPeak:
         raise KeyError(field)
 
     def reset(self) -> None:
-        if not self.available:
-            return
         if self._libc is not None:
             self._libc.malloc_trim(0)
+        self.restart()
+        if self.available:
+            self._start = self._status("VmRSS")
+
+    def restart(self) -> None:
+        """Reset the high-water mark to the current RSS; keep the start level."""
+        if not self.available:
+            return
         try:
             Path("/proc/self/clear_refs").write_text("5")
         except OSError:
             self.available = False
-            return
-        self._start = self._status("VmRSS")
 
     def peak(self) -> int | None:
         if not self.available:
@@ -191,7 +167,7 @@ class RSSPeak:
 
 
 class TorchRunner:
-    """Drives a transformers causal LM for :func:`kvspec.measure.measure` (batch 1, greedy)."""
+    """Drives a transformers causal LM for :func:`kvbench.protocol.measure` (batch 1, greedy)."""
 
     def __init__(self, model: Any, tokenizer: Any, device: str):
         self.model = model
@@ -200,6 +176,7 @@ class TorchRunner:
         self._cuda = self.device.type == "cuda"
         self._rss = RSSPeak()
         self._cuda_start = 0
+        self.kv_itemsize = next(model.parameters()).element_size()
         # recent transformers 5.x name the forward's cache argument `cache` (`past_key_values` is deprecated)
         params = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
@@ -245,6 +222,13 @@ class TorchRunner:
             self._cuda_start = torch.cuda.memory_allocated(self.device)
         else:
             self._rss.reset()
+
+    def restart_peak(self) -> None:
+        if self._cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            self._rss.restart()
 
     def peak_bytes(self) -> int | None:
         if self._cuda:
@@ -319,11 +303,11 @@ def build_candidates(
         )
     ]
     for name in tiers:
-        options = dict(TIERS[name.removesuffix("-mf")])
+        tier = TIERS[name]
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("error", UserWarning)  # "no full-attention layer" is an error here
-                probe = FlashCodecCache.from_config(model.config, **options)
+                probe = FlashCodecCache.from_config(model.config, codec=tier.codec)
         except (KVSpecError, UserWarning) as err:
             raise CompareError(
                 f"--model: flashcodec cannot serve this model with tier {name!r}: {err}"
@@ -331,15 +315,19 @@ def build_candidates(
         if not probe.codec_layer_indices:
             raise CompareError("--model: flashcodec cannot serve this model: it has no full-attention layer")
         context = details = None
-        if name == _MF:
+        if tier.materialization_free:
             context, details = _codec_attention(model)
         out.append(
             Candidate(
                 name,
                 "tier",
-                _TIER_TEXT[name],
-                lambda options=options: FlashCodecCache.from_config(model.config, **options),
-                {"class": "flashcodec.hf.FlashCodecCache", **options, "materialization_free": name == _MF},
+                tier.description,
+                lambda codec=tier.codec: FlashCodecCache.from_config(model.config, codec=codec),
+                {
+                    "class": "flashcodec.hf.FlashCodecCache",
+                    "codec": repr(tier.codec),
+                    "materialization_free": tier.materialization_free,
+                },
                 context=context,
                 details=details,
             )
@@ -393,92 +381,59 @@ def _codec_attention(model: Any) -> tuple[Any, Any]:
 
 
 # --------------------------------------------------------------------------- command line
-def _parser() -> OneLineParser:
-    parser = OneLineParser(
-        prog="flashcodec compare",
-        description="Compare flashcodec tiers with transformers' DynamicCache and QuantizedCache on one "
-        "model: KV bytes held, peak memory, perplexity, greedy token match, decode and prefill speed.",
-    )
-    add_common_arguments(parser, TIER_NAMES, tuple(PEERS))
-    parser.add_argument(
-        "--device", default=None, help="cpu or cuda[:N] (default: cuda when available, else cpu)"
-    )
-    parser.add_argument(
-        "--dtype",
-        default="auto",
-        choices=("auto", *_DTYPES),
-        help="model and cache dtype (default auto: float32 on CPU, bfloat16 on CUDA)",
-    )
-    return parser
+class FlashCodecHarness:
+    """flashcodec's part of ``kvbench.cli.run_compare``: transformers models, flashcodec tiers,
+    transformers' QuantizedCache peers."""
+
+    tool = "flashcodec compare"
+    packages = (
+        "flashcodec-kv", "kvbench", "kvcache-spec", "torch", "transformers", "numpy", "hqq", "optimum-quanto",
+    )  # fmt: skip
+    dtypes = tuple(_DTYPES)
+
+    def tiers(self) -> Mapping[str, str]:
+        return {name: tier.description for name, tier in TIERS.items()}
+
+    def peers(self) -> Mapping[str, str]:
+        return {
+            name: f"transformers QuantizedCache(backend={backend!r}, nbits={nbits})"
+            for name, (backend, nbits) in PEERS.items()
+        }
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument(
+            "--device", default=None, help="cpu or cuda[:N] (default: cuda when available, else cpu)"
+        )
+
+    def load(self, args: argparse.Namespace) -> Loaded:
+        args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        model, tokenizer, info = load_model(args.model, args.device, args.dtype)
+        info["torch_threads"] = torch.get_num_threads()
+        return Loaded(
+            runner=TorchRunner(model, tokenizer, args.device),
+            info=info,
+            encode_text=lambda t: tokenizer.encode(t, add_special_tokens=False),
+            encode_prompt=tokenizer.encode,
+            max_positions=getattr(
+                model.config.get_text_config(decoder=True), "max_position_embeddings", None
+            ),
+            handle=model,
+        )
+
+    def candidates(self, loaded: Loaded, tiers: Sequence[str], peers: Sequence[str]):
+        return build_candidates(loaded.handle, tiers, peers)
 
 
-def _main(argv: Sequence[str] | None) -> int:
-    args = _parser().parse_args(argv)
-    if args.list:
-        for name in TIER_NAMES:
-            print(f"tier  {name:16s} {_TIER_TEXT[name]}")
-        for name, (backend, nbits) in PEERS.items():
-            print(f"peer  {name:16s} transformers QuantizedCache(backend={backend!r}, nbits={nbits})")
-        return 0
-    tiers = parse_selection(args.tiers, TIER_NAMES, "--tiers")
-    peers = parse_selection(args.peers, tuple(PEERS), "--peers")
-    settings = Settings(
-        args.windows,
-        args.context_tokens,
-        args.scored_tokens,
-        args.new_tokens,
-        args.speed_rounds,
-        args.speed_steps,
-        args.prompt_count,
-    )
-    text, text_path = load_eval_text(args.text)
-    prompt_texts = load_prompts(args.prompt, args.prompts)
-    if args.plot:
-        require_matplotlib()
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-
-    model, tokenizer, info = load_model(args.model, device, args.dtype)
-    candidates, absent = build_candidates(model, tiers, peers)
-    windows, prompts, prompt_source = prepare_tokens(
-        lambda t: tokenizer.encode(t, add_special_tokens=False),
-        tokenizer.encode,
-        text,
-        prompt_texts,
-        settings,
-    )
-    limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
-    check_positions(limit, settings, prompts)
-
-    runner = TorchRunner(model, tokenizer, device)
+def _compare_main(argv: Sequence[str] | None) -> int:
     with warnings.catch_warnings():
         # transformers' deprecation notes on cache kwargs would interleave with the progress bar
         warnings.simplefilter("ignore", FutureWarning)
-        rows = measure(runner, candidates, windows, prompts, settings, progress=not args.quiet)
-    result = build_result(
-        tool=TOOL,
-        packages=PACKAGES,
-        model=info,
-        settings=settings,
-        inputs={
-            "text": str(text_path),
-            "text_sha256": text_digest(text),
-            "prompts": len(prompts),
-            "prompt_source": prompt_source,
-            "prompt_texts": prompt_texts,
-            "device": device,
-            "torch_threads": torch.get_num_threads(),
-        },
-        peak_label=runner.peak_label,
-        rows=rows,
-        absent=absent,
-    )
-    emit(result, args.json, args.plot)
-    return 0
+        return run_compare(FlashCodecHarness(), argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``flashcodec compare`` / ``python -m flashcodec.compare``; returns the exit code."""
-    return run_cli(_main, argv)
+    return run_cli(_compare_main, argv)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,6 @@
 * :mod:`kvspec.vectors` / :mod:`kvspec.synthetic`: shipped test vectors and their generators.
 * :mod:`kvspec.conformance`: the checks, as plain functions over an adapter.
 * :mod:`kvspec.reference`: an uncompressed numpy cache meeting the whole contract.
-* :mod:`kvspec.models`: where the project's embedded tiny model lives.
 """
 
 from .adapter import Adapter, CacheConfigCase, Capabilities
@@ -21,7 +20,6 @@ from .interface import (
     check_kv_pair,
     trim_count,
 )
-from .models import embedded_model_path
 from .reference import NumpyReferenceCache, ReferenceAdapter
 from .vectors import TestVector, add_vectors, get_vector, load_vectors
 
@@ -59,7 +57,6 @@ __all__ = [
     "add_vectors",
     "check_kv_pair",
     "conformance_items",
-    "embedded_model_path",
     "get_vector",
     "load_vectors",
     "trim_count",

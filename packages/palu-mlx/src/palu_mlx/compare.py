@@ -2,73 +2,54 @@
 
     palu-mlx compare                                   # the repository's embedded model, all tiers
     python -m palu_mlx.compare --model mlx-community/Llama-3.2-1B-Instruct-4bit --text notes.txt
-    palu-mlx compare --tiers default,r8-4bit --peers mlx-lm-q4 --json out.json --plot out.png
+    palu-mlx compare --tiers reference-default --peers mlx-lm-q4 --json out.json --plot out.png
+
+Needs the ``compare`` extra (``pip install "palu-mlx[compare]"``: kvbench).
 
 Candidates, all built for the loaded model's layers (layers whose default cache is not mlx-lm's
 plain ``KVCache``, e.g. rotating windows or SSM state, keep their default in every candidate):
 
 * ``baseline``: mlx-lm's ``KVCache`` (uncompressed, the model's dtype);
-* tiers: the conformance tiers of :mod:`palu_mlx.spec` (same names), sized for the model's head
-  dim, with the default head grouping (the largest divisor of the KV head count up to 4);
+* tiers: :data:`palu_mlx.tiers.TIERS` (same names), sized for the model's head dim, with the
+  default head grouping (the largest divisor of the KV head count up to 4);
 * peers: mlx-lm's ``QuantizedKVCache`` at 8 and 4 bits (group size 64, or 32 for head dims 64
   does not divide).
 
-The measuring protocol and the JSON layout are :mod:`kvspec.measure`'s, the table and chart
-:mod:`kvspec.report`'s and the shared options :mod:`kvspec.compare_cli`'s, all shared with
-``flashcodec compare``.
+The protocol, options, JSON layout, table and chart are kvbench's, shared with ``flashcodec
+compare``; this module is the MLX runner and the candidates.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import gc
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from kvspec import KVConfigError, embedded_model_path
+from kvbench.cli import Loaded, run_cli, run_compare
+from kvbench.models import embedded_model_path
+from kvbench.protocol import Candidate, KVBytes
+from kvbench.results import CompareError, weights_digest
+from kvspec import KVConfigError
 from kvspec.adapter import flatten_arrays
-from kvspec.compare_cli import (
-    OneLineParser,
-    add_common_arguments,
-    check_positions,
-    load_eval_text,
-    load_prompts,
-    parse_selection,
-    prepare_tokens,
-    run_cli,
-)
-from kvspec.measure import Candidate, KVBytes, Settings, build_result, measure
-from kvspec.report import emit, require_matplotlib
-from kvspec.results import CompareError, text_digest, weights_digest
 from mlx.utils import tree_flatten
 
 from .builder import KVCacheBuilder, model_kv_dims
 from .config import KVCacheConfig
-from .spec import TIERS
+from .tiers import TIERS
 
-__all__ = ["TIER_NAMES", "PEER_BITS", "tier_config", "load_model", "MLXRunner", "build_candidates", "main"]
-
-TOOL = "palu-mlx compare"
-PACKAGES = ("palu-mlx", "kvcache-spec", "mlx", "mlx-lm", "numpy", "transformers")
-
-#: tier names, identical to the conformance tiers of palu_mlx.spec
-TIER_NAMES: tuple[str, ...] = tuple(TIERS)
-
-_TIER_TEXT = {
-    "full-rank-fp16": "rank = head dim, latents unquantized: the change of basis alone",
-    "r16-fp16": "rank 16, latents unquantized: low-rank error only",
-    "default": "the documented defaults: rank from 90% singular-value energy, top 25% of latent "
-    "channels 4-bit, the rest 2-bit",
-    "r8-4bit": "rank 8, every latent channel 4-bit",
-}
+__all__ = ["PEER_BITS", "tier_config", "load_model", "MLXRunner", "build_candidates", "PaluHarness", "main"]
 
 #: peer name -> bits of mlx-lm's QuantizedKVCache
 PEER_BITS: dict[str, int] = {"mlx-lm-q8": 8, "mlx-lm-q4": 4}
+
+_DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
@@ -76,11 +57,11 @@ _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 def tier_config(name: str, head_dim: int, n_kv_heads: int | None) -> KVCacheConfig:
     """The :class:`KVCacheConfig` of tier ``name`` for a model with ``head_dim`` and ``n_kv_heads``.
 
-    The tier keeps its rank and bit widths from :data:`palu_mlx.spec.TIERS` (full rank becomes
+    The tier keeps its rank and bit widths from :data:`palu_mlx.tiers.TIERS` (full rank becomes
     the model's head dim; ranks are capped at it) and takes the default head grouping: the largest
     divisor of ``n_kv_heads`` not above ``KVCacheConfig().palu_n_head_groups``.
     """
-    base = TIERS[name]
+    base = TIERS[name].config
     default_groups = KVCacheConfig().palu_n_head_groups
     groups = max(g for g in range(1, default_groups + 1) if not n_kv_heads or n_kv_heads % g == 0)
     rank = base.palu_rank
@@ -91,8 +72,9 @@ def tier_config(name: str, head_dim: int, n_kv_heads: int | None) -> KVCacheConf
     return dataclasses.replace(base, head_dim=head_dim, palu_rank=rank, palu_n_head_groups=groups)
 
 
-def load_model(model: str | None) -> tuple[Any, Any, dict[str, Any]]:
-    """``(model, tokenizer, info)`` for a local directory, a hub id, or (None) the embedded model.
+def load_model(model: str | None, dtype: str = "bfloat16") -> tuple[Any, Any, dict[str, Any]]:
+    """``(model, tokenizer, info)`` for a local directory, a hub id, or (None) the embedded model,
+    its floating-point weights cast to ``dtype`` (float32 / bfloat16 / float16).
 
     Raises CompareError with one line when the path is not a model or mlx-lm cannot load it.
     """
@@ -119,6 +101,7 @@ def load_model(model: str | None) -> tuple[Any, Any, dict[str, Any]]:
         raise CompareError(
             f"--model {source!r}: mlx-lm cannot load it ({type(err).__name__}: {first})"
         ) from None
+    loaded.set_dtype(_DTYPES[dtype])
     # the held-out text is tokenized whole, then cut into windows; the length warning does not apply
     getattr(tokenizer, "_tokenizer", tokenizer).model_max_length = int(1e12)
     head_dim, n_kv = model_kv_dims(loaded)
@@ -140,17 +123,18 @@ def load_model(model: str | None) -> tuple[Any, Any, dict[str, Any]]:
 
 
 class MLXRunner:
-    """Drives an mlx-lm model for :func:`kvspec.measure.measure` (batch 1, greedy)."""
+    """Drives an mlx-lm model for :func:`kvbench.protocol.measure` (batch 1, greedy)."""
 
     peak_label = (
-        "MLX allocator peak (mx.get_peak_memory) during the candidate's run, minus the memory "
-        "already allocated before it (weights): cache, activations and logits"
+        "MLX allocator peak (mx.get_peak_memory) minus the memory allocated before the cache was made "
+        "(weights): cache, activations and logits"
     )
 
     def __init__(self, model: Any, tokenizer: Any):
         self.model = model
         self.tokenizer = tokenizer
         self._active_before = 0
+        self.kv_itemsize = _default_dtype(model).size
 
     def _logits(self, cache: list[Any], tokens: list[int]) -> np.ndarray:
         logits = self.model(mx.array(tokens, dtype=mx.int32)[None], cache=cache)[0, -1]
@@ -181,6 +165,9 @@ class MLXRunner:
         mx.clear_cache()
         mx.reset_peak_memory()
         self._active_before = mx.get_active_memory()
+
+    def restart_peak(self) -> None:
+        mx.reset_peak_memory()
 
     def peak_bytes(self) -> int | None:
         return max(0, mx.get_peak_memory() - self._active_before)
@@ -225,7 +212,7 @@ def build_candidates(model: Any, tiers: Sequence[str], peers: Sequence[str]) -> 
             Candidate(
                 name,
                 "tier",
-                _TIER_TEXT.get(name, name),
+                TIERS[name].description,
                 lambda config=config: KVCacheBuilder.for_model(model, config),
                 dataclasses.asdict(config),
             )
@@ -257,76 +244,40 @@ def _default_dtype(model: Any) -> Any:
     return weights[0][1].dtype if weights else None
 
 
-def _parser() -> OneLineParser:
-    parser = OneLineParser(
-        prog="palu-mlx compare",
-        description="Compare palu-mlx tiers with mlx-lm's KVCache and QuantizedKVCache on one model: "
-        "KV bytes held, peak memory, perplexity, greedy token match, decode and prefill speed.",
-    )
-    add_common_arguments(parser, TIER_NAMES, tuple(PEER_BITS))
-    return parser
+class PaluHarness:
+    """palu-mlx's part of ``kvbench.cli.run_compare``: mlx-lm models, palu tiers, mlx-lm peers."""
 
+    tool = "palu-mlx compare"
+    packages = ("palu-mlx", "kvbench", "kvcache-spec", "mlx", "mlx-lm", "numpy", "transformers")
+    dtypes = tuple(_DTYPES)
 
-def _main(argv: Sequence[str] | None) -> int:
-    args = _parser().parse_args(argv)
-    if args.list:
-        for name in TIER_NAMES:
-            print(f"tier  {name:16s} {_TIER_TEXT.get(name, '')}")
-        for name, bits in PEER_BITS.items():
-            print(f"peer  {name:16s} mlx-lm QuantizedKVCache, {bits}-bit")
-        return 0
-    tiers = parse_selection(args.tiers, TIER_NAMES, "--tiers")
-    peers = parse_selection(args.peers, tuple(PEER_BITS), "--peers")
-    settings = Settings(
-        args.windows,
-        args.context_tokens,
-        args.scored_tokens,
-        args.new_tokens,
-        args.speed_rounds,
-        args.speed_steps,
-        args.prompt_count,
-    )
-    text, text_path = load_eval_text(args.text)
-    prompt_texts = load_prompts(args.prompt, args.prompts)
-    if args.plot:
-        require_matplotlib()
+    def tiers(self) -> Mapping[str, str]:
+        return {name: tier.description for name, tier in TIERS.items()}
 
-    model, tokenizer, info = load_model(args.model)
-    candidates = build_candidates(model, tiers, peers)
-    windows, prompts, prompt_source = prepare_tokens(
-        lambda t: tokenizer.encode(t, add_special_tokens=False),
-        tokenizer.encode,
-        text,
-        prompt_texts,
-        settings,
-    )
-    check_positions(getattr(getattr(model, "args", None), "max_position_embeddings", None), settings, prompts)
+    def peers(self) -> Mapping[str, str]:
+        return {name: f"mlx-lm QuantizedKVCache, {bits}-bit" for name, bits in PEER_BITS.items()}
 
-    runner = MLXRunner(model, tokenizer)
-    rows = measure(runner, candidates, windows, prompts, settings, progress=not args.quiet)
-    result = build_result(
-        tool=TOOL,
-        packages=PACKAGES,
-        model=info,
-        settings=settings,
-        inputs={
-            "text": str(text_path),
-            "text_sha256": text_digest(text),
-            "prompts": len(prompts),
-            "prompt_source": prompt_source,
-            "prompt_texts": prompt_texts,
-            "device": "gpu" if mx.default_device() == mx.gpu else "cpu",
-        },
-        peak_label=MLXRunner.peak_label,
-        rows=rows,
-    )
-    emit(result, args.json, args.plot)
-    return 0
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        pass
+
+    def load(self, args: argparse.Namespace) -> Loaded:
+        model, tokenizer, info = load_model(args.model, args.dtype)
+        return Loaded(
+            runner=MLXRunner(model, tokenizer),
+            info=info,
+            encode_text=lambda t: tokenizer.encode(t, add_special_tokens=False),
+            encode_prompt=tokenizer.encode,
+            max_positions=getattr(getattr(model, "args", None), "max_position_embeddings", None),
+            handle=model,
+        )
+
+    def candidates(self, loaded: Loaded, tiers: Sequence[str], peers: Sequence[str]):
+        return build_candidates(loaded.handle, tiers, peers), []
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``palu-mlx compare`` / ``python -m palu_mlx.compare``; returns the exit code."""
-    return run_cli(_main, argv)
+    return run_cli(lambda a: run_compare(PaluHarness(), a), argv)
 
 
 if __name__ == "__main__":

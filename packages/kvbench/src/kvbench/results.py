@@ -1,10 +1,10 @@
-"""Results files: stamp a run with its machine and versions, write and read strict JSON, and
-digest the weights and text a result was measured on.
+"""Results files: the compare document's layout, its stamp (machine, versions, date), strict
+JSON, and digests of the weights and text a result was measured on.
 
-:class:`CompareError` lives here, at the bottom of the compare modules, because every one of them
-(starting with :func:`read_json`) reports a mistake the user can fix with it.
+:class:`CompareError` lives here, at the bottom of kvbench, because every module (starting with
+:func:`read_json`) reports a mistake the user can fix with it.
 
-Only numpy and the standard library are imported.
+Only numpy, kvspec and the standard library are imported.
 """
 
 from __future__ import annotations
@@ -14,29 +14,35 @@ import json
 import math
 import os
 import platform
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from .interface import KVSpecError
+from kvspec import KVSpecError
 
 __all__ = [
+    "SCHEMA",
     "CompareError",
+    "build_result",
     "environment_stamp",
     "to_jsonable",
     "write_json",
     "read_json",
     "weights_digest",
     "text_digest",
+    "run_of",
 ]
 
 
 class CompareError(KVSpecError, ValueError):
     """A mistake in a compare command (bad path, unknown tier, unusable model): one clear line."""
+
+
+#: the layout :func:`build_result` writes
+SCHEMA = "kvbench.compare/2"
 
 
 def environment_stamp(packages: Iterable[str]) -> dict[str, Any]:
@@ -115,3 +121,37 @@ def weights_digest(directory: str | os.PathLike) -> str | None:
 def text_digest(text: str) -> str:
     """sha256 of ``text`` (UTF-8), recorded so a result names exactly what it was measured on."""
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def build_result(
+    *,
+    tool: str,
+    packages: Iterable[str],
+    model: dict[str, Any],
+    inputs: dict[str, Any],
+    peak_label: str,
+    runs: list[dict[str, Any]],
+    absent: Sequence[dict[str, str]] = (),
+) -> dict[str, Any]:
+    """The ``kvbench.compare/2`` document: stamp, model, inputs, what each column measures, and
+    one entry per run (``{"name", "settings", "rows"}``: the short- and long-context runs).
+
+    ``absent``: ``{"name", "kind", "reason"}`` for every candidate that could not run here.
+    """
+    from .protocol import MEASURES
+
+    return {
+        "schema": SCHEMA,
+        "tool": tool,
+        "stamp": environment_stamp(packages),
+        "model": model,
+        "inputs": inputs,
+        "measures": {**MEASURES, "peak_label": peak_label},
+        "runs": runs,
+        "absent": list(absent),
+    }
+
+
+def run_of(result: dict[str, Any], name: str) -> dict[str, Any] | None:
+    """The run called ``name`` ("short" or "long") of a compare document, or None."""
+    return next((run for run in result.get("runs", []) if run["name"] == name), None)

@@ -1,7 +1,7 @@
 """Train the embedded default model: a tiny qwen3 on Python's own documentation, on CPU.
 
 No model can be downloaded where this project runs, so it trains and ships its own small one
-(``benchmarks/models/tiny-qwen3``). This script is the whole recipe: a byte-level BPE tokenizer
+(``benchmarks/model/tiny-qwen3``). This script is the whole recipe: a byte-level BPE tokenizer
 trained with ``tokenizers`` on the training split of :mod:`corpus`, then a qwen3 causal LM
 (RoPE, q/k RMSNorm, grouped-query attention) trained with AdamW and a cosine schedule, seeded.
 It writes the checkpoint in the standard Hugging Face layout every ``--save-every`` steps (so a
@@ -10,8 +10,8 @@ description and hash, the loss curve, held-out perplexity and the add-one unigra
 
 CI never runs this; it uses the committed checkpoint. Typical use (2 CPU cores, ~30 min)::
 
-    python benchmarks/train_tiny_model.py
-    python benchmarks/train_tiny_model.py --steps 3 --out /tmp/smoke --record /tmp/smoke.json  # smoke
+    python benchmarks/model/train.py
+    python benchmarks/model/train.py --steps 3 --out /tmp/smoke --record /tmp/smoke.json  # smoke
 """
 
 from __future__ import annotations
@@ -40,9 +40,9 @@ from corpus import (  # noqa: E402
     split_documents,
 )
 
-BENCH_DIR = Path(__file__).resolve().parent
-DEFAULT_OUT = BENCH_DIR / "models" / "tiny-qwen3"
-DEFAULT_RECORD = BENCH_DIR / "results" / "tiny_model_training.json"
+MODEL_DIR = Path(__file__).resolve().parent
+DEFAULT_OUT = MODEL_DIR / "tiny-qwen3"
+DEFAULT_RECORD = MODEL_DIR.parent / "results" / "tiny_model_training.json"
 
 BOS, EOS = "<|startoftext|>", "<|endoftext|>"
 
@@ -512,8 +512,7 @@ def main(argv: list[str] | None = None) -> dict:
             "torch_threads": args.threads,
         },
         "versions": versions(),
-        "command": "python benchmarks/train_tiny_model.py "
-        + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python benchmarks/model/train.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "model_config": json.loads((args.out / "config.json").read_text()),
         "n_parameters": n_params,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from kvspec import models
+from kvbench import models
 
 
 @pytest.fixture
@@ -12,7 +12,7 @@ def no_env(monkeypatch):
 
 
 def _make_model(root):
-    path = root / "benchmarks" / "models" / "tiny-qwen3"
+    path = root / "benchmarks" / "model" / "tiny-qwen3"
     path.mkdir(parents=True)
     (path / "config.json").write_text("{}")
     return path
@@ -43,7 +43,7 @@ def test_walks_up_from_the_working_directory(tmp_path, monkeypatch, no_env):
 
 def test_walks_up_from_the_package_location(tmp_path, monkeypatch, no_env):
     model = _make_model(tmp_path / "repo")
-    fake_file = tmp_path / "repo" / "packages" / "kvspec" / "src" / "kvspec" / "models.py"
+    fake_file = tmp_path / "repo" / "packages" / "kvbench" / "src" / "kvbench" / "models.py"
     monkeypatch.setattr(models, "__file__", str(fake_file))
     outside = tmp_path / "outside"
     outside.mkdir()

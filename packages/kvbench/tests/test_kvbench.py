@@ -1,8 +1,10 @@
-"""The compare modules: the protocol on a toy numpy model (kvspec.measure), JSON stamping
-(kvspec.results), rendering (kvspec.report) and the command-line helpers (kvspec.compare_cli)."""
+"""kvbench: the protocol on a toy numpy model (KL, top-1, bytes, peaks, memory curve), the result
+document and its rendering, the command-line helpers and a whole ``run_compare`` through a toy
+harness."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import sys
@@ -10,30 +12,39 @@ from datetime import datetime
 
 import numpy as np
 import pytest
-from kvspec import KVConfigError
-from kvspec.compare_cli import (
+from kvbench.cli import (
+    Loaded,
     OneLineParser,
     add_common_arguments,
     check_positions,
-    default_text_path,
     load_eval_text,
     load_prompts,
+    long_settings,
     parse_selection,
     prepare_tokens,
     run_cli,
+    run_compare,
 )
-from kvspec.measure import (
+from kvbench.models import default_text_path
+from kvbench.protocol import Candidate, KVBytes, Settings, log_softmax, measure, text_windows
+from kvbench.report import (
+    format_bytes,
+    frontier,
+    plot_comparison,
+    render_markdown,
+    render_table,
+    require_matplotlib,
+)
+from kvbench.results import (
     SCHEMA,
-    Candidate,
-    KVBytes,
-    Settings,
+    CompareError,
     build_result,
-    measure,
-    text_windows,
-    token_nll,
+    environment_stamp,
+    read_json,
+    run_of,
+    write_json,
 )
-from kvspec.report import format_bytes, plot_comparison, render_markdown, render_table, require_matplotlib
-from kvspec.results import CompareError, environment_stamp, read_json, write_json
+from kvspec import KVConfigError
 
 VOCAB = 7
 
@@ -47,7 +58,11 @@ class ToyCache:
         self.tokens: list[int] = []
 
     def add(self, tokens):
-        self.tokens += [t - t % 2 if self.lossy else t for t in tokens]
+        self.tokens += list(tokens)
+
+    def history(self):
+        """What the model reads back: every token, or (lossy) every token rounded to an even id."""
+        return [t - t % 2 for t in self.tokens] if self.lossy else self.tokens
 
 
 def toy_logits(history: list[int]) -> np.ndarray:
@@ -59,18 +74,22 @@ def toy_logits(history: list[int]) -> np.ndarray:
 
 
 class ToyRunner:
-    peak_label = "toy: tokens held x 8 bytes"
+    peak_label = "toy: the largest cache seen since the last (re)start, 8 bytes a token"
+    kv_itemsize = 8
 
     def __init__(self):
-        self.resets = 0
+        self.resets = self.restarts = 0
+        self.high = 0
 
     def prefill(self, cache, tokens):
         cache.add(list(tokens))
-        return toy_logits(cache.tokens)
+        self.high = max(self.high, 8 * len(cache.tokens))
+        return toy_logits(cache.history())
 
     def step(self, cache, token):
         cache.add([token])
-        return toy_logits(cache.tokens)
+        self.high = max(self.high, 8 * len(cache.tokens))
+        return toy_logits(cache.history())
 
     def kv_bytes(self, cache):
         per = 1 if cache.lossy else 8
@@ -83,9 +102,13 @@ class ToyRunner:
 
     def reset_peak(self):
         self.resets += 1
+        self.high = 0
+
+    def restart_peak(self):
+        self.restarts += 1
 
     def peak_bytes(self):
-        return 1234
+        return self.high
 
     def detokenize(self, tokens):
         return " ".join(map(str, tokens))
@@ -120,16 +143,21 @@ SETTINGS = Settings(
 TOKENS = [(3 * i + i // 4) % VOCAB for i in range(40)]
 
 
-def expected_nll(windows, lossy):
-    total, n = 0.0, 0
+def scored_logits(windows, lossy):
+    """The logits at every scored position, straight from the toy model (no protocol code)."""
+    out = []
     for w in windows:
         cache = ToyCache(lossy)
         cache.add(w[:4])
         for tok in w[4:]:
-            total += token_nll(toy_logits(cache.tokens), tok)
-            n += 1
+            out.append(toy_logits(cache.history()))
             cache.add([tok])
-    return total / n
+    return np.array(out)
+
+
+def softmax(z):
+    e = np.exp(z - z.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
 
 
 def greedy(prompt, lossy, n):
@@ -137,7 +165,7 @@ def greedy(prompt, lossy, n):
     cache.add(prompt)
     out = []
     for _ in range(n):
-        tok = int(np.argmax(toy_logits(cache.tokens)))
+        tok = int(np.argmax(toy_logits(cache.history())))
         out.append(tok)
         cache.add([tok])
     return out
@@ -151,27 +179,64 @@ def test_measure_rows_follow_the_protocol():
     rows = measure(runner, candidates(events), windows, prompts, SETTINGS, progress=False)
     base, even = rows
     assert [r["name"] for r in rows] == ["baseline", "even"]
-    assert base["nll"] == pytest.approx(expected_nll(windows, False))
-    assert even["nll"] == pytest.approx(expected_nll(windows, True))
+    targets = np.array([t for w in windows for t in w[4:]])
+    z_base, z_even = scored_logits(windows, False), scored_logits(windows, True)
+    p, q = softmax(z_base), softmax(z_even)
+    idx = np.arange(len(targets))
+    assert base["nll"] == pytest.approx(-np.log(p[idx, targets]).mean())
+    assert even["nll"] == pytest.approx(-np.log(q[idx, targets]).mean())
+    kl = (p * (np.log(p) - np.log(q))).sum(axis=-1)
+    assert kl.max() > 0.01  # the toy's rounding does change predictions
+    assert even["kl_mean"] == pytest.approx(kl.mean(), rel=1e-5)
+    assert even["kl_p99"] == pytest.approx(np.quantile(kl, 0.99), rel=1e-5)
+    assert even["top1_agreement"] == pytest.approx((p.argmax(-1) == q.argmax(-1)).mean())
+    assert base["kl_mean"] == 0 and base["top1_agreement"] == 1
+    assert even["positions_scored"] == len(targets) == 2 * 5
     assert even["perplexity"] == pytest.approx(math.exp(even["nll"]))
     assert even["ppl_delta"] == pytest.approx(even["perplexity"] - base["perplexity"])
     assert base["ppl_delta"] == 0 and base["token_match"] == 1 and base["decode_speed_ratio"] == 1
-    # bytes after the first window: 9 tokens; raw comes from the baseline
+    # bytes after the first window: 9 tokens; raw comes from the baseline; 8 bytes an element
     assert base["kv_bytes"] == base["kv_raw_bytes"] == even["kv_raw_bytes"] == 8 * 9
     assert even["kv_bytes"] == 9 and even["kv_ratio"] == pytest.approx(1 / 8)
+    assert even["bits_per_element"] == pytest.approx(8.0) and base["bits_per_element"] == pytest.approx(64.0)
     assert even["kv_resident_bytes"] == 18 and base["kv_resident_bytes"] is None
+    assert even["resident_ratio"] == pytest.approx(18 / 72) and base["resident_ratio"] == 1
     ours = [greedy(p, True, 6) for p in prompts]
     theirs = [greedy(p, False, 6) for p in prompts]
     same = sum(a == b for o, t in zip(ours, theirs, strict=True) for a, b in zip(o, t, strict=True))
     assert even["token_match"] == pytest.approx(same / 12)
     assert even["sample"] == " ".join(map(str, ours[0]))
-    assert even["peak_memory_bytes"] == 1234 and runner.resets == 2
+    # peaks: prefill holds the 4 context tokens, decode reaches the 9 of a window
+    assert even["peak_prefill_bytes"] == 8 * 4 and even["peak_decode_bytes"] == 8 * 9
+    assert runner.resets == runner.restarts == 2 * 2  # a window each, per candidate
+    assert even["memory_curve"] == []
     assert even["decode_steps_timed"] == 2 * 3  # speed rounds x timed steps
-    # the context wraps the quality run and each speed round; details are read at the end
-    assert events == ["enter", "exit"] * 3 and even["details"] == {"events": 6} and "details" not in base
+    # the context wraps each window, the greedy run, the memory curve and each speed round
+    assert events == ["enter", "exit"] * (2 + 1 + 1 + 2) and even["details"] == {"events": 12}
+    assert "details" not in base
     for row in rows:
-        for key in ("decode_tokens_per_s", "prefill_seconds", "prefill_time_ratio", "elapsed_seconds"):
+        for key in ("decode_tokens_per_s", "prefill_seconds", "prefill_time_ratio", "quality_seconds"):
             assert math.isfinite(row[key]) and row[key] > 0
+
+
+def test_memory_curve_reads_bytes_after_each_chunk():
+    settings = Settings(
+        windows=1, context_tokens=6, scored_tokens=2, new_tokens=1, prompt_count=1, memory_points=(2, 5, 8)
+    )
+    windows = text_windows(TOKENS, settings)
+    rows = measure(ToyRunner(), candidates(), windows, [[1]], settings, progress=False)
+    assert rows[0]["memory_curve"] == [
+        {"tokens": 2, "held": 16, "resident": None},
+        {"tokens": 5, "held": 40, "resident": None},
+        {"tokens": 8, "held": 64, "resident": None},
+    ]
+    assert [p["resident"] for p in rows[1]["memory_curve"]] == [4, 10, 16]
+
+
+@pytest.mark.parametrize("points", [(3, 2), (0, 4), (4, 4), (2, 99)])
+def test_memory_points_are_checked(points):
+    with pytest.raises(CompareError, match="memory_points"):
+        Settings(windows=1, context_tokens=6, scored_tokens=2, prompt_count=1, memory_points=points)
 
 
 def test_measure_needs_the_baseline_first():
@@ -216,10 +281,10 @@ def test_default_prompts_are_the_first_contexts():
         Settings(windows=3, prompt_count=4)
 
 
-def test_token_nll_is_a_stable_log_softmax():
+def test_log_softmax_is_stable():
     z = np.array([1000.0, 1001.0, 999.0])
     p = np.exp(z - z.max()) / np.exp(z - z.max()).sum()
-    assert token_nll(z, 1) == pytest.approx(-math.log(p[1]))
+    assert log_softmax(z) == pytest.approx(np.log(p))
 
 
 # --------------------------------------------------------------------------- JSON and stamping
@@ -241,41 +306,51 @@ def test_write_json_is_strict(tmp_path):
         read_json(tmp_path / "missing.json")
 
 
+MODEL = {"name": "toy", "architecture": "toy", "layers": 1, "kv_heads": 1, "head_dim": 1, "dtype": "int"}
+
+
 def _result():
     windows = text_windows(TOKENS, SETTINGS)
     rows = measure(ToyRunner(), candidates(), windows, [[1, 2]], SETTINGS, progress=False)
+    long = Settings(
+        windows=1, context_tokens=30, scored_tokens=4, new_tokens=1, prompt_count=1, memory_points=(8, 34)
+    )
+    long_rows = measure(ToyRunner(), candidates(), text_windows(TOKENS, long), [[1]], long, progress=False)
     return build_result(
         tool="toy compare",
         packages=["numpy"],
-        model={
-            "name": "toy",
-            "architecture": "toy",
-            "layers": 1,
-            "kv_heads": 1,
-            "head_dim": 1,
-            "dtype": "int",
-        },
-        settings=SETTINGS,
-        inputs={"prompts": 1, "device": "cpu"},
+        model=MODEL,
+        inputs={"device": "cpu"},
         peak_label=ToyRunner.peak_label,
-        rows=rows,
+        runs=[
+            {"name": "short", "settings": SETTINGS.as_dict(), "rows": rows},
+            {"name": "long", "settings": long.as_dict(), "rows": long_rows},
+        ],
         absent=[{"name": "other", "kind": "peer", "reason": "ImportError: not here"}],
     )
 
 
 def test_build_result_layout_and_rendering():
     result = _result()
-    assert result["schema"] == SCHEMA and result["measures"]["peak_memory_bytes"] == ToyRunner.peak_label
-    assert result["settings"]["windows"] == 2 and result["settings"]["prompts"] == 1
+    assert result["schema"] == SCHEMA and result["measures"]["peak_label"] == ToyRunner.peak_label
+    assert run_of(result, "short")["settings"]["windows"] == 2 and run_of(result, "nope") is None
+    assert run_of(result, "long")["rows"][1]["memory_curve"][-1] == {"tokens": 34, "held": 34, "resident": 68}
     table = render_table(result)
     assert "baseline" in table and "even" in table and "ImportError: not here" in table
+    assert "short context: 2 windows" in table and "long context: 1 windows" in table
     assert ToyRunner.peak_label in table
-    md = render_markdown(result).splitlines()
-    assert md[0].startswith("| cache | kind |") and len(md) == 2 + 2
-    short = render_markdown(result, columns=["cache", "x raw"]).splitlines()
-    assert short[0] == "| cache | x raw |" and short[3] == "| even | 0.125 |"
+    rows = run_of(result, "short")["rows"]
+    md = render_markdown(rows).splitlines()
+    assert md[0].startswith("| cache | kind | bits/el |") and len(md) == 2 + 2
+    short = render_markdown(rows, columns=["cache", "held x"]).splitlines()
+    assert short[0] == "| cache | held x |" and short[3] == "| even | 0.125 |"
     with pytest.raises(ValueError, match="unknown columns"):
-        render_markdown(result, columns=["cache", "bogus"])
+        render_markdown(rows, columns=["cache", "bogus"])
+
+
+def test_frontier_keeps_only_undominated_points():
+    pts = [(4.0, 0.1, "a"), (2.0, 0.5, "b"), (3.0, 0.6, "c"), (8.0, 0.01, "d"), (2.0, 0.4, "e")]
+    assert [name for _, _, name in frontier(pts)] == ["e", "a", "d"]
 
 
 def test_plot_without_matplotlib_is_one_clear_error(tmp_path, monkeypatch):
@@ -322,12 +397,10 @@ def test_text_and_prompt_files(tmp_path):
         load_prompts(None, str(tmp_path / "missing.txt"))
 
 
-def test_default_text_is_found_above_the_working_directory(tmp_path):
-    heldout = tmp_path / "benchmarks" / "data" / "heldout.txt"
-    heldout.parent.mkdir(parents=True)
-    heldout.write_text("text")
-    (tmp_path / "deep" / "er").mkdir(parents=True)
-    assert default_text_path(cwd=tmp_path / "deep" / "er") == heldout
+def test_default_text_ships_with_kvbench():
+    text, path = load_eval_text(None)
+    assert path == default_text_path() and path.parent.name == "data"
+    assert 50_000 < len(text) < 400_000
 
 
 def test_check_positions():
@@ -348,7 +421,75 @@ def test_run_cli_prints_one_line_and_exits_2(capsys):
 
 def test_one_line_parser_errors(capsys):
     parser = OneLineParser(prog="toy compare")
-    add_common_arguments(parser, ["a"], ["p"])
+    add_common_arguments(parser, ["a"], ["p"], ["float32"])
     assert run_cli(lambda argv: parser.parse_args(argv) and 0, ["--windows", "x"]) == 2
     err = capsys.readouterr().err
     assert err == "error: argument --windows: invalid int value: 'x' (see toy compare --help)\n"
+
+
+def test_long_settings_fit_the_model():
+    parser = OneLineParser(prog="toy")
+    add_common_arguments(parser, ["a"], ["p"], ["float32"])
+    args = parser.parse_args([])
+    long = long_settings(args, limit=1024)
+    assert long.window_tokens == 1024 and long.scored_tokens == 256
+    assert long.memory_points == (256, 512, 1024)
+    assert long_settings(parser.parse_args(["--long-context", "0"]), 1024) is None
+    with pytest.raises(CompareError, match="must exceed --long-scored-tokens"):
+        long_settings(parser.parse_args(["--long-context", "200"]), None)
+
+
+# --------------------------------------------------------------------------- a whole compare
+class ToyHarness:
+    tool = "toy compare"
+    packages = ("numpy",)
+    dtypes = ("int",)
+
+    def tiers(self):
+        return {"even": "rounds to even ids"}
+
+    def peers(self):
+        return {"absent-peer": "never installed"}
+
+    def add_arguments(self, parser):
+        parser.add_argument("--device", default="cpu")
+
+    def load(self, args: argparse.Namespace) -> Loaded:
+        if args.model == "missing":
+            raise CompareError("--model 'missing': no such model")
+        return Loaded(
+            runner=ToyRunner(),
+            info=MODEL,
+            encode_text=lambda text: [ord(c) % VOCAB for c in text],
+            encode_prompt=lambda text: [ord(c) % VOCAB for c in text],
+            max_positions=600,
+        )
+
+    def candidates(self, loaded, tiers, peers):
+        cands = [c for c in candidates() if c.kind == "baseline" or c.name in tiers]
+        absent = [{"name": p, "kind": "peer", "reason": "ImportError: not here"} for p in peers]
+        return cands, absent
+
+
+def test_run_compare_writes_both_runs(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    argv = ["--windows", "3", "--context-tokens", "8", "--scored-tokens", "4", "--speed-rounds", "1"]
+    argv += ["--speed-steps", "2", "--new-tokens", "3", "--long-scored-tokens", "8", "--quiet"]
+    assert run_cli(lambda a: run_compare(ToyHarness(), a), [*argv, "--json", str(out)]) == 0
+    result = read_json(out)
+    assert [r["name"] for r in result["runs"]] == ["short", "long"]
+    long = run_of(result, "long")
+    # the long run is capped at the model's 600 positions
+    assert long["settings"]["context_tokens"] + long["settings"]["scored_tokens"] == 600
+    assert [p["tokens"] for p in long["rows"][0]["memory_curve"]] == [256, 512, 600]
+    assert result["inputs"]["device"] == "cpu" and result["absent"][0]["name"] == "absent-peer"
+    assert "long context" in capsys.readouterr().out
+
+
+def test_run_compare_errors_are_one_line(capsys):
+    assert run_cli(lambda a: run_compare(ToyHarness(), a), ["--model", "missing", "--quiet"]) == 2
+    assert capsys.readouterr().err == "error: --model 'missing': no such model\n"
+    assert run_cli(lambda a: run_compare(ToyHarness(), a), ["--tiers", "bogus"]) == 2
+    assert "unknown name 'bogus'" in capsys.readouterr().err
+    assert run_cli(lambda a: run_compare(ToyHarness(), a), ["--list"]) == 0
+    assert "tier  even" in capsys.readouterr().out

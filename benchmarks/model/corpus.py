@@ -11,7 +11,8 @@ offline on every machine that has CPython:
 Each topic or module is one *document*. The held-out split is whole documents chosen by a fixed
 rule (every ``HELDOUT_EVERY``-th document in sorted order), so no held-out sentence is ever seen in
 training. Docstrings can change between Python patch releases, so the held-out text is ALSO
-committed as ``benchmarks/data/heldout.txt``: ``load_corpus("heldout")`` reads that file, which
+committed as ``kvbench/data/heldout.txt`` (kvbench's default evaluation text):
+``load_corpus("heldout")`` reads that file, which
 makes held-out perplexity comparable on every machine. ``load_corpus("train")`` rebuilds the
 training text from the running interpreter; ``corpus_record()`` describes exactly what was used
 (Python version, document names, sizes and sha256).
@@ -32,6 +33,8 @@ import platform
 import warnings
 from pathlib import Path
 
+from kvbench.models import default_text_path
+
 __all__ = [
     "HELDOUT_PATH",
     "LONG_PACKAGES",
@@ -43,7 +46,8 @@ __all__ = [
     "split_documents",
 ]
 
-HELDOUT_PATH = Path(__file__).resolve().parent / "data" / "heldout.txt"
+# the held-out text ships with kvbench (its compare default); this module only reads and regenerates it
+HELDOUT_PATH = default_text_path()
 
 #: every HELDOUT_EVERY-th document (sorted by name) goes to the held-out split
 HELDOUT_EVERY = 10
@@ -151,7 +155,7 @@ def _join(docs: list[tuple[str, str]]) -> str:
 def load_corpus(split: str = "train") -> str:
     """The corpus text of one split.
 
-    ``"heldout"`` reads the committed ``benchmarks/data/heldout.txt`` (identical on every
+    ``"heldout"`` reads the committed ``kvbench/data/heldout.txt`` (identical on every
     machine); ``"train"`` rebuilds the training text from this interpreter's standard library.
     """
     if split == "heldout":
@@ -162,7 +166,7 @@ def load_corpus(split: str = "train") -> str:
 
 
 def write_heldout() -> Path:
-    """Regenerate ``benchmarks/data/heldout.txt`` from this interpreter (done once, then committed)."""
+    """Regenerate ``kvbench/data/heldout.txt`` from this interpreter (done once, then committed)."""
     HELDOUT_PATH.parent.mkdir(parents=True, exist_ok=True)
     HELDOUT_PATH.write_text(_join(split_documents()[1]) + "\n", encoding="utf-8")
     return HELDOUT_PATH
@@ -188,7 +192,7 @@ def corpus_record() -> dict:
         "heldout_documents": [name for name, _ in heldout],
         "train_chars": len(train_text),
         "train_sha256": _sha256(train_text),
-        "heldout_file": "benchmarks/data/heldout.txt",
+        "heldout_file": "packages/kvbench/src/kvbench/data/heldout.txt",
         "heldout_chars": len(heldout_file) if heldout_file is not None else None,
         "heldout_sha256": _sha256(heldout_file) if heldout_file is not None else None,
     }

@@ -1,0 +1,407 @@
+"""What both compare command lines share: options, inputs, the two runs, one-line errors.
+
+A package provides a :class:`Harness` (how to load a model for its framework, which tiers and
+peers it has, how to build their caches) and calls :func:`run_compare`; everything else (the
+options, the held-out text, the short- and long-context runs of :func:`kvbench.protocol.measure`,
+the stamped result, the table, JSON and chart) is decided here, so ``palu-mlx compare`` and
+``flashcodec compare`` measure, stamp and render identically.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NoReturn, Protocol
+
+from kvspec import KVSpecError
+
+from .models import default_text_path
+from .protocol import Candidate, Runner, Settings, measure, text_windows
+from .report import emit, require_matplotlib
+from .results import CompareError, build_result, text_digest
+
+__all__ = [
+    "OneLineParser",
+    "Harness",
+    "Loaded",
+    "add_common_arguments",
+    "parse_selection",
+    "load_eval_text",
+    "load_prompts",
+    "prepare_tokens",
+    "check_positions",
+    "long_settings",
+    "run_compare",
+    "run_cli",
+    "dispatch",
+]
+
+#: the run dtype users run: 16-bit (``--dtype float32`` measures against a 32-bit cache instead)
+DEFAULT_DTYPE = "bfloat16"
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors are one line (``error: ...``, exit code 2), like every
+    other mistake the compare commands report."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
+@dataclass
+class Loaded:
+    """A model made ready by a :class:`Harness`: the runner, its description and its tokenizer."""
+
+    runner: Runner
+    info: dict[str, Any]
+    encode_text: Callable[[str], list[int]]
+    encode_prompt: Callable[[str], list[int]]
+    max_positions: int | None
+    handle: Any = None  # whatever the harness needs later to build caches (the model)
+
+
+class Harness(Protocol):
+    """What a package gives :func:`run_compare`."""
+
+    tool: str  # "palu-mlx compare"
+    packages: tuple[str, ...]  # distributions whose versions go into the stamp
+    dtypes: tuple[str, ...]  # allowed --dtype values
+
+    def tiers(self) -> Mapping[str, str]:
+        """Tier name -> one-line description, in display order."""
+        ...
+
+    def peers(self) -> Mapping[str, str]:
+        """Peer name -> one-line description, in display order."""
+        ...
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        """Options of this package only (e.g. ``--device``)."""
+        ...
+
+    def load(self, args: argparse.Namespace) -> Loaded:
+        """Load ``args.model`` in ``args.dtype``; CompareError (one line) when it cannot."""
+        ...
+
+    def candidates(
+        self, loaded: Loaded, tiers: Sequence[str], peers: Sequence[str]
+    ) -> tuple[list[Candidate], list[dict[str, str]]]:
+        """Baseline first, then the chosen tiers and peers; and ``{"name", "kind", "reason"}`` for
+        each chosen peer that cannot run here."""
+        ...
+
+
+def add_common_arguments(
+    parser: argparse.ArgumentParser, tiers: Sequence[str], peers: Sequence[str], dtypes: Sequence[str]
+) -> None:
+    """The options both compare commands share (model, text, prompts, selection, sizes, outputs)."""
+    defaults = Settings()
+    parser.add_argument(
+        "--model",
+        help="a local model directory or, with network access, a Hugging Face hub id "
+        "(default: the repository's embedded tiny model)",
+    )
+    parser.add_argument(
+        "--dtype",
+        default=DEFAULT_DTYPE,
+        choices=dtypes,
+        help=f"model and cache dtype (default {DEFAULT_DTYPE}, as users run; every ratio is against "
+        "the uncompressed cache in this dtype)",
+    )
+    parser.add_argument(
+        "--text", help="held-out text file for quality and default prompts (default: kvbench's held-out text)"
+    )
+    parser.add_argument(
+        "--prompt", action="append", default=None, help="a prompt for greedy generation (repeatable)"
+    )
+    parser.add_argument("--prompts", help="file of prompts for greedy generation, one per non-empty line")
+    parser.add_argument(
+        "--tiers", help=f"comma-separated tiers (default: all): {', '.join(tiers)}; 'none' for no tier"
+    )
+    parser.add_argument(
+        "--peers",
+        help=f"comma-separated peer caches (default: all): {', '.join(peers)}; 'none' for no peer. "
+        "A peer whose package is not installed is reported as absent, with the error",
+    )
+    parser.add_argument(
+        "--windows", type=int, default=defaults.windows, help=f"held-out windows (default {defaults.windows})"
+    )
+    parser.add_argument(
+        "--context-tokens",
+        type=int,
+        default=defaults.context_tokens,
+        help=f"prefilled tokens per window (default {defaults.context_tokens})",
+    )
+    parser.add_argument(
+        "--scored-tokens",
+        type=int,
+        default=defaults.scored_tokens,
+        help=f"teacher-forced, scored tokens per window after the context (default {defaults.scored_tokens})",
+    )
+    parser.add_argument(
+        "--long-context",
+        type=int,
+        default=2048,
+        help="tokens per window of the long-context run (context + scored), capped at the model's "
+        "positions; 0 skips the run (default 2048)",
+    )
+    parser.add_argument(
+        "--long-windows", type=int, default=2, help="windows of the long-context run (default 2)"
+    )
+    parser.add_argument(
+        "--long-scored-tokens",
+        type=int,
+        default=256,
+        help="scored tokens at the end of each long-context window (default 256)",
+    )
+    parser.add_argument(
+        "--new-tokens",
+        type=int,
+        default=defaults.new_tokens,
+        help=f"greedy tokens per prompt (default {defaults.new_tokens})",
+    )
+    parser.add_argument(
+        "--prompt-count",
+        type=int,
+        default=defaults.prompt_count,
+        help="without --prompt/--prompts: greedy prompts taken from the first windows' contexts "
+        f"(default {defaults.prompt_count})",
+    )
+    parser.add_argument(
+        "--speed-rounds",
+        type=int,
+        default=defaults.speed_rounds,
+        help=f"round-robin timing rounds (default {defaults.speed_rounds})",
+    )
+    parser.add_argument(
+        "--speed-steps",
+        type=int,
+        default=defaults.speed_steps,
+        help=f"timed one-token calls per round (default {defaults.speed_steps})",
+    )
+    parser.add_argument("--json", metavar="PATH", help="write the full result as JSON")
+    parser.add_argument("--plot", metavar="PATH", help="write a PNG chart (needs matplotlib)")
+    parser.add_argument("--list", action="store_true", help="list the tiers and peers, then exit")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def parse_selection(value: str | None, allowed: Sequence[str], option: str) -> list[str]:
+    """Names chosen with ``--tiers`` / ``--peers`` (None: all; "none": none), in ``allowed`` order."""
+    if value is None:
+        return list(allowed)
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    if names == ["none"]:
+        return []
+    unknown = [n for n in names if n not in allowed]
+    if unknown or not names:
+        raise CompareError(
+            f"{option}={value!r}: unknown name {', '.join(map(repr, unknown)) or '(empty)'}; "
+            f"allowed: {', '.join(allowed)} or none"
+        )
+    return [n for n in allowed if n in names]
+
+
+def load_eval_text(path: str | None) -> tuple[str, Path]:
+    """The held-out text and where it came from (``--text`` or kvbench's shipped held-out text)."""
+    file = default_text_path() if path is None else Path(path).expanduser()
+    if not file.is_file():
+        raise CompareError(f"--text {path!r}: no such file")
+    try:
+        text = file.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise CompareError(f"--text {str(file)!r} is not UTF-8 text") from None
+    if not text.strip():
+        raise CompareError(f"--text {str(file)!r} is empty")
+    return text, file
+
+
+def load_prompts(prompt: Sequence[str] | None, prompts_file: str | None) -> list[str] | None:
+    """Prompts from ``--prompt`` (repeated) and ``--prompts FILE``; None when neither was given."""
+    out = [p for p in (prompt or []) if p.strip()]
+    if prompt and not out:
+        raise CompareError("--prompt: every prompt given is empty")
+    if prompts_file is not None:
+        file = Path(prompts_file).expanduser()
+        if not file.is_file():
+            raise CompareError(f"--prompts {prompts_file!r}: no such file")
+        lines = [ln for ln in file.read_text(encoding="utf-8").splitlines() if ln.strip()]
+        if not lines:
+            raise CompareError(f"--prompts {prompts_file!r} has no non-empty line")
+        out += lines
+    return out or None
+
+
+def prepare_tokens(
+    encode_text: Callable[[str], list[int]],
+    encode_prompt: Callable[[str], list[int]],
+    text: str,
+    prompt_texts: Sequence[str] | None,
+    settings: Settings,
+) -> tuple[list[list[int]], list[list[int]], str]:
+    """``(windows, prompts, prompt_source)``: held-out windows of ``text`` and the greedy prompts
+    (``prompt_texts`` encoded, or, when None, the context of each window)."""
+    windows = text_windows(encode_text(text), settings)
+    if prompt_texts is None:
+        contexts = [w[: settings.context_tokens] for w in windows[: settings.prompt_count]]
+        return windows, contexts, f"the context of the first {len(contexts)} windows"
+    return windows, [encode_prompt(p) for p in prompt_texts], "--prompt / --prompts"
+
+
+def check_positions(limit: int | None, settings: Settings, prompts: Sequence[Sequence[int]]) -> None:
+    """CompareError when a window or a prompt plus its greedy tokens exceeds the model's ``limit``."""
+    longest = max(settings.window_tokens, max(len(p) for p in prompts) + settings.new_tokens)
+    if limit and longest > limit:
+        raise CompareError(
+            f"the run needs {longest} positions but the model allows {limit}: "
+            "shorten --context-tokens / --scored-tokens / --new-tokens or the prompts"
+        )
+
+
+def long_settings(args: argparse.Namespace, limit: int | None) -> Settings | None:
+    """Settings of the long-context run (None when ``--long-context 0``): ``--long-windows``
+    windows of ``--long-context`` tokens (capped at the model's positions), the last
+    ``--long-scored-tokens`` scored, a memory curve at powers of two up to the window."""
+    if args.long_context == 0:
+        return None
+    total = min(args.long_context, limit) if limit else args.long_context
+    scored = args.long_scored_tokens
+    if total <= scored:
+        raise CompareError(
+            f"--long-context {total} (after the model's limit of {limit} positions) must exceed "
+            f"--long-scored-tokens {scored}"
+        )
+    points = [p for p in (256, 512, 1024, 2048, 4096, 8192) if p < total] + [total]
+    return Settings(
+        windows=args.long_windows,
+        context_tokens=total - scored,
+        scored_tokens=scored,
+        new_tokens=1,
+        speed_rounds=args.speed_rounds,
+        speed_steps=args.speed_steps,
+        prompt_count=1,
+        memory_points=tuple(points),
+    )
+
+
+def _list(harness: Harness) -> int:
+    for name, text in harness.tiers().items():
+        print(f"tier  {name:18s} {text}")
+    for name, text in harness.peers().items():
+        print(f"peer  {name:18s} {text}")
+    return 0
+
+
+def run_compare(harness: Harness, argv: Sequence[str] | None = None) -> int:
+    """``<package> compare [options]``: parse, load, measure (short and long context), emit."""
+    tier_names, peer_names = tuple(harness.tiers()), tuple(harness.peers())
+    parser = OneLineParser(
+        prog=harness.tool,
+        description=f"{harness.tool}: every tier beside the uncompressed cache and the peer caches of "
+        "its stack, on one model, in one run: KL to the baseline, top-1 agreement, perplexity, bytes "
+        "held and resident, peak memory, decode and prefill speed, at short and long context.",
+    )
+    add_common_arguments(parser, tier_names, peer_names, harness.dtypes)
+    harness.add_arguments(parser)
+    args = parser.parse_args(argv)
+    if args.list:
+        return _list(harness)
+    tiers = parse_selection(args.tiers, tier_names, "--tiers")
+    peers = parse_selection(args.peers, peer_names, "--peers")
+    short = Settings(
+        windows=args.windows,
+        context_tokens=args.context_tokens,
+        scored_tokens=args.scored_tokens,
+        new_tokens=args.new_tokens,
+        speed_rounds=args.speed_rounds,
+        speed_steps=args.speed_steps,
+        prompt_count=args.prompt_count,
+    )
+    text, text_path = load_eval_text(args.text)
+    prompt_texts = load_prompts(args.prompt, args.prompts)
+    if args.plot:
+        require_matplotlib()
+
+    loaded = harness.load(args)
+    long = long_settings(args, loaded.max_positions)
+    candidates, absent = harness.candidates(loaded, tiers, peers)
+    runs = []
+    for name, settings in (("short", short), ("long", long)):
+        if settings is None:
+            continue
+        texts = prompt_texts if name == "short" else None
+        windows, prompts, prompt_source = prepare_tokens(
+            loaded.encode_text, loaded.encode_prompt, text, texts, settings
+        )
+        check_positions(loaded.max_positions, settings, prompts)
+        if not args.quiet:
+            print(
+                f"{name} context: {settings.windows} windows of {settings.window_tokens} tokens",
+                file=sys.stderr,
+            )
+        rows = measure(loaded.runner, candidates, windows, prompts, settings, progress=not args.quiet)
+        runs.append(
+            {
+                "name": name,
+                "settings": {**settings.as_dict(), "prompts": len(prompts), "prompt_source": prompt_source},
+                "rows": rows,
+            }
+        )
+    result = build_result(
+        tool=harness.tool,
+        packages=harness.packages,
+        model=loaded.info,
+        inputs={
+            "text": str(text_path),
+            "text_sha256": text_digest(text),
+            "prompt_texts": prompt_texts,
+            **{k: v for k, v in vars(args).items() if k in ("device", "dtype")},
+        },
+        peak_label=loaded.runner.peak_label,
+        runs=runs,
+        absent=absent,
+    )
+    emit(result, args.json, args.plot)
+    return 0
+
+
+def run_cli(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | None = None) -> int:
+    """Call ``main(argv)``; a kvspec error (a mistake the user can fix) prints one line
+    ``error: ...`` to stderr and returns 2 instead of a traceback."""
+    try:
+        return main(argv)
+    except KVSpecError as err:
+        message = " ".join(str(err).split())
+        print(f"error: {message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    except SystemExit as done:  # argparse: --help (0) or a bad option (2, already printed)
+        return done.code if isinstance(done.code, int) else int(done.code is not None)
+
+
+def dispatch(
+    program: str,
+    commands: dict[str, tuple[str, Callable[[], Callable[[list[str]], int]]]],
+    argv: Sequence[str] | None = None,
+) -> int:
+    """Run ``<program> <command> [options]``: the package CLIs' shared sub-command dispatch.
+
+    ``commands`` maps a command name to ``(one-line help, loader)``; the loader imports and
+    returns the command's ``main`` only when chosen (so ``--help`` imports no framework).
+    Returns the exit code: 0 for ``--help``, 2 for no or an unknown command.
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        lines = [f"usage: {program} <command> [options]", "", "commands:"]
+        lines += [f"  {name:9s} {text} ({program} {name} --help)" for name, (text, _) in commands.items()]
+        print("\n".join(lines))
+        return 0 if args else 2
+    command, rest = args[0], args[1:]
+    if command not in commands:
+        print(f"error: unknown command {command!r}; allowed: {', '.join(commands)}", file=sys.stderr)
+        return 2
+    return commands[command][1]()(rest)
