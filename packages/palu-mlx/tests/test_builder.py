@@ -78,9 +78,9 @@ def test_default_config_generates_finite_logits(tiny_model):
     gen = generate_step(mx.array(list(range(3, 50))), tiny_model, max_tokens=40, prompt_cache=caches)
     for token, logprobs in gen:
         assert 0 <= int(token) < 256 and mx.all(mx.isfinite(logprobs)).item()
-    assert (
-        caches[0].offset == 47 + 40
-    )  # mlx-lm runs the step after the last token too and caches[0].effective_bits_per_element < 16
+    # 47 prompt tokens, then mlx-lm feeds each of the 40 generated tokens back, the last one too
+    assert caches[0].offset == 47 + 40
+    assert caches[0].storage_stats().bits_per_element < 16
 
 
 def test_chunked_prefill_fits_once_then_projects(tiny_model, monkeypatch):
@@ -107,7 +107,7 @@ def test_install_make_cache_gives_fresh_palu_caches(tiny_model):
     assert len(greedy(model, list(range(3, 40)), 4, None)) == 4  # generate_step builds its own cache
 
 
-def test_description_usage_lambda_make_cache(tiny_model):
+def test_make_cache_lambda_returning_prebuilt_caches(tiny_model):
     model = make_tiny_qwen3()
     caches = KVCacheBuilder.for_model(model, KVCacheConfig(method="palu", head_dim=HEAD_DIM))
     model.make_cache = lambda *_a, **_k: caches

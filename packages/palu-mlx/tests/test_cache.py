@@ -1,4 +1,4 @@
-"""PaluKVCache behaviour: the description's Evidence list plus the issue's behaviour points."""
+"""PaluKVCache behaviour: storage, fit timing, mlx-lm interface, bytes, dtypes, errors; the naive baseline."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def snapshot(cache: PaluKVCache):
     return cache.offset, cache.meta_state, state, cache.nbytes
 
 
-# ----------------------------------------------------------------------------- Evidence list
+# ----------------------------------------------------------------------------- storage and quality
 def test_projections_stored_after_prefill():
     cache = make(palu_rank=8, palu_n_head_groups=4)
     k = planted_lowrank((1, 8, 80, D), 8, seed=1)
@@ -253,8 +253,8 @@ def test_nbytes_is_the_sum_of_held_arrays():
     assert cache.compressed_key_bytes + cache.compressed_value_bytes == cache.nbytes
     assert cache.fp16_key_bytes == 4 * 330 * D * 2
     stats = cache.storage_stats()
-    assert stats.bits_per_element == pytest.approx(cache.effective_bits_per_element)
-    assert cache.effective_bits_per_element == pytest.approx(8 * cache.nbytes / (2 * 4 * 330 * D))
+    assert (stats.tokens, stats.nbytes, stats.raw_nbytes) == (330, cache.nbytes, 2 * 4 * 330 * D * 2)
+    assert stats.bits_per_element == pytest.approx(8 * cache.nbytes / (2 * 4 * 330 * D))
 
 
 # ----------------------------------------------------------------------------- B, GQA, dtypes

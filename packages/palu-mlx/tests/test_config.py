@@ -7,7 +7,7 @@ from kvspec import KVConfigError
 from palu_mlx import KVCacheConfig
 
 
-def test_defaults_match_the_description():
+def test_defaults():
     cfg = KVCacheConfig(method="palu", head_dim=128)
     assert (cfg.palu_rank, cfg.palu_energy_threshold, cfg.palu_n_head_groups) == (None, 0.90, 4)
     assert (cfg.palu_hi_bit, cfg.palu_lo_bit, cfg.palu_hi_fraction) == (4, 2, 0.25)

@@ -1,5 +1,6 @@
-"""Evidence on the project's embedded tiny qwen3 (benchmarks/models/tiny-qwen3, fp32, head_dim 64,
-4 KV heads / 8 query heads). Skipped when the model is not present (an installed package)."""
+"""Generation with palu caches on the repository's embedded tiny qwen3 (fp32, head_dim 64, 4 KV heads /
+8 query heads, located by ``embedded_model_path``). Skipped when the model is not present (an installed
+package)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,8 @@
 
 Keys and values of each layer are projected onto group-head low-rank bases
 fitted on the first tokens (PALU-style group-head SVD), coded with a mixed-bit
-latent coder, and reconstructed only at attention time::
+latent coder, and reconstructed only at attention time. Named configurations
+(tiers) are in :data:`TIERS`::
 
     from palu_mlx import KVCacheConfig, KVCacheBuilder
 
@@ -17,6 +18,7 @@ from .config import KVCacheConfig
 from .lowrank import GroupProjection, fit_group_projection, project, reconstruct, select_rank
 from .mixed_bit import BitAllocationPolicy, FixedSplitPolicy, MixedBitCoder, Segment, UniformPolicy
 from .naive import NaiveQuantKVCache, naive_roundtrip
+from .tiers import TIERS, Tier, tier
 
 __version__ = "0.1.0"
 
@@ -26,6 +28,9 @@ __all__ = [
     "PaluKVCache",
     "NaiveQuantKVCache",
     "naive_roundtrip",
+    "Tier",
+    "TIERS",
+    "tier",
     "save_prompt_cache",
     "load_prompt_cache",
     "model_kv_dims",

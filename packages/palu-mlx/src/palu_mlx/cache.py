@@ -24,39 +24,17 @@ one to its quantized attention, which expects ``mx.quantize`` tuples.
 from __future__ import annotations
 
 import json
-from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from kvspec import (
-    KVConfigError,
-    KVDtypeError,
-    KVShapeError,
-    KVValueError,
-    StorageStats,
-    check_kv_pair,
-    trim_count,
-)
-from mlx_lm.models.cache import create_attention_mask
+from kvspec import KVConfigError, KVShapeError
 
 from .config import UNQUANTIZED_BITS, KVCacheConfig
+from .layer import CacheLayer, write_rows
 from .lowrank import GroupProjection, fit_group_projection, project, reconstruct
 from .mixed_bit import BitAllocationPolicy, FixedSplitPolicy, MixedBitCoder, Segment, UniformPolicy
 
-__all__ = ["PaluKVCache", "SUPPORTED_DTYPES"]
-
-SUPPORTED_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
-
-
-def dtype_name(dtype: mx.Dtype) -> str:
-    return str(dtype).split(".")[-1]
-
-
-def dtype_from_name(name: str) -> mx.Dtype:
-    dtype = getattr(mx, name, None)
-    if dtype not in SUPPORTED_DTYPES:
-        raise KVDtypeError(f"dtype {name!r} is not one of float16, bfloat16, float32")
-    return dtype
+__all__ = ["PaluKVCache"]
 
 
 def compact_dtype(dtype: mx.Dtype) -> mx.Dtype:
@@ -64,24 +42,7 @@ def compact_dtype(dtype: mx.Dtype) -> mx.Dtype:
     return mx.bfloat16 if dtype == mx.bfloat16 else mx.float16
 
 
-def write_rows(buffer: mx.array | None, new: mx.array, prev: int, step: int) -> mx.array:
-    """Write ``new [B, H, s, w]`` at token positions ``[prev, prev + s)`` of ``buffer``.
-
-    Grows the buffer to the next multiple of ``step`` tokens when needed, keeping
-    its first ``prev`` tokens. Returns the (possibly new) buffer.
-    """
-    end = prev + new.shape[2]
-    if buffer is None or end > buffer.shape[2]:
-        capacity = -(-end // step) * step
-        grown = mx.zeros((*new.shape[:2], capacity, new.shape[3]), dtype=new.dtype)
-        if buffer is not None and prev > 0:
-            grown[..., :prev, :] = buffer[..., :prev, :]
-        buffer = grown
-    buffer[..., prev:end, :] = new
-    return buffer
-
-
-class PaluKVCache:
+class PaluKVCache(CacheLayer):
     """One attention layer's palu cache (mlx-lm cache interface and :class:`kvspec.KVCacheLayer`).
 
     Args:
@@ -89,22 +50,20 @@ class PaluKVCache:
         allocation_policy: how latent channels get their bit widths; defaults to
             :class:`FixedSplitPolicy` from the config's hi/lo fields. Value latents
             use ``UniformPolicy(16)`` (unquantized) when ``palu_quantize_values`` is False.
-    """
 
-    step = 256
+    ``trim`` keeps the fitted projections: trimming back below the fit point does not refit.
+    """
 
     def __init__(self, config: KVCacheConfig, allocation_policy: BitAllocationPolicy | None = None):
         if not isinstance(config, KVCacheConfig):
             raise KVConfigError(f"config must be a KVCacheConfig; got {type(config).__name__}")
         if config.method != "palu":
             raise KVConfigError(f"PaluKVCache needs config.method='palu'; got {config.method!r}")
+        super().__init__()
         self.config = config
         self.allocation_policy = allocation_policy or FixedSplitPolicy(
             config.palu_hi_bit, config.palu_lo_bit, config.palu_hi_fraction
         )
-        self.offset = 0
-        self._shape: tuple[int, int, int, int] | None = None  # (B, H, D, Dv), fixed by the first call
-        self._dtype: mx.Dtype | None = None
         self._exact_keys: mx.array | None = None
         self._exact_values: mx.array | None = None
         self._key_proj: GroupProjection | None = None
@@ -115,18 +74,7 @@ class PaluKVCache:
         self._value_codes: dict[str, mx.array] | None = None
 
     # ------------------------------------------------------------------ validation
-    def _validate(self, keys: Any, values: Any) -> tuple[int, int, int, int, int]:
-        if not isinstance(keys, mx.array) or not isinstance(values, mx.array):
-            raise KVDtypeError(
-                f"keys and values must be mlx.core.array; got {type(keys).__name__}, {type(values).__name__}"
-            )
-        b, h, s, d, dv = check_kv_pair(keys.shape, values.shape, keys.dtype, values.dtype, self._shape)
-        if keys.dtype not in SUPPORTED_DTYPES:
-            raise KVDtypeError(
-                f"keys dtype {keys.dtype} is not supported; allowed: float16, bfloat16, float32"
-            )
-        if self._dtype is not None and keys.dtype != self._dtype:
-            raise KVDtypeError(f"keys dtype {keys.dtype} differs from the cache's dtype {self._dtype}")
+    def _check_dims(self, h: int, d: int, dv: int) -> None:
         if self.config.head_dim is not None and d != self.config.head_dim:
             raise KVShapeError(f"keys head dim {d} does not match config head_dim={self.config.head_dim}")
         if h % self.config.palu_n_head_groups != 0:
@@ -139,13 +87,6 @@ class PaluKVCache:
                 f"palu_rank={self.config.palu_rank} exceeds the head dims (keys {d}, values {dv}); "
                 f"allowed: 1..{min(d, dv)}"
             )
-        if self.config.palu_check_finite:
-            finite = mx.all(mx.isfinite(keys)) & mx.all(mx.isfinite(values))
-            if not finite.item():
-                raise KVValueError(
-                    "keys or values contain NaN or infinity; the cache only accepts finite values"
-                )
-        return b, h, s, d, dv
 
     # ------------------------------------------------------------------ update
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
@@ -155,7 +96,7 @@ class PaluKVCache:
         so far in the input dtype: exact before the fit, reconstructed from the
         latent codes after it. A call that raises leaves the cache unchanged.
         """
-        b, h, _, d, dv = self._validate(keys, values)
+        b, h, _, d, dv = self._validate(keys, values, self.config.palu_check_finite)
         prev = self.offset
         end = prev + keys.shape[2]
         if self._key_proj is None:
@@ -230,32 +171,6 @@ class PaluKVCache:
         latents = coder.decode({name: buf[..., :n, :] for name, buf in buffers.items()})
         return reconstruct(latents, projection, self._dtype)
 
-    # ------------------------------------------------------------------ mlx-lm interface
-    def size(self) -> int:
-        return self.offset
-
-    def empty(self) -> bool:
-        """True when no token has been added yet."""
-        return self._shape is None
-
-    def is_trimmable(self) -> bool:
-        return True
-
-    def trim(self, n: int) -> int:
-        """Drop the last ``n`` tokens (clamped to ``offset``); returns how many were dropped.
-
-        The projections stay fitted: trimming back below the fit point does not refit.
-        """
-        n = trim_count(n, self.offset)
-        self.offset -= n
-        return n
-
-    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
-        """The attention mask for ``N`` new queries (same rules as mlx-lm's ``KVCache``)."""
-        return create_attention_mask(
-            N, offset=self.offset, return_array=return_array, window_size=window_size
-        )
-
     # ------------------------------------------------------------------ state
     @property
     def fitted(self) -> bool:
@@ -292,10 +207,7 @@ class PaluKVCache:
     def meta_state(self) -> tuple[str, str]:
         """``(config JSON, runtime JSON)``: offset, shape, dtype and the segment layouts."""
         runtime = {
-            "class": type(self).__name__,
-            "offset": self.offset,
-            "shape": list(self._shape) if self._shape else None,
-            "dtype": dtype_name(self._dtype) if self._dtype is not None else None,
+            **self._runtime(),
             "key_segments": _segments_to_list(self._key_coder),
             "value_segments": _segments_to_list(self._value_coder),
         }
@@ -309,18 +221,11 @@ class PaluKVCache:
         allocation_policy: BitAllocationPolicy | None = None,
     ) -> PaluKVCache:
         """Rebuild a cache from :attr:`state` and :attr:`meta_state` (bitwise the same arrays)."""
-        if len(meta_state) != 2:
-            raise KVConfigError(
-                f"meta_state must be (config JSON, runtime JSON); got {len(meta_state)} items"
-            )
-        config = KVCacheConfig.from_json(meta_state[0])
-        runtime = json.loads(meta_state[1])
+        config_json, runtime = cls._split_meta_state(meta_state)
+        config = KVCacheConfig.from_json(config_json)
         cache = cls(config, allocation_policy)
-        if runtime["shape"] is None:
+        if not cache._restore_runtime(runtime):
             return cache
-        cache._shape = tuple(runtime["shape"])
-        cache._dtype = dtype_from_name(runtime["dtype"])
-        offset = int(runtime["offset"])
         try:
             if runtime["key_segments"] is None:
                 cache._exact_keys = write_rows(None, state["exact_keys"], 0, cls.step)
@@ -345,7 +250,7 @@ class PaluKVCache:
                     setattr(cache, f"_{prefix}_codes", codes)
         except KeyError as missing:
             raise KVConfigError(f"state is missing array {missing} needed by meta_state") from None
-        cache.offset = offset
+        cache.offset = int(runtime["offset"])
         return cache
 
     # ------------------------------------------------------------------ measured storage
@@ -380,42 +285,15 @@ class PaluKVCache:
         """Bytes of every array held (buffers at their full grown capacity)."""
         return sum(a.nbytes for a in self.held_arrays())
 
-    def _elements(self, which: str) -> int:
-        if self._shape is None:
-            return 0
-        b, h, d, dv = self._shape
-        return b * h * self.offset * (d if which == "k" else dv)
-
     @property
     def fp16_key_bytes(self) -> int:
         """Bytes the same keys would take as fp16 (``B*H*offset*D*2``, a formula)."""
-        return 2 * self._elements("k")
+        return 2 * self._elements()[0]
 
     @property
     def fp16_value_bytes(self) -> int:
         """Bytes the same values would take as fp16 (``B*H*offset*Dv*2``, a formula)."""
-        return 2 * self._elements("v")
-
-    @property
-    def raw_nbytes(self) -> int:
-        """Bytes an uncompressed cache of the input dtype would hold for the same tokens."""
-        itemsize = self._dtype.size if self._dtype is not None else 2
-        return itemsize * (self._elements("k") + self._elements("v"))
-
-    @property
-    def effective_bits_per_element(self) -> float:
-        """Measured rate: ``8 * nbytes`` over all K and V elements held (nan when empty)."""
-        elements = self._elements("k") + self._elements("v")
-        return 8.0 * self.nbytes / elements if elements else float("nan")
-
-    def storage_stats(self) -> StorageStats:
-        """Measured storage as a :class:`kvspec.StorageStats`."""
-        return StorageStats(
-            tokens=self.offset,
-            nbytes=self.nbytes,
-            raw_nbytes=self.raw_nbytes,
-            elements=self._elements("k") + self._elements("v"),
-        )
+        return 2 * self._elements()[1]
 
     @property
     def key_rank(self) -> int | None:
@@ -430,8 +308,8 @@ class PaluKVCache:
         """Assigned code bits per original element, the larger of keys and values (a formula).
 
         ``(r / D) * mean assigned bits per latent channel`` per tensor, without
-        scale/bias or projection overhead (see :attr:`effective_bits_per_element`
-        for the measured rate). Before the fit: the input dtype's bit width.
+        scale/bias or projection overhead (``storage_stats().bits_per_element``
+        is the measured rate). Before the fit: the input dtype's bit width.
         """
         if self._shape is None:
             return float("nan")

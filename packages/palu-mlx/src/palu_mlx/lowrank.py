@@ -57,11 +57,6 @@ class GroupProjection:
     def rank(self) -> int:
         return self.basis.shape[2]
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes held by the basis, mean and singular values."""
-        return self.basis.nbytes + self.mean.nbytes + self.singular_values.nbytes
-
     def astype(self, dtype: mx.Dtype) -> GroupProjection:
         """The same projection stored in ``dtype`` (math stays float32: arrays are upcast at use)."""
         arrays = {k: v.astype(dtype) for k, v in self.arrays().items()}
@@ -69,6 +64,7 @@ class GroupProjection:
         return GroupProjection(**arrays)
 
     def arrays(self) -> dict[str, mx.array]:
+        """``{"basis", "mean", "singular_values"}``: every array the projection holds."""
         return {"basis": self.basis, "mean": self.mean, "singular_values": self.singular_values}
 
 

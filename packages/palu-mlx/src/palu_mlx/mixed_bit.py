@@ -204,13 +204,6 @@ class MixedBitCoder:
             out[f"seg{i}.biases"] = (self._n_groups(seg), self.scale_dtype)
         return out
 
-    def empty(self, lead_shape: tuple[int, ...]) -> dict[str, mx.array]:
-        """Zero-filled buffers ``[*lead_shape, width]`` for every field."""
-        return {
-            name: mx.zeros((*lead_shape, width), dtype=dtype)
-            for name, (width, dtype) in self.field_widths().items()
-        }
-
     def encode(self, latents: mx.array) -> dict[str, mx.array]:
         """Latents ``[..., r]`` (float) -> ``{field: array [..., width]}``."""
         if latents.shape[-1] != self.rank:

@@ -1,0 +1,173 @@
+"""What palu-mlx's two cache layers share: input checks, growing buffers and the mlx-lm interface.
+
+:class:`CacheLayer` holds the token count, the ``(B, H, D, Dv)`` shape and the dtype fixed by
+the first ``update_and_fetch``, and implements everything that depends only on them: the
+mlx-lm methods (``size``, ``empty``, ``is_trimmable``, ``trim``, ``make_mask``), the raw byte
+count and :meth:`~CacheLayer.storage_stats`. Subclasses own their buffers and report
+``nbytes`` from them.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import mlx.core as mx
+from kvspec import KVConfigError, KVDtypeError, KVValueError, StorageStats, check_kv_pair, trim_count
+from mlx_lm.models.cache import create_attention_mask
+
+__all__ = ["CacheLayer", "SUPPORTED_DTYPES", "dtype_name", "dtype_from_name", "write_rows"]
+
+SUPPORTED_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
+
+
+def dtype_name(dtype: mx.Dtype) -> str:
+    """``mx.float16`` -> ``"float16"`` (the name stored in ``meta_state``)."""
+    return str(dtype).split(".")[-1]
+
+
+def dtype_from_name(name: str) -> mx.Dtype:
+    """Inverse of :func:`dtype_name` for the supported dtypes; raises ``KVDtypeError`` otherwise."""
+    dtype = getattr(mx, name, None)
+    if dtype not in SUPPORTED_DTYPES:
+        raise KVDtypeError(f"dtype {name!r} is not one of float16, bfloat16, float32")
+    return dtype
+
+
+def write_rows(buffer: mx.array | None, new: mx.array, prev: int, step: int) -> mx.array:
+    """Write ``new [B, H, s, w]`` at token positions ``[prev, prev + s)`` of ``buffer``.
+
+    Grows the buffer to the next multiple of ``step`` tokens when needed, keeping
+    its first ``prev`` tokens. Returns the (possibly new) buffer.
+    """
+    end = prev + new.shape[2]
+    if buffer is None or end > buffer.shape[2]:
+        capacity = -(-end // step) * step
+        grown = mx.zeros((*new.shape[:2], capacity, new.shape[3]), dtype=new.dtype)
+        if buffer is not None and prev > 0:
+            grown[..., :prev, :] = buffer[..., :prev, :]
+        buffer = grown
+    buffer[..., prev:end, :] = new
+    return buffer
+
+
+class CacheLayer:
+    """Base of :class:`~palu_mlx.cache.PaluKVCache` and :class:`~palu_mlx.naive.NaiveQuantKVCache`.
+
+    Subclasses call :meth:`_validate` first in ``update_and_fetch``, store the new
+    tokens, then set ``_shape``, ``_dtype`` and ``offset``; they define ``nbytes``.
+    """
+
+    #: buffers grow by this many tokens at a time (as mlx-lm's ``KVCache``)
+    step = 256
+
+    def __init__(self) -> None:
+        self.offset = 0
+        self._shape: tuple[int, int, int, int] | None = None  # (B, H, D, Dv), fixed by the first call
+        self._dtype: mx.Dtype | None = None
+
+    # ------------------------------------------------------------------ validation
+    def _check_dims(self, h: int, d: int, dv: int) -> None:
+        """Subclass hook: reject head counts or head dims this cache cannot hold."""
+
+    def _validate(self, keys: Any, values: Any, check_finite: bool) -> tuple[int, int, int, int, int]:
+        """Check one ``update_and_fetch`` call; returns ``(B, H, S, D, Dv)``. Raises before any change."""
+        if not isinstance(keys, mx.array) or not isinstance(values, mx.array):
+            raise KVDtypeError(
+                f"keys and values must be mlx.core.array; got {type(keys).__name__}, {type(values).__name__}"
+            )
+        b, h, s, d, dv = check_kv_pair(keys.shape, values.shape, keys.dtype, values.dtype, self._shape)
+        if keys.dtype not in SUPPORTED_DTYPES:
+            raise KVDtypeError(
+                f"keys dtype {keys.dtype} is not supported; allowed: float16, bfloat16, float32"
+            )
+        if self._dtype is not None and keys.dtype != self._dtype:
+            raise KVDtypeError(f"keys dtype {keys.dtype} differs from the cache's dtype {self._dtype}")
+        self._check_dims(h, d, dv)
+        # last: the only check that syncs the device
+        if check_finite and not (mx.all(mx.isfinite(keys)) & mx.all(mx.isfinite(values))).item():
+            raise KVValueError("keys or values contain NaN or infinity; the cache only accepts finite values")
+        return b, h, s, d, dv
+
+    # ------------------------------------------------------------------ mlx-lm interface
+    def size(self) -> int:
+        """Tokens held (``offset``)."""
+        return self.offset
+
+    def empty(self) -> bool:
+        """True when no token has been added yet."""
+        return self._shape is None
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        """Drop the last ``n`` tokens (clamped to ``offset``); returns how many were dropped."""
+        n = trim_count(n, self.offset)
+        self.offset -= n
+        return n
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
+        """The attention mask for ``N`` new queries (same rules as mlx-lm's ``KVCache``)."""
+        return create_attention_mask(
+            N, offset=self.offset, return_array=return_array, window_size=window_size
+        )
+
+    # ------------------------------------------------------------------ state
+    def _runtime(self) -> dict[str, Any]:
+        """The runtime half of ``meta_state``: class, offset, shape and dtype."""
+        return {
+            "class": type(self).__name__,
+            "offset": self.offset,
+            "shape": list(self._shape) if self._shape else None,
+            "dtype": dtype_name(self._dtype) if self._dtype is not None else None,
+        }
+
+    @staticmethod
+    def _split_meta_state(meta_state: tuple[str, str] | list[str]) -> tuple[str, dict[str, Any]]:
+        """``(settings JSON, runtime JSON)`` -> ``(settings JSON, runtime dict)``."""
+        if len(meta_state) != 2:
+            raise KVConfigError(
+                f"meta_state must be (settings JSON, runtime JSON); got {len(meta_state)} items"
+            )
+        return meta_state[0], json.loads(meta_state[1])
+
+    def _restore_runtime(self, runtime: dict[str, Any]) -> bool:
+        """Set shape and dtype from :meth:`_runtime`'s dict; False when the saved cache was empty.
+
+        ``offset`` is left for the caller to set once its buffers are restored.
+        """
+        if runtime["shape"] is None:
+            return False
+        self._shape = tuple(runtime["shape"])
+        self._dtype = dtype_from_name(runtime["dtype"])
+        return True
+
+    # ------------------------------------------------------------------ measured storage
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every array held (buffers at their full grown capacity)."""
+        raise NotImplementedError
+
+    def _elements(self) -> tuple[int, int]:
+        """``(B*H*offset*D, B*H*offset*Dv)``: the key and value elements the cache represents."""
+        if self._shape is None:
+            return 0, 0
+        b, h, d, dv = self._shape
+        return b * h * self.offset * d, b * h * self.offset * dv
+
+    @property
+    def raw_nbytes(self) -> int:
+        """Bytes an uncompressed cache of the input dtype would hold for the same tokens."""
+        if self._dtype is None:
+            return 0
+        return self._dtype.size * sum(self._elements())
+
+    def storage_stats(self) -> StorageStats:
+        """Measured storage (``nbytes``, ``raw_nbytes``, bits per element) as a :class:`kvspec.StorageStats`."""
+        return StorageStats(
+            tokens=self.offset,
+            nbytes=self.nbytes,
+            raw_nbytes=self.raw_nbytes,
+            elements=sum(self._elements()),
+        )

@@ -1,0 +1,87 @@
+"""The palu tiers: every named configuration of the palu cache, defined here and nowhere else.
+
+A tier is a name, a one-line description and a :class:`KVCacheConfig`. The conformance
+adapter (:mod:`palu_mlx.spec`) adds capabilities and tolerances to these tiers; command
+lines, benchmarks, tests and docs read them from :data:`TIERS`. Adding a tier is one
+entry here (plus its conformance promises in :mod:`palu_mlx.spec`).
+
+Every tier has ``head_dim=None`` and one head group, so one tier serves any
+``[B, H, S, D]`` input; a runner that targets one model sets ``head_dim`` (and, if it
+wants, a head grouping) with ``dataclasses.replace``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvspec import KVConfigError
+
+from .config import UNQUANTIZED_BITS, KVCacheConfig
+
+__all__ = ["Tier", "TIERS", "tier"]
+
+
+@dataclass(frozen=True)
+class Tier:
+    """One named palu configuration.
+
+    Attributes:
+        name: the tier's one name everywhere (results files, command lines, test ids).
+        description: one line saying what the tier is (rank or energy, bits).
+        config: the :class:`KVCacheConfig` (``method="palu"``).
+    """
+
+    name: str
+    description: str
+    config: KVCacheConfig
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name or self.name != self.name.strip():
+            raise KVConfigError(f"name={self.name!r} must be a non-empty string without outer spaces")
+        if not isinstance(self.description, str) or not self.description.strip() or "\n" in self.description:
+            raise KVConfigError(f"description={self.description!r} must be one non-empty line")
+        if not isinstance(self.config, KVCacheConfig) or self.config.method != "palu":
+            raise KVConfigError(f"config={self.config!r} must be a KVCacheConfig with method='palu'")
+
+
+def _palu(**fields) -> KVCacheConfig:
+    return KVCacheConfig(method="palu", head_dim=None, palu_n_head_groups=1, **fields)
+
+
+_UNQUANTIZED = dict(palu_hi_bit=UNQUANTIZED_BITS, palu_lo_bit=UNQUANTIZED_BITS)
+
+#: name -> :class:`Tier`, easiest (closest to lossless) first
+TIERS: dict[str, Tier] = {
+    t.name: t
+    for t in (
+        Tier(
+            "full-rank-fp16",
+            "rank 64 (all of a 64-dim head), latents unquantized: the change of basis alone",
+            _palu(palu_rank=64, **_UNQUANTIZED),
+        ),
+        Tier(
+            "r16-fp16",
+            "rank 16, latents unquantized: low-rank error only",
+            _palu(palu_rank=16, **_UNQUANTIZED),
+        ),
+        Tier(
+            "reference-default",
+            "KVCacheConfig's defaults: rank keeping 90% of singular-value energy, "
+            "top 25% of latent channels at 4 bits, the rest at 2 bits",
+            _palu(),
+        ),
+        Tier(
+            "r8-4bit",
+            "rank 8, every latent channel at 4 bits",
+            _palu(palu_rank=8, palu_hi_bit=4, palu_lo_bit=4),
+        ),
+    )
+}
+
+
+def tier(name: str) -> Tier:
+    """The tier called ``name``; raises ``KVConfigError`` (a ``ValueError``) naming the allowed names."""
+    try:
+        return TIERS[name]
+    except (KeyError, TypeError):
+        raise KVConfigError(f"tier={name!r} is not a palu tier; allowed: {', '.join(TIERS)}") from None

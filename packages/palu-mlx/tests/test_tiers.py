@@ -1,0 +1,66 @@
+"""The tier registry: one definition per tier, read by the conformance adapter."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import mlx.core as mx
+import palu_mlx.spec as spec
+import pytest
+from kvspec import KVConfigError, KVSpecError
+from palu_helpers import planted_lowrank, rel_err
+from palu_mlx import TIERS, KVCacheConfig, PaluKVCache, Tier, tier
+from palu_mlx.spec import PaluAdapter
+
+
+def test_registry_is_keyed_by_tier_name_in_display_order():
+    assert list(TIERS) == ["full-rank-fp16", "r16-fp16", "reference-default", "r8-4bit"]
+    for name, entry in TIERS.items():
+        assert isinstance(entry, Tier) and entry.name == name and tier(name) is entry
+        assert entry.description.strip() and "\n" not in entry.description
+        assert entry.config.method == "palu" and entry.config.head_dim is None
+
+
+def test_reference_default_is_the_config_defaults_with_one_head_group():
+    assert tier("reference-default").config == KVCacheConfig(method="palu", palu_n_head_groups=1)
+
+
+def test_unknown_tier_names_the_value_and_the_allowed_names():
+    with pytest.raises(KVConfigError, match=r"tier='default'.*allowed: full-rank-fp16, r16-fp16") as info:
+        tier("default")
+    assert isinstance(info.value, ValueError) and isinstance(info.value, KVSpecError)
+    with pytest.raises(KVConfigError, match="tier=None"):
+        tier(None)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("name", ""), ("description", "two\nlines"), ("config", KVCacheConfig(method="naive"))],
+)
+def test_tier_rejects_bad_fields(field, value):
+    good = dict(name="x", description="one line", config=KVCacheConfig())
+    with pytest.raises(KVConfigError, match=field):
+        Tier(**{**good, field: value})
+
+
+def test_tier_is_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        tier("r8-4bit").name = "other"
+
+
+def test_conformance_cases_are_the_tiers():
+    cases = PaluAdapter().configs()
+    assert [c.name for c in cases] == list(TIERS)
+    assert all(c.config is TIERS[c.name].config for c in cases)
+    assert "TIERS" not in spec.__all__
+
+
+def test_every_tier_caches_and_errors_grow_down_the_list():
+    x = planted_lowrank((1, 4, 80, 64), 12, seed=3, noise=0.05, dtype=mx.float16)
+    errors = []
+    for entry in TIERS.values():
+        cache = PaluKVCache(entry.config)
+        keys, values = cache.update_and_fetch(x, x)
+        assert cache.fitted and keys.shape == values.shape == x.shape and keys.dtype == mx.float16
+        errors.append(rel_err(keys, x))
+    assert errors == sorted(errors) and errors[0] < 1e-2
