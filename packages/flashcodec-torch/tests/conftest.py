@@ -1,9 +1,11 @@
-"""Shared fixtures: small seeded signals, one thread (the CI box has 2 shared cores)."""
+"""Shared fixtures: small seeded signals, the codecs to test, one thread (the CI box has 2 shared cores)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from flashcodec import PNGCodec
+from flashcodec.tiers import TIERS
 
 torch.set_num_threads(1)
 
@@ -25,13 +27,7 @@ def walk():
     return random_walk()
 
 
-#: every tier the issue names, as CodecKVCache keywords (r = 8)
-TIERS = {
-    "png-keep1": dict(mode="png", block_size=8, keep_ratio=1.0),
-    "png-keep0.5": dict(mode="png", block_size=8, keep_ratio=0.5),
-    "jpeg-k8": dict(mode="jpeg", block_size=8, keep_freqs=8),
-    "jpeg-k8-int8": dict(mode="jpeg", block_size=8, keep_freqs=8, quant_bits=8),
-    "jpeg-k4": dict(mode="jpeg", block_size=8, keep_freqs=4),
-    "jpeg-k2": dict(mode="jpeg", block_size=8, keep_freqs=2),
-    "jpeg-k2-int8": dict(mode="jpeg", block_size=8, keep_freqs=2, quant_bits=8),
-}
+#: the codec of every tier in flashcodec.tiers (a -mf tier shares its base tier's codec, so it is
+#: not repeated), plus png with half the deltas kept: Top-M pruning, which no tier uses
+CODECS = {name: t.codec for name, t in TIERS.items() if not t.materialization_free}
+CODECS["png-keep0.5"] = PNGCodec(8, keep_ratio=0.5)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TIERS, gaussian, random_walk
+from conftest import CODECS, gaussian, random_walk
 from flashcodec import CodecKVCache
 from kvspec import KVCacheLayer, KVConfigError, KVDtypeError, KVShapeError, KVTrimError, KVValueError
 
@@ -13,16 +13,16 @@ def test_meets_the_kvspec_protocol():
     assert isinstance(CodecKVCache(), KVCacheLayer)
 
 
-@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("tier", CODECS)
 def test_forward_then_decode_shapes_and_dtypes(tier):
-    cache = CodecKVCache(**TIERS[tier])
+    cache = CodecKVCache(codec=CODECS[tier])
     k, v = random_walk(s=21, dtype=torch.bfloat16), random_walk(s=21, d=8, seed=1, dtype=torch.bfloat16)
     out_k, out_v = cache.forward(k, v)
     assert out_k.shape == (2, 3, 21, 16) and out_v.shape == (2, 3, 21, 8)
     assert out_k.dtype == out_v.dtype == torch.bfloat16
     for t in range(5):
         out_k, out_v = cache.decode_step(k[:, :, t : t + 1], v[:, :, t : t + 1])
-    assert out_k.shape == (2, 3, 26, 16) and cache.get_seq_length() == cache.offset == 26
+    assert out_k.shape == (2, 3, 26, 16) and cache.offset == 26
     assert cache.keys.n_blocks == 3 and cache.keys.tail_len == 2
 
 
@@ -61,9 +61,9 @@ def test_full_fill_allocates_once():
     assert cache.keys.capacity == 128  # 16 doubled to the first power of two that fits 100
 
 
-@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("tier", CODECS)
 def test_storage_is_measured_and_split(tier):
-    cache = CodecKVCache(**TIERS[tier])
+    cache = CodecKVCache(codec=CODECS[tier])
     b, h, s, d = 2, 3, 8 * 20 + 3, 16
     x = random_walk(b, h, s, d)
     cache.forward(x, x)
@@ -98,8 +98,8 @@ def test_view_is_released_and_rebuilt():
 
 
 def test_state_round_trip_continues_identically():
-    for tier, cfg in TIERS.items():
-        a = CodecKVCache(**cfg)
+    for tier, cfg in CODECS.items():
+        a = CodecKVCache(codec=cfg)
         x = random_walk(s=29, dtype=torch.float16)
         a.forward(x, -x)
         b = CodecKVCache.from_state(a.state, a.meta_state)
@@ -213,7 +213,7 @@ def _bad_inputs():
 @pytest.mark.parametrize("case", list(_bad_inputs()))
 @pytest.mark.parametrize("tier", ["jpeg-k2-int8", "png-keep1"])
 def test_bad_input_raises_and_leaves_cache_unchanged(tier, case):
-    cache, twin = CodecKVCache(**TIERS[tier]), CodecKVCache(**TIERS[tier])
+    cache, twin = CodecKVCache(codec=CODECS[tier]), CodecKVCache(codec=CODECS[tier])
     x = random_walk(s=13)
     cache.forward(x, x)
     twin.forward(x, x)

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TIERS, random_walk
+from conftest import CODECS, random_walk
 from flashcodec import CodecKVCache
 
-LOSSY = [t for t in TIERS if t != "png-keep1"]
+LOSSY = [t for t in CODECS if t != "png-keep1"]
 
 
 def feed_steps(cache, k, v):
@@ -26,7 +26,7 @@ def attention(q, k, v):
     return scores.softmax(-1) @ v.double()
 
 
-@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("tier", CODECS)
 def test_zero_future_leakage(tier):
     # two streams share their first 29 tokens and then diverge: every output up to step 29 is
     # bitwise identical, however different the future is
@@ -35,17 +35,17 @@ def test_zero_future_leakage(tier):
     k2, v2 = k.clone(), v.clone()
     k2[:, :, 29:] = 100 * random_walk(s=31, seed=7)
     v2[:, :, 29:] = -v2[:, :, 29:]
-    a = feed_steps(CodecKVCache(**TIERS[tier]), k, v)
-    b = feed_steps(CodecKVCache(**TIERS[tier]), k2, v2)
+    a = feed_steps(CodecKVCache(codec=CODECS[tier]), k, v)
+    b = feed_steps(CodecKVCache(codec=CODECS[tier]), k2, v2)
     for t in range(29):
         assert torch.equal(a[t][0], b[t][0]) and torch.equal(a[t][1], b[t][1]), t
     # and the later outputs still agree on the shared prefix's archived blocks (24 = 3 blocks)
     assert torch.equal(a[-1][0][:, :, :24], b[-1][0][:, :, :24])
 
 
-@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("tier", CODECS)
 def test_archived_rows_are_never_rewritten(tier):
-    cache = CodecKVCache(**TIERS[tier])
+    cache = CodecKVCache(codec=CODECS[tier])
     k, v = random_walk(s=300, seed=3), random_walk(s=300, seed=4)
     snapshots = []
     for t in range(k.shape[2]):
@@ -62,13 +62,13 @@ def test_archived_rows_are_never_rewritten(tier):
             assert torch.equal(old, now[:, :, :n])
 
 
-@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("tier", CODECS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_incremental_equals_full_fill(tier, dtype):
     # blocks start at token 0 either way, so the archive and the final view agree
     k, v = random_walk(s=77, seed=5, dtype=dtype), random_walk(s=77, seed=6, dtype=dtype)
-    full_k, full_v = CodecKVCache(**TIERS[tier]).forward(k, v)
-    step = CodecKVCache(**TIERS[tier])
+    full_k, full_v = CodecKVCache(codec=CODECS[tier]).forward(k, v)
+    step = CodecKVCache(codec=CODECS[tier])
     step.forward(k[:, :, :10], v[:, :, :10])
     for chunk in (1, 5, 1, 13, 1, 1, 20, 8, 3, 1, 14):  # mixed multi-token appends
         start = step.offset
@@ -84,7 +84,7 @@ def test_lossless_step_attention_matches_full_sequence_attention():
         random_walk(b, h, s, d, seed=2),
         random_walk(b, h, s, d, seed=3),
     )
-    cache = CodecKVCache(**TIERS["png-keep1"])
+    cache = CodecKVCache(codec=CODECS["png-keep1"])
     worst = 0.0
     for t in range(s):
         ck, cv = cache.decode_step(k[:, :, t : t + 1], v[:, :, t : t + 1])
@@ -95,9 +95,9 @@ def test_lossless_step_attention_matches_full_sequence_attention():
     assert worst == 0.0  # bitwise lossless K/V give identical attention
 
 
-@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("tier", CODECS)
 def test_memoized_read_equals_full_decode(tier):
-    cache = CodecKVCache(**TIERS[tier])
+    cache = CodecKVCache(codec=CODECS[tier])
     k = random_walk(s=150, seed=8)
     for t in range(k.shape[2]):
         ok, _ = cache.decode_step(k[:, :, t : t + 1], k[:, :, t : t + 1])
@@ -109,7 +109,7 @@ def test_memoized_read_equals_full_decode(tier):
 
 
 def test_read_decodes_only_new_blocks(monkeypatch):
-    cache = CodecKVCache(**TIERS["jpeg-k2"])
+    cache = CodecKVCache(codec=CODECS["jpeg-k2"])
     k = random_walk(s=200, seed=9)
     cache.forward(k[:, :, :160], k[:, :, :160])
     decoded_blocks = []
@@ -127,11 +127,11 @@ def test_read_decodes_only_new_blocks(monkeypatch):
     assert decoded_blocks == [1] * 10
 
 
-@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("tier", CODECS)
 @pytest.mark.parametrize("cut", [21, 24, 43, 3])
 def test_crop_is_exact_and_repeatable(tier, cut):
     k, v = random_walk(s=45, seed=10), random_walk(s=45, seed=11)
-    cache = CodecKVCache(**TIERS[tier])
+    cache = CodecKVCache(codec=CODECS[tier])
     before_k, before_v = (t.clone() for t in cache.forward(k, v))
     cache.crop(cut)
     assert cache.offset == cut
@@ -140,7 +140,7 @@ def test_crop_is_exact_and_repeatable(tier, cut):
     cache.crop(cut)  # repeat: no-op
     assert torch.equal(cache.read()[0], after_k)
     # cropping in two steps equals cropping once
-    twin = CodecKVCache(**TIERS[tier])
+    twin = CodecKVCache(codec=CODECS[tier])
     twin.forward(k, v)
     twin.crop(44)
     twin.crop(cut)
@@ -148,10 +148,10 @@ def test_crop_is_exact_and_repeatable(tier, cut):
     assert cache.nbytes == sum(t.nbytes for t in cache.state)
 
 
-@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("tier", CODECS)
 def test_crop_then_new_tokens_keeps_earlier_blocks(tier):
     k = random_walk(s=64, seed=12)
-    cache = CodecKVCache(**TIERS[tier])
+    cache = CodecKVCache(codec=CODECS[tier])
     first = cache.forward(k, k)[0].clone()
     cache.crop(-27)  # transformers' convention: drop 27 from the end -> 37 kept
     assert cache.offset == 37
@@ -161,25 +161,25 @@ def test_crop_then_new_tokens_keeps_earlier_blocks(tier):
 
 def test_lossless_crop_and_replay_reproduces_the_cache():
     k = random_walk(s=64, seed=13)
-    cache = CodecKVCache(**TIERS["png-keep1"])
+    cache = CodecKVCache(codec=CODECS["png-keep1"])
     first = cache.forward(k, k)[0].clone()
     cache.crop(29)
     again = cache.update_and_fetch(k[:, :, 29:], k[:, :, 29:])[0]
     assert torch.equal(again, first) and torch.equal(again, k)
 
 
-@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("tier", CODECS)
 def test_beam_search_gather(tier):
     b = 3
     k, v = random_walk(b=b, s=37, seed=14), random_walk(b=b, s=37, seed=15)
-    cache = CodecKVCache(**TIERS[tier])
+    cache = CodecKVCache(codec=CODECS[tier])
     before_k, before_v = (t.clone() for t in cache.forward(k, v))
     beam_idx = torch.tensor([2, 0, 0])
     cache.reorder(beam_idx)
     ok, ov = cache.read()
     assert torch.equal(ok, before_k[beam_idx]) and torch.equal(ov, before_v[beam_idx])
     # every buffer was gathered: continuing equals a cache fed the gathered history
-    twin = CodecKVCache(**TIERS[tier])
+    twin = CodecKVCache(codec=CODECS[tier])
     twin.forward(k[beam_idx], v[beam_idx])
     new_k, new_v = random_walk(b=b, s=9, seed=16), random_walk(b=b, s=9, seed=17)
     ak, av = cache.update_and_fetch(new_k, new_v)
@@ -192,7 +192,7 @@ def test_beam_search_gather(tier):
 
 def test_reorder_can_change_the_batch():
     k = random_walk(b=2, s=20, seed=18)
-    cache = CodecKVCache(**TIERS["jpeg-k4"])
+    cache = CodecKVCache(codec=CODECS["jpeg-k4"])
     ref = cache.forward(k, k)[0].clone()
     cache.reorder(torch.tensor([0, 0, 1, 1]))  # e.g. expanding for 2 beams
     assert cache.read()[0].shape[0] == 4
@@ -204,7 +204,7 @@ def test_reorder_can_change_the_batch():
 def test_lossy_tail_tokens_change_once_their_block_completes(tier):
     # why lossy tiers declare causal_stable=False to kvspec: the tail is raw, archived blocks are not
     k = random_walk(s=8, seed=19)
-    cache = CodecKVCache(**TIERS[tier])
+    cache = CodecKVCache(codec=CODECS[tier])
     seen = cache.forward(k[:, :, :7], k[:, :, :7])[0].clone()
     assert torch.equal(seen, k[:, :, :7])
     after = cache.decode_step(k[:, :, 7:], k[:, :, 7:])[0]
@@ -216,7 +216,7 @@ def test_lossless_tail_and_archive_agree_bit_for_bit_on_signed_zeros():
     k = random_walk(s=16, seed=20)
     k[:, :, 3, :4] = -0.0
     k[:, :, 9, 5] = -0.0
-    cache = CodecKVCache(**TIERS["png-keep1"])
+    cache = CodecKVCache(codec=CODECS["png-keep1"])
     seen = []
     for t in range(16):
         seen.append(cache.decode_step(k[:, :, t : t + 1], k[:, :, t : t + 1])[0].clone())

@@ -1,4 +1,4 @@
-"""Evidence on the embedded model (the tiny trained Qwen3 in benchmarks/models/tiny-qwen3).
+"""Evidence on the embedded model (the tiny trained Qwen3 in benchmarks/model/tiny-qwen3, found by kvbench).
 
 The lossless tier (png keep=1.0) must reproduce the unpatched model's tokens exactly: greedy over
 72 new tokens (several archived blocks per layer), with an explicit cache and with the hot patch,
@@ -17,7 +17,8 @@ import torch
 pytest.importorskip("transformers")
 
 from flashcodec.hf import FlashCodecCache, apply_flash_codec, get_flash_codec_patch, remove_flash_codec  # noqa: E402
-from kvspec.models import embedded_model_path  # noqa: E402
+from flashcodec.tiers import TIERS  # noqa: E402
+from kvbench.models import embedded_model_path  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 
 PROMPT = "The loop should not be running.\n\nThis is idempotent and"
@@ -52,7 +53,7 @@ def test_png_lossless_explicit_cache_matches_greedy_tokens_exactly(model, ids, b
     assert cache.get_seq_length() == total
     assert cache.codec_layer_indices == list(range(model.config.num_hidden_layers))
     assert all(layer.codec_cache.keys.n_blocks == total // 8 for layer in cache.layers)
-    assert cache.storage_bytes().raw == sum(s.raw for s in cache.storage_by_layer().values())
+    assert cache.storage_bytes().raw == sum(cache.storage_bytes(i).raw for i in cache.codec_layer_indices)
 
 
 def test_png_lossless_hot_patch_matches_and_remove_restores(model, ids, baseline):
@@ -142,16 +143,13 @@ def test_crop_then_continue_png_exact(model, ids, baseline):
 
 @pytest.mark.parametrize(
     "tier, max_ratio",
-    [
-        (dict(mode="jpeg", keep_freqs=8, quant_bits=8), 0.3),
-        (dict(mode="jpeg", keep_freqs=2, quant_bits=8), 0.1),
-    ],
+    [(TIERS["jpeg-k8-int8"], 0.3), (TIERS["jpeg-k2-int8"], 0.1)],
     ids=["jpeg-k8-int8", "jpeg-k2-int8"],
 )
 def test_int8_tiers_generate_finite_and_report_token_match(
     model, ids, baseline, tier, max_ratio, record_property
 ):
-    cache = FlashCodecCache.from_config(model.config, **tier)
+    cache = FlashCodecCache.from_config(model.config, codec=tier.codec)
     out = model.generate(ids, cache=cache, return_dict_in_generate=True, output_logits=True, **GREEDY)
     # raw logits: the processed scores hold -inf on purpose (min_new_tokens masks EOS)
     assert len(out.logits) == NEW and all(bool(torch.isfinite(x).all()) for x in out.logits)
@@ -159,7 +157,7 @@ def test_int8_tiers_generate_finite_and_report_token_match(
     match = (new == ref).float().mean().item()
     record_property("token_match", match)
     print(
-        f"\n{tier}: token match vs baseline {match:.3f} over {NEW} tokens, storage {cache.storage_bytes().ratio:.3f}"
+        f"\n{tier.name}: token match vs baseline {match:.3f} over {NEW} tokens, storage {cache.storage_bytes().ratio:.3f}"
     )
     assert new.shape == ref.shape
     assert cache.storage_bytes().ratio < max_ratio  # measured bytes held vs raw fp32 K/V
@@ -177,7 +175,7 @@ def test_per_layer_schedule_applies_to_named_layers_only(model, ids):
     assert codecs[5].mode == "png"
     for i in (1, 2, 3, 4):
         assert (codecs[i].mode, codecs[i].keep_freqs, codecs[i].quant_bits) == ("jpeg", 8, None)
-    held = {i: s.held for i, s in out.cache.storage_by_layer().items()}
+    held = {i: out.cache.storage_bytes(i).held for i in out.cache.codec_layer_indices}
     assert held[0] < held[1] == held[2] == held[3] == held[4] < held[5]
 
 

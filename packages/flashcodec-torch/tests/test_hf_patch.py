@@ -16,6 +16,7 @@ import torch
 pytest.importorskip("transformers")
 
 import flashcodec  # noqa: E402
+from flashcodec import JPEGCodec, PNGCodec  # noqa: E402
 from flashcodec.hf import FlashCodecCache, apply_flash_codec, get_flash_codec_patch, remove_flash_codec  # noqa: E402
 from kvspec import KVConfigError  # noqa: E402
 from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
@@ -70,6 +71,30 @@ def test_patched_generate_uses_a_codec_cache_laid_out_by_the_config(model, ids):
         assert torch.equal(out.sequences, base)
     finally:
         remove_flash_codec(model)
+
+
+def test_apply_with_a_codec_object_equals_the_keyword_form(model, ids):
+    apply_flash_codec(model, codec=JPEGCodec(8, keep_freqs=2, quant_bits=8), per_layer={3: PNGCodec(8)})
+    try:
+        out = model.generate(ids, return_dict_in_generate=True, **GEN)
+        assert get_flash_codec_patch(model).options["codec"] == JPEGCodec(8, 2, 8)
+    finally:
+        remove_flash_codec(model)
+    apply_flash_codec(model, mode="jpeg", keep_freqs=2, quant_bits=8, per_layer={3: {"mode": "png"}})
+    try:
+        twin = model.generate(ids, return_dict_in_generate=True, **GEN)
+    finally:
+        remove_flash_codec(model)
+    codecs = [layer.codec_cache.codec for layer in out.cache.layers]
+    assert codecs == [JPEGCodec(8, 2, 8)] * 3 + [PNGCodec(8)]
+    assert codecs == [layer.codec_cache.codec for layer in twin.cache.layers]
+    assert torch.equal(out.sequences, twin.sequences)
+
+
+def test_apply_refuses_a_codec_object_with_keywords(model):
+    with pytest.raises(KVConfigError, match="not both"):
+        apply_flash_codec(model, codec=PNGCodec(), mode="png")
+    assert "generate" not in vars(model)
 
 
 def test_remove_restores_generate_exactly_and_no_class_is_touched(model, ids):

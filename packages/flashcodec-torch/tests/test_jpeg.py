@@ -22,7 +22,7 @@ def test_basis_is_orthonormal(r):
     m = dct_matrix(r, dtype=torch.float64)
     assert m.shape == (r, r)
     assert torch.allclose(m @ m.T, torch.eye(r, dtype=torch.float64), atol=1e-12)
-    # the formula of the description, entry by entry
+    # the DCT-II formula of the codec docstring (codecs/jpeg.py), entry by entry
     n, j = 3 % r, r - 1
     c = math.sqrt(1 / r) if j == 0 else math.sqrt(2 / r)
     assert m[j, n].item() == pytest.approx(c * math.cos(math.pi / r * (n + 0.5) * j), abs=1e-14)

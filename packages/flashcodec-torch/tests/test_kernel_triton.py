@@ -25,8 +25,8 @@ if not HAS_CUDA and "triton" not in sys.modules:
     # launch, so it stays on for this process (nothing else here runs triton)
     os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
-from conftest import TIERS  # noqa: E402
-from flashcodec import CodecKVCache  # noqa: E402
+from conftest import CODECS  # noqa: E402
+from flashcodec import CodecKVCache, PNGCodec  # noqa: E402
 from flashcodec.attention import codec_decode_attention, coded_rows, materialized_decode_attention  # noqa: E402
 from flashcodec.kernels import triton_attention as ta  # noqa: E402
 from flashcodec.kernels.naive import combine_partials, decode_attention_partials  # noqa: E402
@@ -41,23 +41,23 @@ needs_cuda = pytest.mark.skipif(
     not HAS_CUDA, reason="no CUDA device here: the compiled kernel is not exercised"
 )
 
-#: name -> (cache keywords, B, Hkv, G, S, D, dtype, blocks_per_split, tile, padding)
+#: name -> (codec, B, Hkv, G, S, D, dtype, blocks_per_split, tile, padding)
 CASES = {
-    "jpeg-k2-fp32": (TIERS["jpeg-k2"], 2, 1, 3, 45, 24, torch.float32, 3, 2, False),
-    "jpeg-k2-int8-masked": (TIERS["jpeg-k2-int8"], 2, 2, 2, 43, 16, torch.float32, 2, 2, True),
-    "png-r4-fp64-deltas": (dict(mode="png", block_size=4), 1, 2, 2, 26, 16, torch.float32, 3, 2, False),
-    "jpeg-k4-bf16": (TIERS["jpeg-k4"], 1, 2, 2, 37, 16, torch.bfloat16, 2, 2, False),
-    "tail-only": (TIERS["jpeg-k2-int8"], 2, 1, 2, 5, 16, torch.float32, 2, 2, False),
-    "no-tail-default-split": (TIERS["jpeg-k2-int8"], 1, 1, 4, 48, 16, torch.float32, None, 16, False),
+    "jpeg-k2-fp32": (CODECS["jpeg-k2"], 2, 1, 3, 45, 24, torch.float32, 3, 2, False),
+    "jpeg-k2-int8-masked": (CODECS["jpeg-k2-int8"], 2, 2, 2, 43, 16, torch.float32, 2, 2, True),
+    "png-r4-fp64-deltas": (PNGCodec(4), 1, 2, 2, 26, 16, torch.float32, 3, 2, False),
+    "jpeg-k4-bf16": (CODECS["jpeg-k4"], 1, 2, 2, 37, 16, torch.bfloat16, 2, 2, False),
+    "tail-only": (CODECS["jpeg-k2-int8"], 2, 1, 2, 5, 16, torch.float32, 2, 2, False),
+    "no-tail-default-split": (CODECS["jpeg-k2-int8"], 1, 1, 4, 48, 16, torch.float32, None, 16, False),
 }
 
 
 def build(case, device="cpu"):
-    kwargs, b, h, g, s, d, dtype, per, tile, padding = CASES[case]
+    codec, b, h, g, s, d, dtype, per, tile, padding = CASES[case]
     gen = torch.Generator().manual_seed(len(case))
     keys = torch.randn(b, h, s, d, generator=gen).to(dtype)
     values = torch.randn(b, h, s, d, generator=gen).to(dtype)
-    cache = CodecKVCache(**kwargs)
+    cache = CodecKVCache(codec=codec)
     cache.append(keys.to(device), values.to(device))
     query = torch.randn(b, h * g, d, generator=gen).to(dtype).to(device)
     mask = None
@@ -145,7 +145,7 @@ def test_cuda_kernel_matches_reference(case):
 def test_cuda_kernel_matches_materialized_at_length(tier):
     gen = torch.Generator().manual_seed(0)
     b, h, g, s, d = 2, 8, 2, 4096 + 5, 128
-    cache = CodecKVCache(**TIERS[tier])
+    cache = CodecKVCache(codec=CODECS[tier])
     cache.append(torch.randn(b, h, s, d, generator=gen).cuda(), torch.randn(b, h, s, d, generator=gen).cuda())
     query = torch.randn(b, h * g, 1, d, generator=gen).cuda()
     got = codec_decode_attention(query, cache.keys, cache.values, backend="triton")

@@ -1,10 +1,12 @@
 """flashcodec: a KV cache that codes the sequence axis like an image.
 
-``mode="jpeg"``: block DCT-II along the tokens, keep the lowest ``K`` frequencies (optionally int8).
-``mode="png"``: per-block anchor + first-order deltas (lossless tier, optional Top-M pruning).
+``JPEGCodec`` (``mode="jpeg"``): block DCT-II along the tokens, keep the lowest ``K`` frequencies
+(optionally int8). ``PNGCodec`` (``mode="png"``): per-block anchor + first-order deltas (lossless
+tier, optional Top-M pruning). The named tiers are in :mod:`flashcodec.tiers`.
 
-    from flashcodec import CodecKVCache
-    cache = CodecKVCache(mode="jpeg", block_size=8, keep_freqs=2)
+    from flashcodec import CodecKVCache, JPEGCodec
+    cache = CodecKVCache(codec=JPEGCodec(block_size=8, keep_freqs=2))
+    cache = CodecKVCache(mode="jpeg", block_size=8, keep_freqs=2)   # the same, keyword form
     k, v = cache.forward(k_seq, v_seq)       # full-sequence fill, [B, H, S, D]
     k, v = cache.decode_step(new_k, new_v)   # incremental decode
 
@@ -13,9 +15,10 @@ Importing this package never imports transformers or triton.
 
 from .attention import codec_decode_attention
 from .cache import SUPPORTED_DTYPES, CodecKVCache
-from .codecs import BlockCodec, JPEGCodec, PNGCodec, dct_matrix, delta_variance_ratio, make_codec
+from .codecs import CODECS, BlockCodec, JPEGCodec, PNGCodec, dct_matrix, delta_variance_ratio, make_codec
 from .storage import CodecStorage
 from .stream import CodecStream
+from .tiers import TIERS, Tier, tier
 
 __version__ = "0.1.0"
 
@@ -50,6 +53,10 @@ __all__ = [
     "JPEGCodec",
     "PNGCodec",
     "make_codec",
+    "CODECS",
+    "Tier",
+    "TIERS",
+    "tier",
     "dct_matrix",
     "delta_variance_ratio",
     "codec_decode_attention",

@@ -29,7 +29,6 @@ import numbers
 import torch
 from kvspec import KVConfigError, KVDtypeError, KVShapeError
 
-from .codecs import JPEGCodec, PNGCodec
 from .kernels.naive import CodedRows, decode_attention_naive
 from .stream import CodecStream
 
@@ -57,21 +56,14 @@ def triton_available() -> bool:
 
 
 def coded_rows(stream: CodecStream) -> CodedRows:
-    """The stored rows of ``stream`` as the kernels read them: views into its archive, nothing decoded.
+    """The stored rows of ``stream`` as the kernels read them: nothing decoded.
 
-    jpeg: ``segments = (coeffs,)`` (int8 or the input dtype) and, with ``quant_bits=8``,
-    ``scales [B, H, n, K]`` fp32; png: ``segments = (anchors[..., None, :], deltas)``.
+    The codec says how its parts are addressed (:meth:`flashcodec.BlockCodec.row_segments`; jpeg:
+    the coefficients, int8 or not, and their scales; png: the anchors and the deltas, as views)
+    and gives its synthesis matrix ``A [r, R]`` in fp32.
     """
     codec = stream.codec
-    parts = stream.archived_parts()
-    if isinstance(codec, JPEGCodec):
-        segments = (parts[0],)
-        scales = parts[1][..., 0] if codec.quant_bits == 8 else None
-    elif isinstance(codec, PNGCodec):
-        anchors, deltas = parts
-        segments, scales = (anchors.unsqueeze(3), deltas), None
-    else:  # a codec this module does not know how to address
-        raise KVConfigError(f"codec must be a JPEGCodec or PNGCodec; got {type(codec).__name__}")
+    segments, scales = codec.row_segments(stream.archived_parts())
     synthesis = codec.synthesis_matrix(torch.float32, stream.device)
     return CodedRows(segments, scales, synthesis, stream.tail())
 

@@ -12,6 +12,7 @@ backend and the conformance adapter wrap the same object.
 
 from __future__ import annotations
 
+import ast
 import numbers
 from collections.abc import Sequence
 
@@ -26,7 +27,8 @@ from kvspec import (
     trim_count,
 )
 
-from .codecs import BlockCodec, make_codec
+from .codecs import KEYWORD_DEFAULTS as _KW
+from .codecs import BlockCodec, make_codec, resolve_codec
 from .storage import CodecStorage
 from .stream import CodecStream
 
@@ -41,12 +43,19 @@ _META_VERSION = "flashcodec-cache-1"
 class CodecKVCache:
     """Block-coded KV cache for one attention layer.
 
+    The codec is given as an object, ``CodecKVCache(codec=JPEGCodec(block_size=8, keep_freqs=2))``,
+    or in the keyword form, ``CodecKVCache(mode="jpeg", block_size=8, keep_freqs=2)``, which builds
+    the same object (:func:`flashcodec.codecs.make_codec`). Giving both is a ``KVConfigError``.
+
     Args:
-        mode: ``"jpeg"`` (block DCT, keep ``keep_freqs`` frequencies) or ``"png"`` (anchor + deltas).
+        mode: the codec's registry name: ``"jpeg"`` (block DCT, keep ``keep_freqs`` frequencies)
+            or ``"png"`` (anchor + deltas).
         block_size: ``r`` tokens per block, >= 1.
         keep_freqs: jpeg only, ``K`` in ``1..r``; default ``r`` (lossless basis).
         keep_ratio: png only, share of deltas kept per block, in ``(0, 1]``; default 1.0 (lossless).
         quant_bits: jpeg only, ``None`` or ``8`` (int8 coefficients + one fp32 scale per (block, frequency)).
+        codec: a codec object (:class:`flashcodec.JPEGCodec`, :class:`flashcodec.PNGCodec`, or any
+            registered :class:`flashcodec.BlockCodec`), instead of the keyword form.
         delta_dtype: png only, ``torch.float64`` (default; bitwise tier) or ``torch.float32``.
         check_finite: reject NaN / inf input with ``KVValueError`` (default True). One NaN would
             spread over its whole block through the transform; the check costs a reduction per call.
@@ -62,17 +71,19 @@ class CodecKVCache:
 
     def __init__(
         self,
-        mode: str = "jpeg",
-        block_size: int = 8,
-        keep_freqs: int | None = None,
-        keep_ratio: float = 1.0,
-        quant_bits: int | None = None,
+        mode: str = _KW["mode"],
+        block_size: int = _KW["block_size"],
+        keep_freqs: int | None = _KW["keep_freqs"],
+        keep_ratio: float = _KW["keep_ratio"],
+        quant_bits: int | None = _KW["quant_bits"],
         *,
-        delta_dtype: torch.dtype | str | None = None,
+        codec: BlockCodec | None = None,
+        delta_dtype: torch.dtype | str | None = _KW["delta_dtype"],
         check_finite: bool = True,
         initial_blocks: int = 16,
     ):
-        self.codec: BlockCodec = make_codec(
+        self.codec: BlockCodec = resolve_codec(
+            codec,
             mode=mode,
             block_size=block_size,
             keep_freqs=keep_freqs,
@@ -92,15 +103,6 @@ class CodecKVCache:
         self.initial_blocks = int(initial_blocks)
         self.keys: CodecStream | None = None
         self.values: CodecStream | None = None
-
-    # ------------------------------------------------------------------ config
-    @property
-    def mode(self) -> str:
-        return self.codec.mode
-
-    @property
-    def block_size(self) -> int:
-        return self.codec.block_size
 
     def __repr__(self) -> str:
         return f"CodecKVCache({self.codec!r}, offset={self.offset})"
@@ -207,13 +209,6 @@ class CodecKVCache:
         """Tokens held (``S_total``)."""
         return 0 if self.keys is None else self.keys.seq_len
 
-    def get_seq_length(self) -> int:
-        """Tokens held (same as :attr:`offset`)."""
-        return self.offset
-
-    def __len__(self) -> int:
-        return self.offset
-
     def empty(self) -> bool:
         """True when no token is held."""
         return self.offset == 0
@@ -273,8 +268,6 @@ class CodecKVCache:
         for stream in self._streams():
             stream.reorder(idx)
 
-    reorder_cache = reorder
-
     # ------------------------------------------------------------------ bytes
     def storage_bytes(self) -> CodecStorage:
         """Measured bytes, keys + values: ``used`` / ``tail`` / ``allocated`` / ``view`` / ``raw``.
@@ -323,8 +316,7 @@ class CodecKVCache:
     @classmethod
     def from_state(cls, state: Sequence[torch.Tensor], meta_state: Sequence[str]) -> CodecKVCache:
         """Rebuild a cache from :attr:`state` and :attr:`meta_state` (the arrays are copied)."""
-        meta = _parse_meta(meta_state)
-        cache = cls(**meta)
+        cache = cls(**_parse_meta(meta_state))
         arrays = tuple(state)
         if not arrays:
             return cache
@@ -357,26 +349,30 @@ def _all_finite(t: torch.Tensor) -> bool:
 
 
 def _parse_meta(meta_state: Sequence[str]) -> dict:
+    """:attr:`CodecKVCache.meta_state` -> the constructor's ``codec``, ``check_finite`` and ``initial_blocks``."""
     try:
         items = dict(s.split("=", 1) for s in meta_state)
     except (TypeError, ValueError, AttributeError) as err:
         raise KVConfigError(f"meta_state must be 'key=value' strings; got {meta_state!r}") from err
     if items.pop("format", None) != _META_VERSION:
         raise KVConfigError(f"meta_state format must be {_META_VERSION!r}; got {meta_state!r}")
-
-    def opt_int(v: str) -> int | None:
-        return None if v == "None" else int(v)
-
     try:
-        out: dict = {"mode": items["mode"], "block_size": int(items["block_size"])}
-        if out["mode"] == "jpeg":
-            out.update(keep_freqs=opt_int(items["keep_freqs"]), quant_bits=opt_int(items["quant_bits"]))
-        else:
-            out.update(keep_ratio=float(items["keep_ratio"]), delta_dtype=items["delta_dtype"])
-        out.update(check_finite=items["check_finite"] == "True", initial_blocks=int(items["initial_blocks"]))
-    except (KeyError, ValueError) as err:
+        check_finite = items.pop("check_finite") == "True"
+        initial_blocks = int(items.pop("initial_blocks"))
+        mode = items.pop("mode")
+        codec = make_codec(mode, **{k: _literal(v) for k, v in items.items()})
+    except (KeyError, ValueError) as err:  # KVConfigError is a ValueError
         raise KVConfigError(f"meta_state is missing or has a bad entry ({err}); got {meta_state!r}") from err
-    return out
+    return {"codec": codec, "check_finite": check_finite, "initial_blocks": initial_blocks}
+
+
+def _literal(text: str) -> object:
+    """A codec option as written by :meth:`BlockCodec.config`: a Python literal, else the string
+    itself (dtype names such as ``float64``)."""
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
 
 
 def _check_stream_state(codec: BlockCodec, arrays: tuple[torch.Tensor, ...], name: str) -> None:

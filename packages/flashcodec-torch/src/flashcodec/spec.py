@@ -1,7 +1,10 @@
 """kvspec adapter: lets the shared conformance suite drive :class:`flashcodec.CodecKVCache`.
 
-Six configurations, r = 8, easiest first. Capability flags claim exactly what the cache
-guarantees:
+The configurations are the tiers of :mod:`flashcodec.tiers` (r = 8, easiest first), each as its
+codec object; this module only adds what each tier promises. The materialization-free (``-mf``)
+tiers store exactly what their base tier stores and differ only in the transformers backend's
+decode attention, which the conformance suite does not drive, so they are not repeated here.
+Capability flags claim exactly what the cache guarantees:
 
 * ``png-keep1``: exact (fp64 deltas; see ``codecs/png.py`` for the proof and its bounds) and
   causal-stable bit for bit. Declared ``lossless`` but not ``bitwise_lossless``: a delta cannot
@@ -24,25 +27,17 @@ from typing import Any
 
 import numpy as np
 import torch
-from kvspec import Adapter, CacheConfigCase, Capabilities
+from kvspec import Adapter, CacheConfigCase, Capabilities, KVConfigError
 
 from .cache import CodecKVCache
+from .codecs import BlockCodec
+from .tiers import TIERS
 
-__all__ = ["FlashCodecAdapter", "TIERS"]
-
-#: the six conformance tiers as CodecKVCache keyword arguments
-TIERS: dict[str, dict[str, Any]] = {
-    "png-keep1": dict(mode="png", block_size=8, keep_ratio=1.0),
-    "jpeg-k8": dict(mode="jpeg", block_size=8, keep_freqs=8),
-    "jpeg-k8-int8": dict(mode="jpeg", block_size=8, keep_freqs=8, quant_bits=8),
-    "jpeg-k4": dict(mode="jpeg", block_size=8, keep_freqs=4),
-    "jpeg-k2": dict(mode="jpeg", block_size=8, keep_freqs=2),
-    "jpeg-k2-int8": dict(mode="jpeg", block_size=8, keep_freqs=2, quant_bits=8),
-}
+__all__ = ["FlashCodecAdapter", "conformance_tiers"]
 
 _LOSSY = Capabilities(causal_stable=False, compresses=True)
 
-# per tier: (capabilities, default tolerance, per-family tolerances)
+# per tier name: (capabilities, default tolerance, per-family tolerances)
 _CASES: dict[str, tuple[Capabilities, float, dict[str, float]]] = {
     "png-keep1": (Capabilities(lossless=True, bitwise_lossless=False, causal_stable=True), 0.0, {}),
     # K = r: fp32 arithmetic, coefficients rounded to the input dtype (bf16 dominates: ~1.6e-3 measured)
@@ -55,6 +50,22 @@ _CASES: dict[str, tuple[Capabilities, float, dict[str, float]]] = {
     "jpeg-k2": (_LOSSY, 0.95, {"random_walk": 0.25, "planted_lowrank": 0.8, "edge": 0.8, "real": 0.95}),
     "jpeg-k2-int8": (_LOSSY, 0.95, {"random_walk": 0.25, "planted_lowrank": 0.8, "edge": 0.8, "real": 0.95}),
 }
+
+
+def conformance_tiers() -> list[str]:
+    """The tiers the conformance suite runs: every tier of :data:`flashcodec.tiers.TIERS` but the
+    materialization-free ones. ``KVConfigError`` when one has no capabilities here, or when
+    capabilities are declared for a name that is not such a tier."""
+    names = [t.name for t in TIERS.values() if not t.materialization_free]
+    missing = [n for n in names if n not in _CASES]
+    stale = sorted(set(_CASES) - set(names))
+    if missing or stale:
+        raise KVConfigError(
+            f"flashcodec.spec capabilities must cover exactly the tiers {names}; "
+            f"missing: {missing}, not a tier: {stale}"
+        )
+    return names
+
 
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -70,15 +81,22 @@ class FlashCodecAdapter(Adapter):
         self.device = torch.device(device)
 
     def configs(self) -> list[CacheConfigCase]:
-        return [
-            CacheConfigCase(
-                name=name, config=dict(TIERS[name]), capabilities=caps, default_tolerance=tol, tolerance=fam
+        cases = []
+        for name in conformance_tiers():
+            caps, tol, fam = _CASES[name]
+            cases.append(
+                CacheConfigCase(
+                    name=name,
+                    config=TIERS[name].codec,
+                    capabilities=caps,
+                    default_tolerance=tol,
+                    tolerance=fam,
+                )
             )
-            for name, (caps, tol, fam) in _CASES.items()
-        ]
+        return cases
 
-    def make(self, config: Any) -> CodecKVCache:
-        return CodecKVCache(**config)
+    def make(self, config: BlockCodec) -> CodecKVCache:
+        return CodecKVCache(codec=config)
 
     def to_native(self, array: np.ndarray, dtype: str) -> torch.Tensor:
         return torch.from_numpy(np.array(array, dtype=np.float32, copy=True)).to(
@@ -103,9 +121,9 @@ def _measure() -> None:
 
     adapter = FlashCodecAdapter()
     worst: dict[tuple[str, str], float] = {}
-    for name, cfg in TIERS.items():
+    for name in conformance_tiers():
         for vec in load_vectors():
-            cache = adapter.make(cfg)
+            cache = adapter.make(TIERS[name].codec)
             start = 0
             for n in stream_schedule(vec.shape[2]):
                 k = adapter.to_native(vec.keys[:, :, start : start + n], vec.dtype)

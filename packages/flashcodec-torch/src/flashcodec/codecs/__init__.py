@@ -1,11 +1,19 @@
 """Block codecs along the sequence axis: pure tensor maps, no cache state.
 
-``make_codec(mode=...)`` builds one from the same keywords ``CodecKVCache`` takes.
+A codec object is the configuration: ``JPEGCodec(block_size=8, keep_freqs=2, quant_bits=8)``,
+``PNGCodec(block_size=8, keep_ratio=1.0)``. :data:`CODECS` maps each ``mode`` name to its class;
+adding a codec is one file here (a :class:`BlockCodec` subclass) plus one line in :data:`CODECS`.
+
+The keyword form that caches also accept (``mode="jpeg", block_size=8, keep_freqs=2``) is turned
+into a codec object by :func:`make_codec`; :func:`resolve_codec` is the one place a cache
+chooses between ``codec=`` and that keyword form.
 """
 
 from __future__ import annotations
 
-import torch
+import dataclasses
+from typing import Any
+
 from kvspec import KVConfigError
 
 from .base import BlockCodec, PartSpec
@@ -18,46 +26,116 @@ __all__ = [
     "PartSpec",
     "JPEGCodec",
     "PNGCodec",
+    "CODECS",
+    "KEYWORD_DEFAULTS",
+    "codec_class",
     "make_codec",
+    "resolve_codec",
     "dct_matrix",
     "delta_variance_ratio",
     "quantize_int8",
     "dequantize_int8",
 ]
 
-MODES = ("jpeg", "png")
+#: the codec registry: ``mode`` name -> codec class (each key equals its class's ``mode``)
+CODECS: dict[str, type[BlockCodec]] = {
+    "jpeg": JPEGCodec,
+    "png": PNGCodec,
+}
 
 
-def make_codec(
-    mode: str = "jpeg",
-    block_size: int = 8,
-    keep_freqs: int | None = None,
-    keep_ratio: float = 1.0,
-    quant_bits: int | None = None,
-    delta_dtype: torch.dtype | str | None = None,
-) -> BlockCodec:
-    """Build a codec from cache-style keywords.
+def codec_class(mode: object) -> type[BlockCodec]:
+    """The registered codec class for ``mode``; ``KVConfigError`` naming the registered modes otherwise."""
+    if not isinstance(mode, str) or mode not in CODECS:
+        raise KVConfigError(f"mode must be one of {tuple(CODECS)}; got {mode!r}")
+    return CODECS[mode]
 
-    ``mode="jpeg"`` takes ``keep_freqs`` (``1..r``, default ``r``) and ``quant_bits`` (None or 8);
-    ``mode="png"`` takes ``keep_ratio`` (``(0, 1]``) and ``delta_dtype`` (float64 default, or float32).
-    An option of the other mode raises ``KVConfigError`` instead of being silently ignored.
+
+def _field_defaults(cls: type[BlockCodec]) -> dict[str, Any]:
+    return {f.name: f.default for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+
+
+def make_codec(mode: str = "jpeg", **options: Any) -> BlockCodec:
+    """Build a codec from the keyword form: ``make_codec("jpeg", block_size=8, keep_freqs=2)``.
+
+    ``options`` are the fields of the codec class registered for ``mode`` (jpeg: ``block_size``,
+    ``keep_freqs``, ``quant_bits``; png: ``block_size``, ``keep_ratio``, ``delta_dtype``). An
+    option of another registered codec is accepted only at that codec's default, because the
+    keyword form of the caches passes every keyword; any other value raises ``KVConfigError``
+    (say ``keep_ratio=0.5`` with ``mode="jpeg"``) instead of being silently ignored.
     """
-    if mode not in MODES:
-        raise KVConfigError(f"mode must be one of {MODES}; got {mode!r}")
-    if mode == "jpeg":
-        if keep_ratio != 1.0:
+    cls = codec_class(mode)
+    own = _field_defaults(cls)
+    kwargs = {}
+    for name, value in options.items():
+        if name in own:
+            kwargs[name] = value
+            continue
+        owners = [m for m, other in CODECS.items() if name in _field_defaults(other)]
+        if not owners:
             raise KVConfigError(
-                f"keep_ratio applies to mode='png' only; got keep_ratio={keep_ratio!r} with mode='jpeg'"
+                f"unknown codec option {name!r} (got {name}={value!r}); mode={mode!r} takes {sorted(own)}"
             )
-        if delta_dtype is not None:
-            raise KVConfigError(f"delta_dtype applies to mode='png' only; got delta_dtype={delta_dtype!r}")
-        return JPEGCodec(block_size=block_size, keep_freqs=keep_freqs, quant_bits=quant_bits)
-    if quant_bits is not None:
+        if not any(_equal(value, _field_defaults(CODECS[m])[name]) for m in owners):
+            only = " or ".join(repr(m) for m in owners)
+            raise KVConfigError(
+                f"{name} applies to mode={only} only; got {name}={value!r} with mode={mode!r}"
+            )
+    return cls(**kwargs)
+
+
+def _equal(value: Any, default: Any) -> bool:
+    try:
+        return bool(value == default) and type(value) is not bool
+    except Exception:  # a tensor or an object without a plain ==: never a default
+        return False
+
+
+class _KeywordDefault:
+    """A keyword-form default: prints as its value (signatures read as usual) and tells "not passed"
+    apart, so a call that gives ``codec=`` and a keyword of the keyword form is refused."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+#: the keyword form's defaults as markers: ``CodecKVCache(mode=KEYWORD_DEFAULTS["mode"], ...)``
+KEYWORD_DEFAULTS: dict[str, Any] = {
+    name: _KeywordDefault(value)
+    for name, value in dict(
+        mode="jpeg", block_size=8, keep_freqs=None, keep_ratio=1.0, quant_bits=None, delta_dtype=None
+    ).items()
+}
+
+
+def keyword_values(keywords: dict[str, Any]) -> dict[str, Any]:
+    """``keywords`` with every default marker replaced by its value."""
+    return {k: v.value if isinstance(v, _KeywordDefault) else v for k, v in keywords.items()}
+
+
+def resolve_codec(codec: BlockCodec | None, **keywords: Any) -> BlockCodec:
+    """The codec a cache is built with: ``codec`` itself, or :func:`make_codec` of the keyword form.
+
+    ``keywords``: the keyword-form arguments as the caller received them (default markers for the
+    ones not passed). Raises ``KVConfigError`` when ``codec`` is not a codec object, or when
+    ``codec`` and a keyword of the keyword form are both given.
+    """
+    if codec is None:
+        return make_codec(**keyword_values(keywords))
+    if not isinstance(codec, BlockCodec):
         raise KVConfigError(
-            f"quant_bits applies to mode='jpeg' only; got quant_bits={quant_bits!r} with mode='png'"
+            f"codec must be a codec object such as JPEGCodec(...) or PNGCodec(...); got {codec!r}"
         )
-    if keep_freqs is not None:
+    given = {k: v for k, v in keywords.items() if not isinstance(v, _KeywordDefault)}
+    if given:
+        passed = ", ".join(f"{k}={v!r}" for k, v in given.items())
         raise KVConfigError(
-            f"keep_freqs applies to mode='jpeg' only; got keep_freqs={keep_freqs!r} with mode='png'"
+            f"pass either codec= or the keyword form (mode=..., block_size=..., ...), not both; "
+            f"got codec={codec!r} and {passed}"
         )
-    return PNGCodec(block_size=block_size, keep_ratio=keep_ratio, delta_dtype=delta_dtype)
+    return codec

@@ -2,21 +2,28 @@
 
 A codec is a pure tensor map. It turns a sequence ``x [..., S, D]`` whose length is a
 whole number of blocks (``S = n * r``) into a tuple of stored *parts*, each of shape
-``[..., n, *part_shape]``, and back. It holds configuration only, never cache state, so
-one codec object serves every layer, batch and device.
+``[..., n, *part_shape]``, and back. A codec is a frozen dataclass whose fields are its options
+(validated in ``__post_init__``): it is the configuration, never cache state, so one codec object
+serves every layer, batch and device.
 
 Every codec is linear along the sequence axis inside a block: a block of ``r`` tokens is
 ``block = A @ rows`` where ``rows [..., n, R, D]`` are the stored rows (see
 :meth:`BlockCodec.stored_rows`) and ``A [r, R]`` is :meth:`BlockCodec.synthesis_matrix`.
-That is what lets attention run on the stored rows directly: ``q . K[p] = (q . rows^T) @ A[p]``.
+That is what lets attention run on the stored rows directly: ``q . K[p] = (q . rows^T) @ A[p]``;
+:meth:`BlockCodec.row_segments` hands the kernels those rows as stored, without decoding.
+
+A new codec is one file defining a ``BlockCodec`` subclass plus one line in the registry
+(``flashcodec.codecs.CODECS``); caches, the transformers backend and attention need no change.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from kvspec import KVConfigError, KVShapeError
@@ -69,10 +76,15 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 class BlockCodec(ABC):
-    """A linear, per-block transform along the sequence axis (``dim=-2``)."""
+    """A linear, per-block transform along the sequence axis (``dim=-2``).
 
-    #: ``"jpeg"`` or ``"png"``
-    mode: str
+    Subclasses are frozen dataclasses: their fields are the codec's options (``block_size``
+    first), checked and normalized in ``__post_init__``, and ``mode`` names the codec in the
+    registry. Equality, hashing and ``repr`` come from the dataclass fields.
+    """
+
+    #: the codec's name in the registry (``flashcodec.codecs.CODECS``), e.g. ``"jpeg"``
+    mode: ClassVar[str]
     #: tokens per block ``r``
     block_size: int
 
@@ -108,9 +120,26 @@ class BlockCodec(ABC):
     ) -> torch.Tensor:
         """``A [r, R]``: the block of ``r`` tokens is ``A @ rows``."""
 
-    @abstractmethod
+    def row_segments(
+        self, parts: tuple[torch.Tensor, ...]
+    ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
+        """The stored rows as the attention kernels read them: ``(segments, scales)``.
+
+        ``segments``: one or two tensors ``[..., n, R_i, D]`` whose rows, in order, are the
+        ``R = sum R_i`` rows of each block, ideally views of ``parts`` (no copy, no decode);
+        ``scales``: fp32 ``[..., n, R]`` multiplying each row, or None. This default returns
+        :meth:`stored_rows` in fp32 (a copy); codecs override it to hand over their parts as stored.
+        """
+        return (self.stored_rows(parts, torch.float32),), None
+
     def config(self) -> dict:
-        """The keyword arguments that rebuild this codec through :func:`flashcodec.make_codec`."""
+        """``mode`` plus every field: the keywords that rebuild this codec through
+        :func:`flashcodec.codecs.make_codec` (dtypes given by name, so every value prints plainly)."""
+        out: dict = {"mode": self.mode}
+        for field in dataclasses.fields(self):  # type: ignore[arg-type]
+            value = getattr(self, field.name)
+            out[field.name] = str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else value
+        return out
 
     def canonical(self, x: torch.Tensor) -> torch.Tensor:
         """The input as this codec reproduces it at best; the cache stores tail tokens this way too.
@@ -135,13 +164,3 @@ class BlockCodec(ABC):
             part_dtype = spec.dtype or dtype
             stored += math.prod(spec.shape) * torch.empty((), dtype=part_dtype).element_size()
         return stored / (self.block_size * dim * itemsize)
-
-    def __repr__(self) -> str:
-        args = ", ".join(f"{k}={v!r}" for k, v in self.config().items() if k != "mode")
-        return f"{type(self).__name__}({args})"
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, BlockCodec) and self.config() == other.config()
-
-    def __hash__(self) -> int:
-        return hash(tuple(sorted(self.config().items(), key=lambda kv: kv[0])))

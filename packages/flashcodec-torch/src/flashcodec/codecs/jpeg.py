@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import math
 import numbers
+from dataclasses import dataclass
 from functools import lru_cache
+from typing import ClassVar
 
 import torch
 from kvspec import KVConfigError
@@ -57,36 +59,43 @@ def _cached_matrix(block_size: int, keep_freqs: int, dtype: torch.dtype, device:
     return dct_matrix(block_size, keep_freqs, dtype=dtype, device=device)
 
 
+@dataclass(frozen=True)
 class JPEGCodec(BlockCodec):
     """Block DCT-II codec: ``r`` tokens -> ``K`` coefficient rows (optionally int8).
 
     Args:
         block_size: ``r``, tokens per block (>= 1).
-        keep_freqs: ``K`` in ``1..r`` (default ``r``: lossless up to float rounding).
+        keep_freqs: ``K`` in ``1..r``; ``None`` (the default) means ``r``: lossless up to float
+            rounding. Stored as the resolved ``K``, so ``JPEGCodec(8) == JPEGCodec(8, 8)``.
         quant_bits: ``None`` (coefficients in the input dtype) or ``8`` (int8 + fp32 scales).
 
     dtypes: arithmetic runs in fp32 (fp64 for fp64 input); non-quantized coefficients are
     stored in the input dtype and :meth:`decode` returns the requested dtype.
     """
 
-    mode = "jpeg"
+    mode: ClassVar[str] = "jpeg"
 
-    def __init__(self, block_size: int = 8, keep_freqs: int | None = None, quant_bits: int | None = None):
-        self.block_size = check_block_size(block_size)
-        if keep_freqs is None:
-            keep_freqs = self.block_size
+    block_size: int = 8
+    keep_freqs: int | None = None
+    quant_bits: int | None = None
+
+    def __post_init__(self) -> None:
+        block_size = check_block_size(self.block_size)
+        keep_freqs = block_size if self.keep_freqs is None else self.keep_freqs
         if (
             isinstance(keep_freqs, bool)
             or not isinstance(keep_freqs, numbers.Integral)
-            or not 1 <= keep_freqs <= self.block_size
+            or not 1 <= keep_freqs <= block_size
         ):
             raise KVConfigError(
-                f"keep_freqs must be an integer in 1..block_size={self.block_size}; got {keep_freqs!r}"
+                f"keep_freqs must be an integer in 1..block_size={block_size}; got {self.keep_freqs!r}"
             )
+        quant_bits = self.quant_bits
         if quant_bits is not None and (isinstance(quant_bits, bool) or quant_bits != 8):
             raise KVConfigError(f"quant_bits must be None or 8; got {quant_bits!r}")
-        self.keep_freqs = int(keep_freqs)
-        self.quant_bits = None if quant_bits is None else 8
+        object.__setattr__(self, "block_size", block_size)
+        object.__setattr__(self, "keep_freqs", int(keep_freqs))
+        object.__setattr__(self, "quant_bits", None if quant_bits is None else 8)
 
     # ------------------------------------------------------------------ description
     @property
@@ -105,14 +114,6 @@ class JPEGCodec(BlockCodec):
                 PartSpec("scales", (self.keep_freqs, 1), torch.float32),
             )
         return (PartSpec("coeffs", (self.keep_freqs, dim), None),)
-
-    def config(self) -> dict:
-        return {
-            "mode": self.mode,
-            "block_size": self.block_size,
-            "keep_freqs": self.keep_freqs,
-            "quant_bits": self.quant_bits,
-        }
 
     def analysis_matrix(self, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
         """``M [K, r]`` (encode: ``C = M @ block``)."""
@@ -141,6 +142,15 @@ class JPEGCodec(BlockCodec):
             return dequantize_int8(q, scale, dtype)
         (coeffs,) = parts
         return coeffs.to(dtype)
+
+    def row_segments(
+        self, parts: tuple[torch.Tensor, ...]
+    ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
+        """``((coeffs [..., n, K, D],), scales [..., n, K] or None)``: the parts as stored (int8 stays int8)."""
+        if self.quant_bits == 8:
+            q, scale = parts
+            return (q,), scale[..., 0]
+        return (parts[0],), None
 
     def decode(self, parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
         """Parts for ``n`` blocks -> ``[..., n*r, D]`` in ``dtype`` (one batched GEMM in fp32)."""

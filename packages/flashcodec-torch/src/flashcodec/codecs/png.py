@@ -38,6 +38,8 @@ from __future__ import annotations
 
 import math
 import numbers
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from kvspec import KVConfigError
@@ -62,6 +64,7 @@ def _check_delta_dtype(delta_dtype: object) -> torch.dtype:
     )
 
 
+@dataclass(frozen=True)
 class PNGCodec(BlockCodec):
     """Anchor + first-order delta codec, optional Top-M delta pruning.
 
@@ -69,19 +72,23 @@ class PNGCodec(BlockCodec):
         block_size: ``r``, tokens per block (>= 1).
         keep_ratio: share of each block's ``(r-1) * D`` deltas kept, in ``(0, 1]``
             (``1.0``: lossless, see the module docstring for the exact guarantee).
-        delta_dtype: ``torch.float64`` (default, bitwise tier) or ``torch.float32``.
+        delta_dtype: ``torch.float64`` (``None``, the default: the bitwise tier) or
+            ``torch.float32``, or their names; stored as the ``torch.dtype``.
 
     Stored parts per block: ``anchors [D]`` in the input dtype and ``deltas [r-1, D]`` in the
     delta dtype. ``rows = [anchor, d_1, ..., d_{r-1}]`` and ``A`` is the ``r x r`` lower
     triangular matrix of ones, so ``block = A @ rows`` is exactly the cumsum.
     """
 
-    mode = "png"
+    mode: ClassVar[str] = "png"
 
-    def __init__(
-        self, block_size: int = 8, keep_ratio: float = 1.0, delta_dtype: torch.dtype | str | None = None
-    ):
-        self.block_size = check_block_size(block_size)
+    block_size: int = 8
+    keep_ratio: float = 1.0
+    delta_dtype: torch.dtype | str | None = None
+
+    def __post_init__(self) -> None:
+        block_size = check_block_size(self.block_size)
+        keep_ratio = self.keep_ratio
         if (
             isinstance(keep_ratio, bool)
             or not isinstance(keep_ratio, numbers.Real)
@@ -89,8 +96,9 @@ class PNGCodec(BlockCodec):
             or not 0.0 < keep_ratio <= 1.0
         ):
             raise KVConfigError(f"keep_ratio must be a number in (0, 1]; got {keep_ratio!r}")
-        self.keep_ratio = float(keep_ratio)
-        self.delta_dtype = _check_delta_dtype(delta_dtype)
+        object.__setattr__(self, "block_size", block_size)
+        object.__setattr__(self, "keep_ratio", float(keep_ratio))
+        object.__setattr__(self, "delta_dtype", _check_delta_dtype(self.delta_dtype))
 
     # ------------------------------------------------------------------ description
     @property
@@ -111,14 +119,6 @@ class PNGCodec(BlockCodec):
             PartSpec("anchors", (dim,), None),
             PartSpec("deltas", (self.block_size - 1, dim), self.delta_dtype),
         )
-
-    def config(self) -> dict:
-        return {
-            "mode": self.mode,
-            "block_size": self.block_size,
-            "keep_ratio": self.keep_ratio,
-            "delta_dtype": str(self.delta_dtype).split(".")[-1],
-        }
 
     def synthesis_matrix(self, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
         """``A [r, r]`` lower-triangular ones: ``block = A @ [anchor; deltas]``."""
@@ -155,6 +155,13 @@ class PNGCodec(BlockCodec):
         """``[anchor; deltas]`` as ``[..., n, r, D]`` in ``dtype`` (a copy)."""
         anchors, deltas = parts
         return torch.cat([anchors.unsqueeze(-2).to(dtype), deltas.to(dtype)], dim=-2)
+
+    def row_segments(
+        self, parts: tuple[torch.Tensor, ...]
+    ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
+        """``((anchors [..., n, 1, D], deltas [..., n, r-1, D]), None)``: views of the parts, no copy."""
+        anchors, deltas = parts
+        return (anchors.unsqueeze(-2), deltas), None
 
     def decode(self, parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
         """Parts for ``n`` blocks -> ``[..., n*r, D]`` in ``dtype``: ``cumsum`` in the delta dtype, then cast."""

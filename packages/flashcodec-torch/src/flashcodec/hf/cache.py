@@ -19,9 +19,11 @@ import torch
 from kvspec import KVConfigError, KVTrimError
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, LinearAttentionCacheLayerMixin
 
+from ..codecs import KEYWORD_DEFAULTS as _KW
+from ..codecs import BlockCodec, keyword_values, resolve_codec
 from ..storage import CodecStorage
 from .layer import FlashCodecLayer
-from .options import check_per_layer, codec_options
+from .options import check_per_layer, layer_options
 
 __all__ = ["CODEC_LAYER_TYPES", "FlashCodecCache", "config_layer_types"]
 
@@ -56,12 +58,16 @@ class FlashCodecCache(Cache):
     """A transformers 5.x ``Cache`` that stores full-attention K/V block-coded.
 
     Args:
-        mode, block_size, keep_freqs, keep_ratio, quant_bits, delta_dtype, check_finite,
-            initial_blocks: the codec of every codec layer (:class:`flashcodec.CodecKVCache`
-            keywords; ``jpeg`` k=r by default).
-        per_layer: ``{layer_idx: {option: value}}`` overrides merged over those defaults for the
-            layers named (switching ``mode`` drops the other mode's options). With a config, every
-            index must name a codec layer of the model.
+        mode, block_size, keep_freqs, keep_ratio, quant_bits, delta_dtype: the codec of every
+            codec layer in the keyword form (:class:`flashcodec.CodecKVCache`; ``jpeg`` k=r by default).
+        codec: the same as a codec object, e.g. ``JPEGCodec(block_size=8, keep_freqs=2)``; giving
+            it together with a keyword of the keyword form is a ``KVConfigError``.
+        check_finite, initial_blocks: as :class:`flashcodec.CodecKVCache`.
+        per_layer: ``{layer_idx: codec}`` or ``{layer_idx: {option: value}}`` overrides for the
+            layers named. A codec object replaces the default codec; a dict of codec keywords is
+            merged over the default (switching ``mode`` drops the other mode's options) and may
+            also set ``check_finite`` / ``initial_blocks``. With a config, every index must name a
+            codec layer of the model.
         config: the model's config. When given, layers are built from its ``layer_types``: codec
             layers for ``full_attention``, transformers' native layers for everything else.
 
@@ -69,39 +75,44 @@ class FlashCodecCache(Cache):
 
     Example::
 
-        cache = FlashCodecCache.from_config(model.config, mode="jpeg", keep_freqs=2, quant_bits=8)
+        cache = FlashCodecCache.from_config(model.config, codec=JPEGCodec(keep_freqs=2, quant_bits=8))
         out = model.generate(ids, max_new_tokens=64, cache=cache)
         print(cache.get_seq_length(), cache.storage_bytes().ratio)
     """
 
     def __init__(
         self,
-        mode: str = "jpeg",
-        block_size: int = 8,
-        keep_freqs: int | None = None,
-        keep_ratio: float = 1.0,
-        quant_bits: int | None = None,
+        mode: str = _KW["mode"],
+        block_size: int = _KW["block_size"],
+        keep_freqs: int | None = _KW["keep_freqs"],
+        keep_ratio: float = _KW["keep_ratio"],
+        quant_bits: int | None = _KW["quant_bits"],
         *,
-        per_layer: dict[int, dict[str, Any]] | None = None,
+        codec: BlockCodec | None = None,
+        per_layer: dict[int, BlockCodec | dict[str, Any]] | None = None,
         config: Any = None,
-        delta_dtype: torch.dtype | str | None = None,
+        delta_dtype: torch.dtype | str | None = _KW["delta_dtype"],
         check_finite: bool = True,
         initial_blocks: int = 16,
     ):
-        defaults = codec_options(
+        keywords = dict(
             mode=mode,
             block_size=block_size,
             keep_freqs=keep_freqs,
             keep_ratio=keep_ratio,
             quant_bits=quant_bits,
             delta_dtype=delta_dtype,
-            check_finite=check_finite,
-            initial_blocks=initial_blocks,
         )
-        self.codec_defaults = defaults
+        default_codec = resolve_codec(codec, **keywords)
+        #: the ``CodecKVCache`` arguments of every codec layer ``per_layer`` does not name
+        self.codec_defaults = layer_options(
+            default_codec, check_finite=check_finite, initial_blocks=initial_blocks
+        )
+        # dict overrides merge over the keyword form as given, so unset keywords stay unset
+        base_keywords = default_codec.config() if codec is not None else keyword_values(keywords)
         if config is None:
             self.layer_types: list[str] | None = None
-            self.per_layer = check_per_layer(per_layer, defaults)
+            self.per_layer = check_per_layer(per_layer, self.codec_defaults, base_keywords)
             # Layers are created on their first update (the layer count is unknown without a config).
             super().__init__(layers=[])
             return
@@ -116,7 +127,9 @@ class FlashCodecCache(Cache):
             )
         codec_idx = [i for i, t in enumerate(types) if t in CODEC_LAYER_TYPES]
         self.layer_types = types
-        self.per_layer = check_per_layer(per_layer, defaults, codec_layers=codec_idx, num_layers=len(types))
+        self.per_layer = check_per_layer(
+            per_layer, self.codec_defaults, base_keywords, codec_layers=codec_idx, num_layers=len(types)
+        )
         layers = [
             FlashCodecLayer(**self._options_for(i))
             if t in CODEC_LAYER_TYPES
@@ -135,7 +148,8 @@ class FlashCodecCache(Cache):
     def from_config(cls, config: Any, **options: Any) -> FlashCodecCache:
         """A cache laid out for ``config``: codec layers on full attention, native layers elsewhere.
 
-        ``options``: the constructor's codec keywords and ``per_layer``.
+        ``options``: the constructor's ``codec`` (or codec keywords), ``per_layer``,
+        ``check_finite`` and ``initial_blocks``.
         """
         if config is None:
             raise KVConfigError(
@@ -175,10 +189,6 @@ class FlashCodecCache(Cache):
         return f"FlashCodecCache(codec_layers={len(self.codec_layer_indices)}/{len(self.layers)}, seq_len={self.get_seq_length()})"
 
     # ------------------------------------------------------------------ bytes
-    def storage_by_layer(self) -> dict[int, CodecStorage]:
-        """Measured bytes of each codec layer: ``{layer_idx: CodecStorage}``."""
-        return {i: self.layers[i].storage_bytes() for i in self.codec_layer_indices}
-
     def storage_bytes(self, layer_idx: int | None = None) -> CodecStorage:
         """Measured bytes of one codec layer, or summed over all codec layers (``layer_idx=None``).
 
@@ -188,8 +198,8 @@ class FlashCodecCache(Cache):
         """
         if layer_idx is None:
             total = CodecStorage()
-            for storage in self.storage_by_layer().values():
-                total = total + storage
+            for i in self.codec_layer_indices:
+                total = total + self.layers[i].storage_bytes()
             return total
         if isinstance(layer_idx, bool) or not isinstance(layer_idx, numbers.Integral):
             raise KVConfigError(f"layer_idx must be an integer or None; got {layer_idx!r}")

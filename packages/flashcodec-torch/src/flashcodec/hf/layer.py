@@ -24,9 +24,10 @@ __all__ = ["FlashCodecLayer"]
 class FlashCodecLayer(CacheLayerMixin):
     """A transformers cache layer that keeps its keys and values block-coded.
 
-    Args: the :class:`flashcodec.CodecKVCache` keywords (``mode``, ``block_size``, ``keep_freqs``,
-    ``keep_ratio``, ``quant_bits``, ``delta_dtype``, ``check_finite``, ``initial_blocks``),
-    validated here (``KVConfigError``).
+    Args: the :class:`flashcodec.CodecKVCache` arguments (``codec=`` or the keyword form
+    ``mode``, ``block_size``, ``keep_freqs``, ``keep_ratio``, ``quant_bits``, ``delta_dtype``;
+    and ``check_finite``, ``initial_blocks``), validated here (``KVConfigError``). The codec is
+    ``layer.codec_cache.codec``.
 
     Shapes: ``update`` takes ``key_states [B, H, s, D]`` and ``value_states [B, H, s, Dv]`` and
     returns the whole sequence ``[B, H, S, D]`` / ``[B, H, S, Dv]`` in the input dtype (archived
@@ -42,10 +43,9 @@ class FlashCodecLayer(CacheLayerMixin):
     is_croppable = True
     is_compileable = False
 
-    def __init__(self, **codec_options: Any):
+    def __init__(self, **cache_options: Any):
         super().__init__()
-        self.codec_cache = CodecKVCache(**codec_options)
-        self.codec_options = dict(codec_options)
+        self.codec_cache = CodecKVCache(**cache_options)
         self.device: torch.device | None = None
         self.dtype: torch.dtype | None = None
 

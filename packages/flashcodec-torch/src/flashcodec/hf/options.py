@@ -1,12 +1,14 @@
-"""Codec options of the transformers backend: defaults, per-layer overrides, validation.
+"""Layer options of the transformers backend: the cache-wide default and per-layer overrides.
 
-One dict of :class:`flashcodec.CodecKVCache` keywords describes a layer's codec. A cache has
-default options and, optionally, ``per_layer={layer_idx: {...}}`` overrides merged over them.
-Nothing here imports transformers.
+A codec layer is built from one dict of :class:`flashcodec.CodecKVCache` arguments,
+``{"codec": <codec object>, "check_finite": bool, "initial_blocks": int}``. A cache has a default
+and, optionally, ``per_layer={layer_idx: override}`` where an override is a codec object or a
+dict of ``CodecKVCache`` keywords merged over the default. Nothing here imports transformers.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -14,57 +16,68 @@ from typing import Any
 from kvspec import KVConfigError
 
 from ..cache import CodecKVCache
+from ..codecs import BlockCodec, codec_class, make_codec, resolve_codec
 
-__all__ = ["OPTION_NAMES", "codec_options", "merge_options", "check_per_layer"]
+__all__ = ["CACHE_OPTIONS", "layer_options", "merge_override", "check_per_layer"]
 
-#: every keyword a layer's codec accepts (``CodecKVCache``'s arguments)
-OPTION_NAMES = (
-    "mode",
-    "block_size",
-    "keep_freqs",
-    "keep_ratio",
-    "quant_bits",
-    "delta_dtype",
-    "check_finite",
-    "initial_blocks",
-)
-
-# Options that belong to one mode: a per-layer override that switches the mode drops the
-# defaults of the other mode, so {"mode": "png"} over a jpeg k=2 default is not rejected for k=2.
-_MODE_ONLY = {"jpeg": ("keep_freqs", "quant_bits"), "png": ("keep_ratio", "delta_dtype")}
+#: ``CodecKVCache`` arguments that are not codec options
+CACHE_OPTIONS = ("check_finite", "initial_blocks")
 
 
-def codec_options(**options: Any) -> dict[str, Any]:
-    """Validated ``CodecKVCache`` keywords (builds one codec to check them; raises ``KVConfigError``)."""
-    unknown = sorted(set(options) - set(OPTION_NAMES))
-    if unknown:
-        raise KVConfigError(f"unknown codec option(s) {unknown}; allowed: {list(OPTION_NAMES)}")
+def layer_options(codec: BlockCodec, *, check_finite: Any = True, initial_blocks: Any = 16) -> dict[str, Any]:
+    """Validated ``CodecKVCache`` arguments of one layer (builds one cache to check them)."""
+    options = {"codec": codec, "check_finite": check_finite, "initial_blocks": initial_blocks}
     CodecKVCache(**options)
-    return dict(options)
+    return options
 
 
-def merge_options(defaults: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
-    """``defaults`` updated with ``override``; switching ``mode`` drops the old mode's own options."""
-    merged = dict(defaults)
-    new_mode = override.get("mode", merged.get("mode"))
-    if new_mode != merged.get("mode"):
-        for name in _MODE_ONLY.get(merged.get("mode"), ()):
-            merged.pop(name, None)
-    merged.update(override)
-    return merged
+def merge_override(
+    defaults: Mapping[str, Any], base_keywords: Mapping[str, Any], override: BlockCodec | Mapping[str, Any]
+) -> dict[str, Any]:
+    """One layer's ``CodecKVCache`` arguments: ``override`` applied to ``defaults``.
+
+    Args:
+        defaults: the cache-wide layer options (see :func:`layer_options`).
+        base_keywords: the default codec in the keyword form, as the caller gave it (or its
+            ``config()`` when it was given as an object); dict overrides are merged over these,
+            so ``{"block_size": 16}`` over ``keep_freqs`` left unset gives ``K = 16``.
+        override: a codec object (replaces the default codec), or a dict holding ``codec`` or
+            codec keywords, and/or ``check_finite`` / ``initial_blocks``. A dict that switches
+            ``mode`` keeps only the default options the new codec also has, so ``{"mode": "png"}``
+            over a jpeg k=2 default is not rejected for k=2.
+
+    Raises ``KVConfigError`` (from the codec or the cache) for an invalid result.
+    """
+    if isinstance(override, BlockCodec):
+        return layer_options(override, **{k: defaults[k] for k in CACHE_OPTIONS})
+    keywords = dict(override)
+    cache_options = {k: keywords.pop(k, defaults[k]) for k in CACHE_OPTIONS}
+    if "codec" in keywords:
+        codec = resolve_codec(keywords.pop("codec"), **keywords)
+    elif keywords:
+        base = dict(base_keywords)
+        mode = keywords.get("mode", base.get("mode"))
+        if mode != base.get("mode"):
+            fields = {f.name for f in dataclasses.fields(codec_class(mode))}  # type: ignore[arg-type]
+            base = {k: v for k, v in base.items() if k in fields}
+        codec = make_codec(**{**base, **keywords})
+    else:
+        codec = defaults["codec"]
+    return layer_options(codec, **cache_options)
 
 
 def check_per_layer(
     per_layer: object,
     defaults: Mapping[str, Any],
+    base_keywords: Mapping[str, Any],
     codec_layers: Iterable[int] | None = None,
     num_layers: int | None = None,
 ) -> dict[int, dict[str, Any]]:
-    """Validate ``per_layer`` and return ``{layer_idx: merged options}`` for the layers it names.
+    """Validate ``per_layer`` and return ``{layer_idx: layer options}`` for the layers it names.
 
     Args:
-        per_layer: ``None`` or a mapping ``{layer_idx: {option: value}}``.
-        defaults: the cache-wide options each override is merged over.
+        per_layer: ``None`` or a mapping ``{layer_idx: codec object or {option: value}}``.
+        defaults, base_keywords: as :func:`merge_override`.
         codec_layers: the layer indices that carry a codec, when known (from a config).
         num_layers: the model's layer count, when known.
 
@@ -75,7 +88,8 @@ def check_per_layer(
         return {}
     if not isinstance(per_layer, Mapping):
         raise KVConfigError(
-            f"per_layer must be a dict {{layer_idx: {{option: value}}}}; got {type(per_layer).__name__}"
+            "per_layer must be a dict {layer_idx: codec or {option: value}}; "
+            f"got {type(per_layer).__name__}"
         )
     allowed = None if codec_layers is None else sorted(codec_layers)
     out: dict[int, dict[str, Any]] = {}
@@ -91,17 +105,12 @@ def check_per_layer(
             raise KVConfigError(
                 f"per_layer names layer {idx}, which is kept native (not full attention); codec layers: {allowed}"
             )
-        if not isinstance(override, Mapping):
-            raise KVConfigError(f"per_layer[{idx}] must be a dict of codec options; got {override!r}")
-        unknown = sorted(set(override) - set(OPTION_NAMES))
-        if unknown:
+        if not isinstance(override, (BlockCodec, Mapping)):
             raise KVConfigError(
-                f"per_layer[{idx}] has unknown option(s) {unknown}; allowed: {list(OPTION_NAMES)}"
+                f"per_layer[{idx}] must be a codec object or a dict of codec options; got {override!r}"
             )
-        merged = merge_options(defaults, override)
         try:
-            CodecKVCache(**merged)
+            out[idx] = merge_override(defaults, base_keywords, override)
         except KVConfigError as err:
             raise KVConfigError(f"per_layer[{idx}]: {err}") from err
-        out[idx] = merged
     return out

@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from kvspec import KVConfigError
 
+from ..codecs import KEYWORD_DEFAULTS as _KW
+from ..codecs import BlockCodec
 from .cache import FlashCodecCache
 
 __all__ = ["FlashCodecPatch", "apply_flash_codec", "get_flash_codec_patch", "remove_flash_codec"]
@@ -46,7 +48,9 @@ class FlashCodecPatch:
     """What :func:`apply_flash_codec` did to one model, and how to undo it.
 
     Attributes:
-        options: the codec keywords and ``per_layer`` every new cache is built with.
+        options: the :class:`FlashCodecCache` arguments every new cache is built with, as passed
+            to :func:`apply_flash_codec` (``codec`` or the codec keywords given, ``per_layer``,
+            ``check_finite``, ``initial_blocks``).
         original_generate: what the instance's ``__dict__`` held under ``generate`` before
             (a sentinel when it held nothing, the usual case).
         last_cache: a weak reference to the cache of the latest patched ``generate`` call (weak,
@@ -116,14 +120,15 @@ def _wants_default_cache(model: Any, args: tuple, kwargs: dict, cache_kwarg: str
 
 def apply_flash_codec(
     model: torch.nn.Module,
-    mode: str = "jpeg",
-    block_size: int = 8,
-    keep_freqs: int | None = None,
-    keep_ratio: float = 1.0,
-    quant_bits: int | None = None,
+    mode: str = _KW["mode"],
+    block_size: int = _KW["block_size"],
+    keep_freqs: int | None = _KW["keep_freqs"],
+    keep_ratio: float = _KW["keep_ratio"],
+    quant_bits: int | None = _KW["quant_bits"],
     *,
-    per_layer: dict[int, dict[str, Any]] | None = None,
-    delta_dtype: torch.dtype | str | None = None,
+    codec: BlockCodec | None = None,
+    per_layer: dict[int, BlockCodec | dict[str, Any]] | None = None,
+    delta_dtype: torch.dtype | str | None = _KW["delta_dtype"],
     check_finite: bool = True,
     initial_blocks: int = 16,
     materialization_free: bool = False,
@@ -133,8 +138,8 @@ def apply_flash_codec(
     Args:
         model: a transformers decoder-only model with ``generate`` (its ``config`` lays out the
             cache: codec layers on full attention, native layers elsewhere).
-        mode, block_size, keep_freqs, keep_ratio, quant_bits, per_layer, delta_dtype,
-            check_finite, initial_blocks: as :class:`FlashCodecCache`.
+        mode, block_size, keep_freqs, keep_ratio, quant_bits, codec, per_layer, delta_dtype,
+            check_finite, initial_blocks: as :class:`FlashCodecCache` (``codec=`` or the keyword form).
         materialization_free: also wrap the model's Llama / Qwen-style attention modules so decode
             steps attend on the stored rows without building the K/V view
             (:func:`flashcodec.hf.codec_attention.apply_codec_attention`; undone by remove).
@@ -143,17 +148,19 @@ def apply_flash_codec(
     a ``cache_implementation`` or ``custom_generate`` are not changed. Applying again replaces
     the options; a rejected call (``KVConfigError``) leaves the model as it was.
     """
-    options = dict(
+    keywords = dict(
         mode=mode,
         block_size=block_size,
         keep_freqs=keep_freqs,
         keep_ratio=keep_ratio,
         quant_bits=quant_bits,
-        per_layer=per_layer,
         delta_dtype=delta_dtype,
-        check_finite=check_finite,
-        initial_blocks=initial_blocks,
     )
+    # only what was passed: FlashCodecCache tells the keyword form's defaults from given keywords
+    options: dict[str, Any] = {k: v for k, v in keywords.items() if v is not _KW[k]}
+    if codec is not None:
+        options["codec"] = codec
+    options.update(per_layer=per_layer, check_finite=check_finite, initial_blocks=initial_blocks)
     if not isinstance(materialization_free, bool):
         raise KVConfigError(f"materialization_free must be a bool; got {materialization_free!r}")
     if not callable(getattr(model, "generate", None)):

@@ -39,8 +39,9 @@ class CodedRows(NamedTuple):
 
     Attributes:
         segments: the stored rows of every archived block, split in one or two tensors
-            ``[B, H, n, R_i, D]`` whose rows, in order, are the ``R = sum R_i`` rows of a block
-            (jpeg: ``(coeffs,)``; png: ``(anchors[..., None, :], deltas)``); int8, fp16, bf16, fp32
+            ``[B, H, n, R_i, D]`` whose rows, in order, are the ``R = sum R_i`` rows of a block, as
+            a codec's ``row_segments`` gives them (jpeg: ``(coeffs,)``; png:
+            ``(anchors[..., None, :], deltas)``); int8, fp16, bf16, fp32
             or fp64; usually views into the archive buffers (no copy).
         scales: ``[B, H, n, R]`` fp32 dequantization scales per (block, row), or None (float rows).
         synthesis: ``A [r, R]`` fp32 with ``block = A @ rows``.

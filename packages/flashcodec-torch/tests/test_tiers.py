@@ -1,0 +1,90 @@
+"""The tier registry (flashcodec.tiers): names, order, codecs, lookup, and who reads it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import CODECS, random_walk
+from flashcodec import CodecKVCache, JPEGCodec, PNGCodec, Tier
+from flashcodec.spec import FlashCodecAdapter, conformance_tiers
+from flashcodec.tiers import TIERS, tier
+from kvspec import KVConfigError
+
+NAMES = [
+    "png-keep1",
+    "jpeg-k8",
+    "jpeg-k8-int8",
+    "jpeg-k8-int8-mf",
+    "jpeg-k4",
+    "jpeg-k2",
+    "jpeg-k2-int8",
+    "jpeg-k2-int8-mf",
+]
+
+
+def test_names_order_and_codecs():
+    assert list(TIERS) == NAMES
+    assert all(name == t.name for name, t in TIERS.items())
+    assert TIERS["png-keep1"].codec == PNGCodec(8, keep_ratio=1.0, delta_dtype=torch.float64)
+    assert TIERS["jpeg-k8"].codec == JPEGCodec(8, 8)
+    assert TIERS["jpeg-k2-int8"].codec == JPEGCodec(8, 2, 8)
+    assert [t.name for t in TIERS.values() if t.materialization_free] == [
+        "jpeg-k8-int8-mf",
+        "jpeg-k2-int8-mf",
+    ]
+
+
+def test_every_description_is_one_line():
+    for t in TIERS.values():
+        assert t.description and "\n" not in t.description and len(t.description) < 120, t.name
+
+
+def test_a_materialization_free_tier_shares_its_base_tiers_codec():
+    for t in TIERS.values():
+        if t.materialization_free:
+            base = TIERS[t.name.removesuffix("-mf")]
+            assert base.codec == t.codec and not base.materialization_free
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_tier_builds_a_cache(name):
+    x = random_walk(s=19)
+    cache = CodecKVCache(codec=tier(name).codec)
+    k, _ = cache.update_and_fetch(x, x)
+    assert k.shape == x.shape and cache.nbytes > 0
+
+
+def test_unknown_tier_lists_the_names():
+    with pytest.raises(
+        KVConfigError, match=r"tier must be one of \['png-keep1', .*'jpeg-k2-int8-mf'\]; got 'jpeg-k3'"
+    ):
+        tier("jpeg-k3")
+    with pytest.raises(ValueError):  # KVConfigError is a ValueError
+        tier(None)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(name="", description="x", codec=PNGCodec()), "name"),
+        (dict(name="a", description="two\nlines", codec=PNGCodec()), "description"),
+        (dict(name="a", description="x", codec={"mode": "png"}), "codec"),
+        (dict(name="a", description="x", codec=PNGCodec(), materialization_free=1), "materialization_free"),
+    ],
+    ids=["name", "description", "codec", "materialization-free"],
+)
+def test_tier_fields_are_checked(kwargs, match):
+    with pytest.raises(KVConfigError, match=match):
+        Tier(**kwargs)
+
+
+def test_the_conformance_adapter_reads_the_registry():
+    cases = FlashCodecAdapter().configs()
+    assert [c.name for c in cases] == conformance_tiers() == [n for n in NAMES if not n.endswith("-mf")]
+    assert all(c.config is TIERS[c.name].codec for c in cases)
+
+
+def test_the_test_codecs_are_the_registry_codecs_plus_top_m():
+    assert {n: c for n, c in CODECS.items() if n != "png-keep0.5"} == {
+        n: t.codec for n, t in TIERS.items() if not t.materialization_free
+    }
