@@ -1,8 +1,8 @@
 """Shared fixtures for the benchmark-side tests (run in the ``bench`` environment).
 
-``benchmarks/`` is put on ``sys.path`` so tests import ``corpus``, ``capture_kv`` and
-``hybrid_fixture`` the way the scripts do. The embedded model is located only through
-``kvspec.models.embedded_model_path`` (the one place that knows where it lives).
+``benchmarks/model`` and ``benchmarks/tools`` are put on ``sys.path`` so tests import ``corpus``,
+``capture_kv`` and ``make_docs`` the way the scripts do. The embedded model is located only through
+``kvbench.models.embedded_model_path`` (the one place that knows where it lives).
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 BENCH_DIR = Path(__file__).resolve().parents[1]
-if str(BENCH_DIR) not in sys.path:
-    sys.path.insert(0, str(BENCH_DIR))
+for folder in (BENCH_DIR / "model", BENCH_DIR / "tools"):
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
 
 
 @pytest.fixture(scope="session")
@@ -27,7 +28,7 @@ def training_record() -> dict:
 @pytest.fixture(scope="session")
 def model_path() -> Path:
     """Directory of the embedded tiny qwen3 (config.json, model.safetensors, tokenizer files)."""
-    from kvspec.models import embedded_model_path
+    from kvbench.models import embedded_model_path
 
     return embedded_model_path()
 

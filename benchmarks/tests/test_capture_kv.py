@@ -59,9 +59,15 @@ def test_resolve_layers():
 
 
 def test_hybrid_models_expose_only_full_attention_layers():
-    from hybrid_fixture import make_tiny_hybrid_config
+    from types import SimpleNamespace
 
-    assert attention_layer_indices(make_tiny_hybrid_config()) == [1, 3]
+    hybrid = SimpleNamespace(
+        num_hidden_layers=4,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+    )
+    assert attention_layer_indices(hybrid) == [1, 3]
+    windowed = SimpleNamespace(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"])
+    assert attention_layer_indices(windowed) == [0, 1]
 
 
 def test_committed_real_vectors_come_from_the_embedded_model(torch_model, hf_tokenizer):

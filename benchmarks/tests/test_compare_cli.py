@@ -7,17 +7,23 @@ import json
 import math
 
 import pytest
-from kvspec.measure import MEASURES, SCHEMA
+from kvbench.protocol import MEASURES
+from kvbench.results import SCHEMA, run_of
 
-# 64 context tokens: palu fits its projections once it holds head_dim (64) tokens
+# 64 context tokens: palu fits its projections once it holds head_dim (64) tokens; a small
+# long-context run (320 tokens) still exercises the memory curve
 SMALL = [
-    *("--windows", "1", "--context-tokens", "64", "--scored-tokens", "8", "--new-tokens", "4"),
+    *("--windows", "2", "--context-tokens", "64", "--scored-tokens", "8", "--new-tokens", "4"),
     *("--prompt-count", "1", "--speed-rounds", "1", "--speed-steps", "4", "--quiet"),
+    *("--long-context", "320", "--long-windows", "1", "--long-scored-tokens", "16"),
 ]
 PROMPT = ["--prompt", "The json module encodes"]
 
 #: (module, one tier, one peer)
-CLIS = [("palu_mlx.compare", "default", "mlx-lm-q4"), ("flashcodec.compare", "jpeg-k8-int8", "hf-fp8")]
+CLIS = [
+    ("palu_mlx.compare", "reference-default", "mlx-lm-q4"),
+    ("flashcodec.compare", "jpeg-k8-int8", "hf-fp8"),
+]
 
 
 def _main(module: str):
@@ -42,37 +48,45 @@ def run(request, tmp_path_factory):
 def test_json_has_every_field_as_a_measured_number(run, model_path):
     module, tier, peer, result = run
     assert result["schema"] == SCHEMA
-    assert [r["name"] for r in result["rows"]] == ["baseline", tier, peer]
+    assert [r["name"] for r in result["runs"]] == ["short", "long"]
     assert set(MEASURES) <= set(result["measures"])
-    assert result["settings"]["prompts"] == 1 and result["settings"]["prompt_texts"] == [PROMPT[1]]
-    assert result["stamp"]["machine"]["cpu_count"] >= 1 and result["stamp"]["versions"]["kvcache-spec"]
-    for row in result["rows"]:
-        for key in (
-            "kv_bytes", "kv_raw_bytes", "kv_ratio", "nll", "perplexity", "ppl_delta", "token_match",
-            "first_divergence", "decode_tokens_per_s", "decode_speed_ratio", "prefill_seconds",
-            "prefill_time_ratio", "elapsed_seconds",
-        ):  # fmt: skip
-            assert _finite(row[key]), (row["name"], key, row[key])
-        assert (
-            row["kv_bytes"] > 0
-            and row["nll"] > 0
-            and row["decode_tokens_per_s"] > 0
-            and row["prefill_seconds"] > 0
-        )
-        assert 0 <= row["token_match"] <= 1 and isinstance(row["sample"], str)
-        assert row["peak_memory_bytes"] is None or row["peak_memory_bytes"] >= 0
-    base, ours, theirs = result["rows"]
-    assert base["token_match"] == 1 and base["ppl_delta"] == 0 and base["decode_speed_ratio"] == 1
-    # raw bytes checked against the model's shape, independently of any cache: 72 float32 tokens
+    assert result["inputs"]["prompt_texts"] == [PROMPT[1]] and result["inputs"]["dtype"] == "bfloat16"
+    assert result["model"]["dtype"] == "bfloat16"
+    assert result["stamp"]["machine"]["cpu_count"] >= 1 and result["stamp"]["versions"]["kvbench"]
+    short, long = run_of(result, "short"), run_of(result, "long")
+    assert short["settings"]["prompts"] == 1
+    for run_ in (short, long):
+        assert [r["name"] for r in run_["rows"]] == ["baseline", tier, peer]
+        for row in run_["rows"]:
+            for key in (
+                "kv_bytes", "kv_raw_bytes", "kv_ratio", "resident_ratio", "bits_per_element", "kl_mean",
+                "kl_p99", "top1_agreement", "nll", "perplexity", "ppl_delta", "token_match",
+                "first_divergence", "decode_tokens_per_s", "decode_speed_ratio", "prefill_seconds",
+                "prefill_time_ratio", "quality_seconds",
+            ):  # fmt: skip
+                assert _finite(row[key]), (row["name"], key, row[key])
+            assert row["kv_bytes"] > 0 and row["nll"] > 0 and row["decode_tokens_per_s"] > 0
+            assert 0 <= row["token_match"] <= 1 and 0 <= row["top1_agreement"] <= 1 and row["kl_mean"] >= 0
+            assert isinstance(row["sample"], str)
+            for key in ("peak_prefill_bytes", "peak_decode_bytes"):
+                assert row[key] is None or row[key] >= 0
+        base, ours, theirs = run_["rows"]
+        assert base["token_match"] == 1 and base["ppl_delta"] == 0 and base["decode_speed_ratio"] == 1
+        assert base["kl_mean"] == 0 and base["top1_agreement"] == 1
+        # the lossy tier and the peer really ran: their distributions are their own
+        assert ours["kl_mean"] > 0 and theirs["kl_mean"] > 0
+        assert ours["positions_scored"] == run_["settings"]["windows"] * run_["settings"]["scored_tokens"]
+    base, ours, theirs = short["rows"]
+    # raw bytes checked against the model's shape, independently of any cache: 72 bf16 tokens
     m = result["model"]
     tokens = 64 + 8
     assert base["kv_tokens"] == tokens
-    assert base["kv_raw_bytes"] == m["layers"] * 2 * m["kv_heads"] * m["head_dim"] * tokens * 4
-    assert base["kv_bytes"] >= base["kv_raw_bytes"]  # mlx-lm's KVCache reserves 256-token steps
+    assert base["kv_raw_bytes"] == m["layers"] * 2 * m["kv_heads"] * m["head_dim"] * tokens * 2
+    assert base["bits_per_element"] >= 16  # mlx-lm's KVCache reserves 256-token steps
     assert ours["kv_ratio"] == pytest.approx(ours["kv_bytes"] / base["kv_raw_bytes"])
     assert theirs["kv_bytes"] < base["kv_bytes"]  # a 4-bit / fp8 peer holds fewer bytes
-    # the lossy tier really ran: its perplexity is its own (not copied from the baseline)
-    assert ours["nll"] != base["nll"]
+    curve = long["rows"][0]["memory_curve"]
+    assert [p["tokens"] for p in curve] == [256, 320] and curve[1]["held"] > curve[0]["held"] * 0.99
 
 
 @pytest.mark.parametrize("module", [c[0] for c in CLIS])
@@ -103,12 +117,15 @@ def test_user_mistakes_are_one_line(module, tmp_path, capsys):
 def test_docs_match_the_committed_results():
     from make_docs import main as make_docs
 
-    assert make_docs(["--check"]) == 0, "run: python benchmarks/make_docs.py"
+    assert make_docs(["--check"]) == 0, "run: python benchmarks/tools/make_docs.py"
 
 
 @pytest.mark.parametrize(
     "cli, tiers",
-    [("palu_mlx.cli", ["default", "r8-4bit"]), ("flashcodec.cli", ["png-keep1", "jpeg-k2-int8-mf"])],
+    [
+        ("palu_mlx.cli", ["reference-default", "r8-4bit"]),
+        ("flashcodec.cli", ["png-keep1", "jpeg-k2-int8-mf"]),
+    ],
 )
 def test_console_script_dispatch(cli, tiers, capsys):
     import importlib

@@ -191,7 +191,7 @@ def plot_comparison(result: dict[str, Any], path: str | os.PathLike) -> Path:
     ax_q.set_xscale("log", base=2)
     ax_q.set_yscale("log")
     ax_q.set_xlabel("bits held per K/V element (log)")
-    ax_q.set_ylabel(f"mean KL to the uncompressed model, nats (log; below {KL_FLOOR:g} drawn at it)")
+    ax_q.set_ylabel(f"mean KL to baseline, nats (log; floor {KL_FLOOR:g})")
     ax_q.set_title(f"rate vs quality, {run['name']} context (lower left is better)", fontsize=10)
     ax_q.grid(alpha=0.3, which="both")
     ax_q.legend(fontsize=8, loc="upper right")

@@ -31,8 +31,8 @@ with the materialized one (``max_rel_diff``: divided by the largest output), and
 same stored rows. Ratios (``time_ratio = coefficient / materialized``,
 ``peak_ratio = materialized / coefficient``) are measured side by side in one run.
 
-    hatch run torch:python benchmarks/bench_attention.py              # CPU: results/flashcodec_attention.json
-    python benchmarks/bench_attention.py --device cuda --dim 128      # GPU: results/flashcodec_attention_cuda.json
+    hatch run torch:python benchmarks/flashcodec/attention.py              # CPU: results/flashcodec_attention.json
+    python benchmarks/flashcodec/attention.py --device cuda --dim 128      # GPU: results/flashcodec_attention_cuda.json
 """
 
 from __future__ import annotations
@@ -40,19 +40,16 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 from flashcodec import CodecKVCache
 from flashcodec.attention import codec_decode_attention, triton_available
-from kvspec.results import environment_stamp, write_json
+from flashcodec.peak_memory import PeakMemory
+from kvbench.results import environment_stamp, write_json
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peak_memory import PeakMemory  # noqa: E402
-
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 TIERS = {
     "jpeg k=2 int8": dict(mode="jpeg", block_size=8, keep_freqs=2, quant_bits=8),

@@ -29,30 +29,24 @@ Figures per run:
 * ``decode_steps_on_stored_rows`` / ``fallbacks``: the wrapper's counters over every run of the
   tier (the timed repeats and the memory pass), per layer call.
 
-    hatch run torch:python benchmarks/bench_e2e.py          # writes results/flashcodec_e2e.json
+    hatch run torch:python benchmarks/flashcodec/e2e.py          # writes results/flashcodec_e2e.json
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
-import sys
 import time
 from pathlib import Path
 
 import torch
 from flashcodec.hf import FlashCodecCache, apply_codec_attention, remove_codec_attention
-from kvspec.models import embedded_model_path
-from kvspec.results import environment_stamp, write_json
+from flashcodec.peak_memory import PeakMemory
+from kvbench.models import default_text_path, embedded_model_path
+from kvbench.results import environment_stamp, weights_digest, write_json
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from corpus import load_corpus  # noqa: E402
-from peak_memory import PeakMemory  # noqa: E402
-
-RESULTS = HERE / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 TIERS = {
     "jpeg k=2 int8": dict(mode="jpeg", block_size=8, keep_freqs=2, quant_bits=8),
@@ -66,17 +60,6 @@ def cache_bytes(cache) -> int:
     if isinstance(cache, FlashCodecCache):
         return cache.storage_bytes().resident + cache.native_nbytes()
     return sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values) if t is not None)
-
-
-def weights_digest(path: Path) -> str | None:
-    """sha256 of the model's safetensors weights, so a result names the exact model it ran."""
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        return None
-    digest = hashlib.sha256()
-    for file in files:
-        digest.update(file.read_bytes())
-    return digest.hexdigest()
 
 
 def sync(device: torch.device) -> None:
@@ -154,7 +137,11 @@ def run(args) -> dict:
     path = Path(args.model) if args.model else embedded_model_path()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().to(device)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    ids = tokenizer(load_corpus("heldout"), return_tensors="pt").input_ids[:, : args.prompt_tokens].to(device)
+    ids = (
+        tokenizer(default_text_path().read_text(encoding="utf-8"), return_tensors="pt")
+        .input_ids[:, : args.prompt_tokens]
+        .to(device)
+    )
     runs = [Run("baseline", None, False)]
     for name in args.tiers:
         runs += [

@@ -16,9 +16,9 @@ The keys in transformers' ``DynamicCache`` are post-RoPE (and, for qwen3, post q
 attention module rotates them before ``cache.update``, so they are exactly what a KV-cache codec
 sees. Usage::
 
-    python benchmarks/capture_kv.py                                  # embedded model, stats only
-    python benchmarks/capture_kv.py --layers 0,mid,last --tokens 256 --add-to-kvspec
-    python benchmarks/capture_kv.py --model Qwen/Qwen3-0.6B --out /tmp/qwen3_kv.json
+    python benchmarks/tools/capture_kv.py                                  # embedded model, stats only
+    python benchmarks/tools/capture_kv.py --layers 0,mid,last --tokens 256 --add-to-kvspec
+    python benchmarks/tools/capture_kv.py --model Qwen/Qwen3-0.6B --out /tmp/qwen3_kv.json
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ from pathlib import Path
 
 import numpy as np
 
-BENCH_DIR = Path(__file__).resolve().parent
+BENCH_DIR = Path(__file__).resolve().parents[1]
 REPO_ROOT = BENCH_DIR.parent
 DEFAULT_OUT = BENCH_DIR / "results" / "real_kv_stats.json"
-HELDOUT_LABEL = "benchmarks/data/heldout.txt"
+HELDOUT_LABEL = "kvbench/data/heldout.txt"
 
 __all__ = [
     "attention_layer_indices",
@@ -227,14 +227,13 @@ def main(argv: list[str] | None = None) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if args.model is None:
-        from kvspec.models import embedded_model_path
+        from kvbench.models import embedded_model_path
 
         args.model = str(embedded_model_path())
     if args.text_file is None:
-        sys.path.insert(0, str(BENCH_DIR))
-        from corpus import HELDOUT_PATH
+        from kvbench.models import default_text_path
 
-        text_path, text_label = HELDOUT_PATH, HELDOUT_LABEL
+        text_path, text_label = default_text_path(), HELDOUT_LABEL
     else:
         text_path, text_label = args.text_file, str(args.text_file)
     text = Path(text_path).read_text(encoding="utf-8")
@@ -277,7 +276,7 @@ def main(argv: list[str] | None = None) -> dict:
             "layer": layer,
             "num_hidden_layers": n_layers,
             "tensor": "post-RoPE keys and values from transformers DynamicCache after one forward pass",
-            "script": "benchmarks/capture_kv.py",
+            "script": "benchmarks/tools/capture_kv.py",
             "transformers": transformers.__version__,
         }
         vectors.append((f"{prefix}_l{layer}_f32", keys, values, provenance, entry))
@@ -327,7 +326,8 @@ def main(argv: list[str] | None = None) -> dict:
             "transformers": transformers.__version__,
             "numpy": np.__version__,
         },
-        "command": "python benchmarks/capture_kv.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python benchmarks/tools/capture_kv.py "
+        + " ".join(sys.argv[1:] if argv is None else argv),
         "model": model_label,
         "text": text_label,
         "token_range": [args.start, args.start + args.tokens],

@@ -12,27 +12,23 @@ PSNR = 10 log10(max|x|^2 / MSE) over the whole tensor (peak = the signal's large
 an exact tier has MSE 0 and is reported as ``psnr_db: null, exact: true``. Cosine is over the
 flattened tensor in float64.
 
-    hatch run torch:python benchmarks/bench_reconstruct.py   # writes results/flashcodec_reconstruct.json
+    hatch run torch:python benchmarks/flashcodec/reconstruct.py   # writes results/flashcodec_reconstruct.json
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import math
-import os
-import platform
 import sys
 import time
 from pathlib import Path
 
-import flashcodec
-import numpy as np
 import torch
 from flashcodec import CodecKVCache, delta_variance_ratio, make_codec
+from kvbench.results import environment_stamp
 
-RESULTS = Path(__file__).resolve().parent / "results" / "flashcodec_reconstruct.json"
+RESULTS = Path(__file__).resolve().parents[1] / "results" / "flashcodec_reconstruct.json"
 
 TIERS = {
     "jpeg r=8 k=1": dict(mode="jpeg", block_size=8, keep_freqs=1),
@@ -50,25 +46,9 @@ TIERS = {
 
 def stamp() -> dict:
     """Machine, versions and date, so every figure can be traced to where it was measured."""
-    import kvspec
-
-    return {
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {
-            "platform": platform.platform(),
-            "processor": platform.processor() or platform.machine(),
-            "cpu_count": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(),
-            "load_average_1_5_15min": os.getloadavg(),  # the machine is shared: timings depend on it
-        },
-        "versions": {
-            "python": sys.version.split()[0],
-            "torch": torch.__version__,
-            "numpy": np.__version__,
-            "flashcodec": flashcodec.__version__,
-            "kvspec": getattr(kvspec, "__version__", "unknown"),
-        },
-    }
+    out = environment_stamp(["flashcodec-kv", "kvcache-spec", "torch", "numpy"])
+    out["machine"]["torch_threads"] = torch.get_num_threads()
+    return out
 
 
 def random_walk(b: int, h: int, s: int, d: int, seed: int, step: float) -> torch.Tensor:

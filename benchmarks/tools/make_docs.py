@@ -1,10 +1,10 @@
 """Generate docs/benchmarks.md (and README.md's results block) from benchmarks/results/compare_*.json.
 
-    python benchmarks/make_docs.py            # rewrite docs/benchmarks.md and the README block
-    python benchmarks/make_docs.py --check    # exit 1 if either is not what the results give
+    python benchmarks/tools/make_docs.py            # rewrite docs/benchmarks.md and the README block
+    python benchmarks/tools/make_docs.py --check    # exit 1 if either is not what the results give
 
 Every figure on the page comes from the result files written by ``palu-mlx compare`` and
-``flashcodec compare`` (the main job, ``benchmarks/main_job.py``, runs both and then this script).
+``flashcodec compare`` (the main job, ``benchmarks/tools/main_job.py``, runs both and then this script).
 The output depends on nothing else (no clock, no machine), so regenerating from the committed
 results gives the committed page byte for byte. The reading below the tables is derived from the
 same figures by fixed rules (frontier, nearest peer, speed bands), so it changes with them.
@@ -17,10 +17,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvspec.report import format_bytes, render_markdown
-from kvspec.results import read_json
+from kvbench.report import LEGEND, format_bytes, render_markdown
+from kvbench.results import read_json
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
 DOC = ROOT / "docs" / "benchmarks.md"
 README = ROOT / "README.md"
@@ -39,7 +39,7 @@ SECTIONS = (
 #: how each method works, where it explains the figures (descriptions of the code, no figures)
 MECHANISMS = {
     "compare_palu": "palu stores low-rank latents and, at every step, reconstructs the whole history to "
-    "full K/V before mlx's attention (there is no fused low-rank attention kernel): the bytes held "
+    "full K/V before mlx's attention (there is no fused low-rank attention kernel yet): the bytes held "
     "shrink, the work per decode step does not, and it grows with the context. mlx-lm's "
     "`QuantizedKVCache` instead attends on its quantized keys and values directly.",
     "compare_flashcodec": "flashcodec's materialized tiers keep a decoded view of the whole history beside "
@@ -49,9 +49,11 @@ MECHANISMS = {
     "token with one scale per tensor).",
 }
 
-#: perplexity differences below this share of the baseline's perplexity are read as "the same quality":
-#: a few hundred scored tokens cannot separate smaller differences from noise
-SAME_QUALITY = 0.01
+#: KL ratios within this factor count as "the same quality" when ranking two caches: two runs of
+#: the same cache differ by less, two real differences in compression by more
+KL_TIE = 0.10
+#: mean KL below this (nats) reads as "indistinguishable from the baseline"
+NEAR_LOSSLESS_KL = 1e-3
 #: decode speed ratios inside [1 - SPEED_BAND, 1 + SPEED_BAND] are read as "about the same"
 SPEED_BAND = 0.15
 
@@ -66,83 +68,72 @@ def load_results(results_dir: Path = RESULTS) -> dict[str, dict[str, Any]]:
 
 
 # --------------------------------------------------------------------------- reading rules
-def dominates(a: dict[str, Any], b: dict[str, Any], tie: float) -> bool:
-    """``a`` is no larger and no worse than ``b`` (perplexity within ``tie`` counts as equal), and
+def _kl(row: dict[str, Any]) -> float:
+    return max(row["kl_mean"], 0.0)
+
+
+def dominates(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """``a`` holds no more bytes than ``b`` and its KL is no worse (within :data:`KL_TIE`), and it is
     strictly better on one of the two."""
     no_larger = a["kv_ratio"] <= b["kv_ratio"] * (1 + 1e-9)
-    no_worse = a["ppl_delta"] <= b["ppl_delta"] + tie
+    no_worse = _kl(a) <= _kl(b) * (1 + KL_TIE) + 1e-12
     smaller = a["kv_ratio"] < b["kv_ratio"] * (1 - 1e-3)
-    better = a["ppl_delta"] < b["ppl_delta"] - tie
+    better = _kl(a) < _kl(b) * (1 - KL_TIE)
     return no_larger and no_worse and (smaller or better)
 
 
-def frontier(rows: list[dict[str, Any]], tie: float) -> list[dict[str, Any]]:
+def frontier(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Rows no other row dominates (see :func:`dominates`), smallest first."""
-    return sorted(
-        (r for r in rows if not any(dominates(o, r, tie) for o in rows)), key=lambda r: r["kv_ratio"]
-    )
+    return sorted((r for r in rows if not any(dominates(o, r) for o in rows)), key=lambda r: r["kv_ratio"])
 
 
 def _pct(x: float) -> str:
     return f"{100 * x:.1f}%"
 
 
-def _ppl(row: dict[str, Any]) -> str:
-    return f"{row['ppl_delta']:+.3f}"
-
-
 def _at(row: dict[str, Any]) -> str:
-    return f"`{row['name']}` ({row['kv_ratio']:.3f}x, {_ppl(row)} ppl)"
+    return f"`{row['name']}` ({row['bits_per_element']:.2f} bits/el, KL {row['kl_mean']:.2e})"
 
 
-def reading(result: dict[str, Any]) -> list[str]:
-    """Bullet points read off one result by fixed rules: what keeps the baseline's quality, what
-    wins and loses against the peers, how decode speed compares, what the byte counts leave out."""
-    rows = result["rows"]
+def reading(rows: list[dict[str, Any]]) -> list[str]:
+    """Bullet points read off one run by fixed rules: what keeps the baseline's quality, what wins
+    and loses against the peers, how decode speed compares, what the cache keeps beyond its codes."""
     base = rows[0]
-    tie = SAME_QUALITY * base["perplexity"]
     tiers = [r for r in rows if r["kind"] == "tier"]
     peers = [r for r in rows if r["kind"] == "peer"]
     out: list[str] = [
-        f"Rule used below: perplexities closer than {_pct(SAME_QUALITY)} of the baseline's "
-        f"({tie:.3f}) count as the same quality."
+        f"Rules used below: a mean KL under {NEAR_LOSSLESS_KL:g} nats reads as indistinguishable from the "
+        f"baseline; KLs within {_pct(KL_TIE)} of each other count as the same quality."
     ]
-
-    same = sorted((r for r in tiers + peers if abs(r["ppl_delta"]) <= tie), key=lambda r: r["kv_ratio"])
+    same = sorted((r for r in tiers + peers if _kl(r) <= NEAR_LOSSLESS_KL), key=lambda r: r["kv_ratio"])
     if same:
         best = same[0]
         out.append(
-            "Same quality as the baseline: "
+            "Indistinguishable from the baseline: "
             + ", ".join(f"`{r['name']}` ({r['kv_ratio']:.3f}x)" for r in same)
-            + f". The smallest is `{best['name']}` at {best['kv_ratio']:.3f}x the uncompressed bytes, "
-            f"{_pct(best['token_match'])} greedy token match."
+            + f". The smallest is `{best['name']}` at {best['kv_ratio']:.3f}x the uncompressed bytes "
+            f"({best['bits_per_element']:.2f} bits per element), top-1 agreement {_pct(best['top1_agreement'])}."
         )
     else:
-        out.append("No tier or peer keeps the baseline's quality.")
+        out.append("No tier or peer is indistinguishable from the baseline.")
     out.append(
-        "On the storage/quality frontier (nothing else is both smaller and better): "
-        + ", ".join(_at(r) for r in frontier(rows, tie))
+        "On the bytes/KL frontier (nothing else is both smaller and better): "
+        + ", ".join(_at(r) for r in frontier(rows[1:]))
         + "."
     )
-
     for tier in tiers if peers else []:
-        beaten_by = [p for p in peers if dominates(p, tier, tie)]
-        beats = [p for p in peers if dominates(tier, p, tie)]
+        beaten_by = [p for p in peers if dominates(p, tier)]
+        beats = [p for p in peers if dominates(tier, p)]
         if beaten_by:
             p = min(beaten_by, key=lambda r: r["kv_ratio"])
-            out.append(
-                f"{_at(tier)} loses to {_at(p)}, which is no larger and no worse." + _match_note(tier, p)
-            )
+            out.append(f"{_at(tier)} loses to {_at(p)}, which is no larger and no worse.")
         elif beats:
             p = max(beats, key=lambda r: r["kv_ratio"])
-            out.append(f"{_at(tier)} beats {_at(p)}: no larger and no worse." + _match_note(p, tier))
+            out.append(f"{_at(tier)} beats {_at(p)}: no larger and no worse.")
         else:
             p = min(peers, key=lambda r: abs(r["kv_ratio"] - tier["kv_ratio"]))
-            if abs(tier["kv_ratio"] - p["kv_ratio"]) <= 1e-3 * p["kv_ratio"]:
-                size = "the same size"
-            else:
-                size = "smaller" if tier["kv_ratio"] < p["kv_ratio"] else "larger"
-            quality = "better" if tier["ppl_delta"] < p["ppl_delta"] else "worse"
+            size = "smaller" if tier["kv_ratio"] < p["kv_ratio"] else "larger"
+            quality = "better" if _kl(tier) < _kl(p) else "worse"
             out.append(f"{_at(tier)} is {size} but {quality} than {_at(p)}.")
 
     slow = [r for r in rows[1:] if r["decode_speed_ratio"] < 1 - SPEED_BAND]
@@ -160,44 +151,22 @@ def reading(result: dict[str, Any]) -> list[str]:
         + "; ".join(parts)
         + "."
     )
-
-    by_name = {r["name"]: r for r in rows}
-    for row in rows:
-        twin = by_name.get(row["name"].removesuffix("-mf")) if row["name"].endswith("-mf") else None
-        if twin is None or not row.get("kv_resident_bytes") or not twin.get("kv_resident_bytes"):
-            continue
-        out.append(
-            f"`{row['name']}` against `{twin['name']}` (same codes, attention computed on them instead of on a "
-            f"decoded view): perplexity {row['perplexity']:.3f} vs {twin['perplexity']:.3f}, decode "
-            f"{row['decode_tokens_per_s'] / twin['decode_tokens_per_s']:.2f}x its speed, resident bytes "
-            f"{row['kv_resident_bytes'] / twin['kv_resident_bytes']:.3f}x, peak memory "
-            f"{row['peak_memory_bytes'] / twin['peak_memory_bytes']:.2f}x."
-        )
-
     if abs(base["kv_ratio"] - 1) > 1e-9:
         out.append(
             f"The baseline itself holds {base['kv_ratio']:.3f}x the bytes of its tokens: it reserves "
             "capacity ahead of the tokens it holds, and that memory is counted."
         )
-    resident = [r for r in rows if r.get("kv_resident_bytes") is not None]
-    if resident:
+    heavy = [r for r in rows[1:] if r["resident_ratio"] > r["kv_ratio"] * 1.05]
+    if heavy:
         out.append(
-            "KV held counts the compressed representation. Everything the cache object keeps, spare capacity "
-            "and the decoded view attention reads included: "
-            + ", ".join(f"`{r['name']}` {r['kv_resident_bytes'] / r['kv_raw_bytes']:.3f}x" for r in resident)
+            "Resident bytes above held bytes (spare capacity, decoded views, raw tails): "
+            + ", ".join(
+                f"`{r['name']}` {r['resident_ratio']:.3f}x resident vs {r['kv_ratio']:.3f}x held"
+                for r in heavy
+            )
             + "."
         )
     return out
-
-
-def _match_note(worse: dict[str, Any], better: dict[str, Any]) -> str:
-    """A clause when greedy token match points the other way than perplexity and size do."""
-    if worse["token_match"] - better["token_match"] < 0.1:
-        return ""
-    return (
-        f" Its greedy token match is higher, though: {_pct(worse['token_match'])} against "
-        f"{_pct(better['token_match'])} for `{better['name']}`."
-    )
 
 
 # --------------------------------------------------------------------------- page
@@ -205,36 +174,48 @@ def _cell(text: str) -> str:
     return " ".join(text.split()).replace("|", "\\|").replace("`", "'")
 
 
+def _run_title(run: dict[str, Any]) -> str:
+    st = run["settings"]
+    return (
+        f"{run['name']} context: {st['windows']} windows of {st['context_tokens']} context + "
+        f"{st['scored_tokens']} scored tokens ({st['windows'] * st['scored_tokens']} scored positions)"
+    )
+
+
 def _section(stem: str, title: str, peers: str, result: dict[str, Any]) -> list[str]:
-    m, s, st = result["model"], result["settings"], result["stamp"]
+    m, inputs, st = result["model"], result["inputs"], result["stamp"]
     mach = st["machine"]
     versions = ", ".join(f"{k} {v}" for k, v in st["versions"].items() if v is not None)
     missing = ", ".join(k for k, v in st["versions"].items() if v is None)
+    speed = result["runs"][0]["settings"]
     lines = [
         f"## {title}",
         "",
         f"`{result['tool']}` compares every tier with the uncompressed baseline and with {peers}.",
         "",
         f"- **Run:** {st['date']} on {mach['platform']} ({mach['processor']}, {mach['cpu_count']} CPUs, "
-        f"Python {mach['python']}), device `{s.get('device')}`"
+        f"Python {mach['python']}), device `{inputs.get('device') or 'cpu'}`"
         + (
-            f"; load average {mach['load_average'][0]:.1f} / {mach['load_average'][1]:.1f} (1 / 5 min) at the end."
+            f"; load average {mach['load_average'][0]:.1f} / {mach['load_average'][1]:.1f} (1 / 5 min) at the start."
             if mach.get("load_average")
             else "."
         ),
-        f"- **Timing:** best of {s['speed_rounds']} round-robin rounds of {s['speed_steps']} one-token calls "
-        "after a prefill of one window's context.",
+        f"- **Timing:** best of {speed['speed_rounds']} round-robin rounds of {speed['speed_steps']} one-token "
+        "calls after a prefill of one window's context.",
         f"- **Versions:** {versions}." + (f" Not installed: {missing}." if missing else ""),
         f"- **Model:** `{m['name']}`: {m['architecture']}, {m['layers']} layers, {m['kv_heads']} KV heads of "
-        f"dim {m['head_dim']}, {m['dtype']}, {format_bytes(m['weights_bytes'])} of weights"
+        f"dim {m['head_dim']}, run in {m['dtype']}, {format_bytes(m['weights_bytes'])} of weights"
         + (f" (sha256 `{m['weights_sha256'][:12]}`)." if m.get("weights_sha256") else "."),
-        f"- **Text:** {s['windows']} windows of {s['context_tokens']} context + {s['scored_tokens']} scored "
-        f"tokens from `{Path(s['text']).name}` (sha256 `{s['text_sha256'][:12]}`); greedy: {s['prompts']} prompts "
-        f"({s['prompt_source']}) x {s['new_tokens']} new tokens.",
+        f"- **Text:** `{Path(inputs['text']).name}` (sha256 `{inputs['text_sha256'][:12]}`).",
         "",
-        render_markdown(result),
-        "",
-        f"Peak memory: {result['measures']['peak_memory_bytes']}.",
+    ]
+    for run in result["runs"]:
+        lines += [f"### {_run_title(run)}", "", render_markdown(run["rows"]), ""]
+        lines += ["**Reading.**", ""]
+        lines += [f"- {point}" for point in reading(run["rows"])]
+        lines.append("")
+    lines += [
+        f"Peak memory: {result['measures']['peak_label']}.",
         "",
         f"![{stem}](../benchmarks/results/{stem}.png)",
         "",
@@ -243,15 +224,14 @@ def _section(stem: str, title: str, peers: str, result: dict[str, Any]) -> list[
         lines.append(f"- **Absent:** `{item['name']}` ({item['kind']}): {_cell(item['reason'])}")
     if result.get("absent"):
         lines.append("")
-    lines += ["**Reading.**", ""]
-    lines += [f"- {point}" for point in reading(result)]
     if stem in MECHANISMS:
-        lines += [f"- How it works, where that explains the figures: {MECHANISMS[stem]}"]
-    lines += ["", "<details><summary>Greedy continuation of the first prompt, per cache</summary>", ""]
+        lines += [f"How it works, where that explains the figures: {MECHANISMS[stem]}", ""]
+    short = result["runs"][0]["rows"]
+    lines += ["<details><summary>Greedy continuation of the first prompt, per cache</summary>", ""]
     lines += ["| cache | text |", "|---|---|"]
-    lines += [f"| {r['name']} | `{_cell(r['sample']) or ' '}` |" for r in result["rows"]]
+    lines += [f"| {r['name']} | `{_cell(r['sample']) or ' '}` |" for r in short]
     lines += ["", "</details>", "", "| cache | what it is |", "|---|---|"]
-    lines += [f"| {r['name']} | {_cell(r['description'])} |" for r in result["rows"]]
+    lines += [f"| {r['name']} | {_cell(r['description'])} |" for r in short]
     lines.append("")
     return lines
 
@@ -261,43 +241,32 @@ def render_doc(results: dict[str, dict[str, Any]]) -> str:
     lines = [
         "# Benchmarks: every tier beside the baseline and the peers",
         "",
-        "<!-- generated by benchmarks/make_docs.py from benchmarks/results/compare_*.json: do not edit by hand -->",
+        "<!-- generated by benchmarks/tools/make_docs.py from benchmarks/results/compare_*.json: do not edit by hand -->",
         "",
-        "Measured by the main job (`hatch run demo`, i.e. `python benchmarks/main_job.py`), which runs "
+        "Measured by the main job (`hatch run demo`, i.e. `python benchmarks/tools/main_job.py`), which runs "
         "`palu-mlx compare` and `flashcodec compare` on the embedded model and regenerates this page with "
-        "`python benchmarks/make_docs.py`. Run the same commands with `--model` on your own model.",
+        "`python benchmarks/tools/make_docs.py`. Run the same commands with `--model` on your own model.",
         "",
         "## How each figure is measured",
         "",
-        "Each cache runs the same protocol in one process, one after the other, after an untimed warm-up:",
-        "held-out text is cut into windows; for each window a fresh cache is prefilled with the context, "
-        "then the rest of the window is fed one true token per call, scoring each token from the logits "
-        "before it (teacher-forced decoding: every scored prediction reads the compressed history the way "
-        "generation would). Then each prompt is continued greedily. Ratios compare a cache with the "
-        "baseline of the same run.",
+        "Each cache runs kvbench's protocol in one process, after an untimed warm-up, in the model's 16-bit "
+        "dtype: held-out text is cut into windows; for each window every cache in turn is prefilled with the "
+        "context, then fed the rest of the window one true token per call (teacher-forced decoding: every "
+        "scored prediction reads the compressed history the way generation would). At each scored position "
+        "its next-token distribution is compared with the baseline's: KL divergence and top-1 agreement. A "
+        "short-context run (many windows) and a long-context run (windows as long as the model allows, up to "
+        "2,048 tokens) are both reported. Ratios compare a cache with the baseline of the same run.",
         "",
-        "| column | meaning |",
+        _cell(LEGEND),
+        "",
+        "| field | meaning |",
         "|---|---|",
     ]
     first = next(iter(results.values()), None)
     if first is not None:
-        names = {
-            "kv_bytes": "KV held",
-            "kv_ratio": "x raw",
-            "peak_memory_bytes": "peak mem",
-            "perplexity": "ppl",
-            "ppl_delta": "d ppl",
-            "token_match": "token match",
-            "decode_speed_ratio": "decode x",
-            "prefill_time_ratio": "prefill x",
-        }
-        for key, column in names.items():
-            meaning = (
-                first["measures"][key]
-                if key != "peak_memory_bytes"
-                else "see each section (framework specific)"
-            )
-            lines.append(f"| {column} | {_cell(meaning)} |")
+        for key, meaning in first["measures"].items():
+            if key != "peak_label":
+                lines.append(f"| `{key}` | {_cell(meaning)} |")
     lines.append("")
     for stem, title, peers in SECTIONS:
         if stem in results:
@@ -318,38 +287,47 @@ def _caveats(results: dict[str, dict[str, Any]]) -> list[str]:
     return [
         "## What the embedded model cannot tell",
         "",
-        f"- It is tiny ({described}) and trained briefly on a small corpus, so its perplexity is high and its "
-        "greedy text is weak. Relative effects (which tier is smaller, which hurts perplexity more) are "
-        "informative; absolute perplexities and token-match rates are not what a real model shows.",
+        f"- It is tiny ({described}) and trained on a CPU for a few hours, so its perplexity is high and its "
+        "greedy text is weak. Relative effects (which tier is smaller, which moves the distribution more) "
+        "are informative; absolute perplexities and token-match rates are not what a real model shows. "
+        "How its K/V statistics differ from real LLMs' is in docs/embedded-model.md.",
         "- Real models have longer contexts, more layers for errors to compound through, and different K/V "
         "statistics per layer (outlier channels, anti-correlated values). A tier that is near-lossless "
         "here can hurt a large dense model; run the compare command on the model you care about.",
         "- Speeds are CPU timings of a model this small, where per-call overhead dominates; on a GPU and a "
         "large model the balance between attention, reconstruction and weights differs. The machine may be "
         "shared, so timing ratios carry noise that the storage and perplexity columns do not.",
-        "- Peak memory is measured differently per framework (see each section), over a short run: it "
-        "shows transient buffers (activations, decoded views) next to a cache of a few hundred tokens, "
-        "not the steady state of a long context.",
+        "- Peak memory is measured differently per framework (see each section); at 2,048 tokens this model's "
+        "whole K/V cache is a few MiB, so transient buffers (activations, logits) weigh more than they "
+        "would beside a real model's cache.",
         "",
     ]
 
 
+README_COLUMNS = ["cache", "bits/el", "held x", "resident x", "KL", "top-1", "d ppl", "decode x"]
+
+
 def render_readme_block(results: dict[str, dict[str, Any]]) -> str:
-    """The headline tables for README.md (between the results markers), from the same results."""
+    """The headline tables for README.md (between the results markers): the long-context run."""
     lines = [START, ""]
     for stem, title, _ in SECTIONS:
         if stem not in results:
             continue
         r = results[stem]
+        run = r["runs"][-1]
         lines += [
-            f"**{title}** (`{r['tool']}` on `{r['model']['name']}`, {r['stamp']['date'][:10]}):",
+            f"**{title}** (`{r['tool']}` on `{r['model']['name']}` in {r['model']['dtype']}, "
+            f"{_run_title(run)}, {r['stamp']['date'][:10]}):",
             "",
-            render_markdown(r, columns=["cache", "x raw", "d ppl", "token match", "decode x"]),
+            render_markdown(run["rows"], columns=README_COLUMNS),
             "",
         ]
     lines += [
-        "x raw: KV bytes held / uncompressed; d ppl: perplexity increase over the baseline; decode x: "
-        "decode speed vs the baseline of the same run. Generated by `benchmarks/make_docs.py`.",
+        "bits/el: bits held per K/V element; held x / resident x: bytes held / everything the cache keeps, "
+        "over the uncompressed 16-bit cache; KL: mean KL(baseline || cache) of next-token distributions; "
+        "top-1: positions where the most likely next token agrees with the baseline's; d ppl: perplexity "
+        "increase; decode x: decode speed vs the baseline of the same run. Generated by "
+        "`benchmarks/tools/make_docs.py`.",
         "",
         END,
     ]

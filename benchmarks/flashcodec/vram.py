@@ -22,7 +22,7 @@ The flatness claim is a ratio measured in one run: ``step_median(S) / step_media
 ``step_min(S) / step_min(S_min)`` stay near 1 (the min is the least noise-sensitive on a shared
 machine), and the blocks decoded per step stay at most 2, while re-decoding grows with S.
 
-    hatch run torch:python benchmarks/bench_vram.py   # writes results/flashcodec_vram.json
+    hatch run torch:python benchmarks/flashcodec/vram.py   # writes results/flashcodec_vram.json
 """
 
 from __future__ import annotations
@@ -36,10 +36,10 @@ import time
 from pathlib import Path
 
 import torch
-from bench_reconstruct import random_walk, stamp
 from flashcodec import CodecKVCache
+from reconstruct import random_walk, stamp
 
-RESULTS = Path(__file__).resolve().parent / "results" / "flashcodec_vram.json"
+RESULTS = Path(__file__).resolve().parents[1] / "results" / "flashcodec_vram.json"
 
 TIERS = {
     "jpeg k=2": dict(mode="jpeg", block_size=8, keep_freqs=2),

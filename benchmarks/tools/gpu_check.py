@@ -4,7 +4,7 @@ Run it once on a machine with a CUDA GPU, in an environment with CUDA torch, tri
 transformers and the repository's packages installed (``pip install -e packages/kvspec
 packages/flashcodec-torch``)::
 
-    python benchmarks/gpu_check.py            # a few minutes on one GPU
+    python benchmarks/tools/gpu_check.py            # a few minutes on one GPU
 
 It writes, under ``benchmarks/results/``:
 
@@ -28,8 +28,8 @@ import tempfile
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
+BENCH = Path(__file__).resolve().parents[1]
+ROOT = BENCH.parent
 TESTS = ROOT / "packages" / "flashcodec-torch" / "tests"
 
 
@@ -72,21 +72,21 @@ def main() -> None:
 
     if not torch.cuda.is_available():
         sys.exit("gpu_check.py needs a CUDA device; none is visible here (nothing was run)")
-    sys.path.insert(0, str(HERE))
-    from kvspec.results import environment_stamp, write_json
+    sys.path.insert(0, str(BENCH / "flashcodec"))
+    from kvbench.results import environment_stamp, write_json
 
     tests = run_tests()
     stamp = environment_stamp(["torch", "triton", "transformers", "flashcodec-kv", "kvcache-spec"])
     stamp["machine"]["device"] = torch.cuda.get_device_name(0)
     write_json(
-        HERE / "results" / "flashcodec_gpu_check.json", {"benchmark": "gpu_check", **stamp, "tests": tests}
+        BENCH / "results" / "flashcodec_gpu_check.json", {"benchmark": "gpu_check", **stamp, "tests": tests}
     )
 
-    import bench_attention
-    import bench_e2e
+    import attention
+    import e2e
 
-    bench_attention.main(["--device", "cuda", "--dim", "128", "--seqs", "4096,16384,65536", "--threads", "4"])
-    bench_e2e.main(["--device", "cuda", "--threads", "4"])
+    attention.main(["--device", "cuda", "--dim", "128", "--seqs", "4096,16384,65536", "--threads", "4"])
+    e2e.main(["--device", "cuda", "--threads", "4"])
     if tests["returncode"] != 0:
         sys.exit(f"CUDA tests did not all pass: {tests['counts']}")
 
