@@ -25,9 +25,18 @@ REPO = Path(__file__).resolve().parents[2]
 # (directory, distribution name, import name, extras, extras installed for the import test)
 PACKAGES = [
     ("kvspec", "kvcache-spec", "kvspec", set(), ""),
-    ("palu-mlx", "palu-mlx", "palu_mlx", {"cpu", "cuda"}, "[cpu]" if sys.platform == "linux" else ""),
-    ("flashcodec-torch", "flashcodec-kv", "flashcodec", {"hf", "triton", "demo"}, ""),
+    ("kvbench", "kvbench", "kvbench", {"plot"}, ""),
+    (
+        "palu-mlx",
+        "palu-mlx",
+        "palu_mlx",
+        {"cpu", "cuda", "compare"},
+        "[cpu,compare]" if sys.platform == "linux" else "[compare]",
+    ),
+    ("flashcodec-torch", "flashcodec-kv", "flashcodec", {"hf", "triton", "demo", "compare"}, "[compare]"),
 ]
+#: console script of each package with a compare extra (installed with it, so ``--list`` must work)
+COMMANDS = {"palu-mlx": "palu-mlx", "flashcodec-kv": "flashcodec"}
 
 PROBE = textwrap.dedent(
     """
@@ -91,6 +100,15 @@ def test_kvspec_wheel_ships_its_data(wheel_dir):
     names = zipfile.ZipFile(_wheel(wheel_dir, "kvcache-spec")).namelist()
     assert "kvspec/data/vectors.npz" in names and "kvspec/data/manifest.json" in names
     assert "kvspec/py.typed" in names
+    # the contract knows nothing of the compare harness
+    assert not any(n.startswith("kvspec/") and n.split("/")[-1] in ("measure.py", "report.py") for n in names)
+
+
+def test_kvbench_wheel_ships_its_text(wheel_dir):
+    import zipfile
+
+    names = zipfile.ZipFile(_wheel(wheel_dir, "kvbench")).namelist()
+    assert "kvbench/data/heldout.txt" in names and "kvbench/py.typed" in names
 
 
 @pytest.mark.slow
@@ -103,7 +121,10 @@ def test_wheel_installs_in_a_clean_venv(wheel_dir, tmp_path, directory, dist, mo
     python = venv / ("Scripts" if sys.platform == "win32" else "bin") / "python"
     constraints = tmp_path / "constraints.txt"
     constraints.write_text("torch==2.13.0\n")
+    # the local wheels are named explicitly, so pip never takes a same-named project from an index
     requirements = [str(_wheel(wheel_dir, "kvcache-spec"))]
+    if dist not in ("kvcache-spec", "kvbench") and "compare" in install_extras:
+        requirements.append(str(_wheel(wheel_dir, "kvbench")))
     if dist != "kvcache-spec":
         requirements.append(f"{_wheel(wheel_dir, dist)}{install_extras}")
     _run(
@@ -132,6 +153,14 @@ def test_wheel_installs_in_a_clean_venv(wheel_dir, tmp_path, directory, dist, mo
     assert set(info["extras"]) == extras
     if dist != "kvcache-spec":
         assert any(r.startswith("kvcache-spec") for r in info["requires"]), info["requires"]
+    if dist in COMMANDS:
+        # the compare extra brings kvbench: the console script lists the package's tiers
+        script = venv / ("Scripts" if sys.platform == "win32" else "bin") / COMMANDS[dist]
+        listed = _run([str(script), "compare", "--list"], cwd=tmp_path, timeout=600).stdout
+        assert "tier  " in listed and "peer  " in listed, listed
+    if dist == "kvbench":
+        check = "from kvbench.cli import load_eval_text; text, path = load_eval_text(None); assert len(text) > 50_000"
+        _run([str(python), "-c", check], cwd=tmp_path, timeout=300)
     if dist == "kvcache-spec":
         # the data travels in the wheel: vectors load and the reference passes a check
         check = (
