@@ -17,12 +17,12 @@ import json
 import sys
 from pathlib import Path
 
-import mlx.core as mx
 import numpy as np
 from kvbench.results import environment_stamp
 from kvspec.conformance import relative_error as rel_err
 from kvspec.vectors import load_vectors
 from palu_mlx import PaluKVCache, naive_roundtrip
+from palu_mlx.spec import PaluAdapter
 from palu_mlx.tiers import TIERS
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
@@ -30,24 +30,21 @@ RESULTS = Path(__file__).resolve().parents[1] / "results"
 FAMILIES = ("planted_lowrank", "random_walk", "gaussian", "outlier_keys", "real")
 #: the tier the summary sets against naive 2-bit
 HEADLINE = "reference-default"
+#: numpy <-> mlx conversions of the conformance adapter (vectors are stored as float32 numpy)
+ADAPTER = PaluAdapter()
+to_mx, to_np = ADAPTER.to_native, ADAPTER.to_numpy
 
 
 def stamp() -> dict:
+    """Machine, versions, date and the command line, so every figure can be traced to its run."""
     return {
         **environment_stamp(["palu-mlx", "kvcache-spec", "mlx", "mlx-lm", "numpy"]),
-        "command": "python benchmarks/palu/reconstruction.py " + " ".join(sys.argv[1:]),
+        "command": " ".join(["python benchmarks/palu/reconstruction.py", *sys.argv[1:]]),
     }
 
 
-def to_mx(array: np.ndarray, dtype: str) -> mx.array:
-    return mx.array(array.astype(np.float32)).astype(getattr(mx, dtype))
-
-
-def to_np(array: mx.array) -> np.ndarray:
-    return np.array(array.astype(mx.float32))
-
-
 def palu_on_vector(vector, config) -> dict:
+    """Stream ``vector`` through a fresh palu cache; errors of the final fetch and measured bits."""
     cache = PaluKVCache(config)
     s = vector.shape[2]
     bounds = [0, s // 2, *range(s // 2 + 8, s, 8), s]
@@ -63,7 +60,7 @@ def palu_on_vector(vector, config) -> dict:
         "key_rel_err": rel_err(to_np(keys), vector.keys),
         "value_rel_err": rel_err(to_np(values), vector.values),
         "bits_per_element": 8 * state_bytes / elements,
-        "bits_per_element_with_capacity": 8 * cache.nbytes / elements,
+        "bits_per_element_with_capacity": cache.storage_stats().bits_per_element,
         "bits_per_element_per_token_arrays": 8 * token_bytes / elements,
         "key_rank": cache.key_rank,
         "value_rank": cache.value_rank,
@@ -72,6 +69,7 @@ def palu_on_vector(vector, config) -> dict:
 
 
 def naive_on_vector(vector, bits: int) -> dict:
+    """Uniform ``bits``-bit group-64 quantization of the whole vector (per token, so no stream)."""
     k_hat, k_bytes = naive_roundtrip(to_mx(vector.keys, vector.dtype), bits, 64)
     v_hat, v_bytes = naive_roundtrip(to_mx(vector.values, vector.dtype), bits, 64)
     elements = int(np.prod(vector.shape) + np.prod(vector.values_shape))
@@ -144,6 +142,8 @@ def run_reconstruction() -> dict:
             "bits_per_element_with_capacity": "8 * cache.nbytes (buffers at their grown 256-token capacity) / elements",
             "stream": "prefill of S//2 tokens, then 8-token appends",
             "palu tiers": {name: tier.description for name, tier in TIERS.items()},
+            "palu common": "every tier has head_dim=None and palu_n_head_groups=1 (vectors have 1-4 heads); "
+            "palu_min_fit_tokens=None: D tokens are held exact before the fit",
         },
         "vectors": [v.name for v in vectors],
         "rows": rows,
