@@ -1,4 +1,4 @@
-"""The embedded model: architecture the issue asks for, loads in both frameworks, and they agree.
+"""The embedded model: a small real qwen3 with GQA, loads in both frameworks, and they agree.
 
 Parity tolerance: both frameworks run float32 on CPU; their next-token logits must agree within
 ``LOGIT_ATOL`` absolute (the logits span roughly +-20, so this is ~1e-5 relative), and greedy

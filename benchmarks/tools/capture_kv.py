@@ -67,11 +67,11 @@ def var_delta_ratio(x: np.ndarray) -> float:
 
 
 def dct_matrix(block: int) -> np.ndarray:
-    """Orthonormal DCT-II matrix float64 ``[block, block]``: row j is frequency j."""
-    n = np.arange(block)
-    m = np.cos(np.pi / block * (n[None, :] + 0.5) * n[:, None]) * np.sqrt(2.0 / block)
-    m[0] /= np.sqrt(2.0)
-    return m
+    """Orthonormal DCT-II matrix float64 ``[block, block]`` (row j is frequency j): flashcodec's own."""
+    import torch
+    from flashcodec.codecs import dct_matrix as codec_dct
+
+    return codec_dct(block, dtype=torch.float64).numpy()
 
 
 def dct_low_energy_fraction(x: np.ndarray, block: int = 8, keep: int = 2) -> float:
@@ -167,10 +167,36 @@ def capture_kv(model, input_ids, layers: list[int]) -> dict[int, tuple[np.ndarra
     Keys and values are float32 numpy ``[1, H_kv, S, D]``, post-RoPE, read from the
     ``DynamicCache`` the forward pass fills.
     """
+    return {i: (k, v) for i, (k, v, _) in capture_kv_with_pre_rope(model, input_ids, layers).items()}
+
+
+def capture_kv_with_pre_rope(model, input_ids, layers: list[int]) -> dict[int, tuple[np.ndarray, ...]]:
+    """``{layer: (post-RoPE keys, values, pre-RoPE keys)}``, float32 numpy ``[1, H_kv, S, D]`` each.
+
+    Pre-RoPE keys are what the attention module holds just before the rotation: the output of its
+    key norm where it has one (qwen3's ``k_norm``), else of its key projection, reshaped to heads.
+    """
     import torch
 
-    with torch.no_grad():
-        out = model(input_ids=input_ids, use_cache=True)
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    pre: dict[int, np.ndarray] = {}
+    hooks = []
+    for i in layers:
+        attn = decoder.layers[i].self_attn
+        module = getattr(attn, "k_norm", None) or attn.k_proj
+        head_dim = attn.head_dim
+
+        def keep(_module, _inputs, output, i=i, head_dim=head_dim):
+            x = output.detach().float()
+            pre[i] = x.reshape(x.shape[0], x.shape[1], -1, head_dim).transpose(1, 2).cpu().numpy().copy()
+
+        hooks.append(module.register_forward_hook(keep))
+    try:
+        with torch.no_grad():
+            out = model(input_ids=input_ids, use_cache=True)
+    finally:
+        for hook in hooks:
+            hook.remove()
     cache = out.past_key_values
     captured = {}
     for i in layers:
@@ -178,8 +204,32 @@ def capture_kv(model, input_ids, layers: list[int]) -> dict[int, tuple[np.ndarra
         captured[i] = (
             layer.keys.detach().float().cpu().numpy().copy(),
             layer.values.detach().float().cpu().numpy().copy(),
+            pre[i],
         )
     return captured
+
+
+def layer_statistics(model, input_ids) -> list[dict]:
+    """For every layer holding K/V: the codec-deciding statistics of its post-RoPE keys, pre-RoPE
+    keys and values (Var(Δ)/Var(X), energy in the lowest 2 of 8 DCT coefficients, the rank per KV
+    head holding 90% and 99% of the centred energy)."""
+    layers = attention_layer_indices(model.config)
+    captured = capture_kv_with_pre_rope(model, input_ids, layers)
+    rows = []
+    for i in layers:
+        keys, values, pre_keys = captured[i]
+        row = {"layer": i}
+        for label, x in (("keys_post_rope", keys), ("keys_pre_rope", pre_keys), ("values", values)):
+            r90 = rank_for_energy_per_group(x, 1, 0.90)
+            r99 = rank_for_energy_per_group(x, 1, 0.99)
+            row[label] = {
+                "var_delta_ratio": round(var_delta_ratio(x), 4),
+                "dct_low2_energy": round(dct_low_energy_fraction(x, block=8, keep=2), 4),
+                "rank90_per_head": r90,
+                "rank99_per_head": r99,
+            }
+        rows.append(row)
+    return rows
 
 
 def _sha256_file(path: Path) -> str:
@@ -209,6 +259,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--start", type=int, default=0, help="first token of the window in the encoded text")
     p.add_argument("--text-file", type=Path, default=None, help=f"text to run on (default: {HELDOUT_LABEL})")
     p.add_argument("--group-size", type=int, default=2, help="heads per group for rank90")
+    p.add_argument(
+        "--stats-tokens",
+        type=int,
+        default=512,
+        help="tokens for the per-layer statistics of every layer, pre- and post-RoPE (0: skip)",
+    )
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="statistics JSON")
     p.add_argument(
         "--add-to-kvspec", action="store_true", help="merge the K/V into kvspec's vectors (family 'real')"
@@ -248,6 +304,21 @@ def main(argv: list[str] | None = None) -> dict:
         )
     layers = resolve_layers(args.layers, attention_layer_indices(model.config))
     captured = capture_kv(model, ids, layers)
+
+    per_layer = []
+    if args.stats_tokens:
+        stats_ids = tokenizer(text, return_tensors="pt").input_ids[:, args.start : args.start + args.stats_tokens]
+        per_layer = layer_statistics(model, stats_ids)
+        print(f"per layer, {stats_ids.shape[1]} tokens: Var(d)/Var(x), DCT low-2 energy, mean rank90 / rank99 per head")
+        for row in per_layer:
+            cells = []
+            for label in ("keys_post_rope", "keys_pre_rope", "values"):
+                st = row[label]
+                cells.append(
+                    f"{label}: {st['var_delta_ratio']:.2f} {st['dct_low2_energy']:.2f} "
+                    f"{np.mean(st['rank90_per_head']):.1f}/{np.mean(st['rank99_per_head']):.1f}"
+                )
+            print(f"  L{row['layer']}  " + "  ".join(cells))
 
     model_label = _model_label(args.model)
     weights = sorted(Path(args.model).glob("*.safetensors")) if Path(args.model).exists() else []
@@ -339,6 +410,13 @@ def main(argv: list[str] | None = None) -> dict:
         },
         "vectors": [name for name, *_ in vectors] if args.add_to_kvspec else [],
         "layers": rows,
+        "per_layer_tokens": args.stats_tokens,
+        "per_layer_definitions": {
+            "keys_pre_rope": "the key norm's output (before the rotation), per head",
+            "rank90_per_head / rank99_per_head": "per KV head, mean-centred over tokens: smallest r with "
+            "sum(s[:r]^2) >= 0.9 (0.99) sum(s^2)",
+        },
+        "per_layer": per_layer,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=2) + "\n")

@@ -11,10 +11,10 @@ It writes, under ``benchmarks/results/``:
 * ``flashcodec_gpu_check.json``: the CUDA test outcomes of ``test_kernel_triton.py`` and
   ``test_attention.py`` (the Triton kernel against its torch reference and the materialized path),
   stamped with the device;
-* ``flashcodec_attention_cuda.json``: ``bench_attention.py --device cuda --dim 128`` (materialized,
+* ``flashcodec_attention_cuda.json``: ``benchmarks/flashcodec/attention.py --device cuda --dim 128`` (materialized,
   coefficient torch and coefficient Triton per sequence length, CUDA timings and
   ``torch.cuda.max_memory_allocated``);
-* ``flashcodec_e2e_cuda.json``: ``bench_e2e.py --device cuda`` on the embedded model.
+* ``flashcodec_e2e_cuda.json``: ``benchmarks/flashcodec/e2e.py --device cuda`` on the embedded model.
 
 Nothing here runs without CUDA: it exits with a message instead.
 """

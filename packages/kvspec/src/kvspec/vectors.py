@@ -358,8 +358,8 @@ def add_vectors(vectors: list[TestVector], data_dir: Path | None = None) -> None
         v = round_to_dtype(values_bhsd, "bfloat16")
         add_vectors([TestVector(name="real_tinyqwen3_l2_bf16", family="real", dtype="bfloat16",
                                 keys=k, values=v,
-                                provenance={"model": "benchmarks/models/tiny-qwen3", "layer": 2,
-                                            "text": "...", "script": "benchmarks/capture_vectors.py"})])
+                                provenance={"model": "my-model", "layer": 2,
+                                            "text": "...", "script": "my_capture.py"})])
 
     ``statistics`` are measured and stored when the vector leaves them empty.
     """
