@@ -1,0 +1,68 @@
+"""What the flashcodec measurement scripts share: tier lookup, signals, stamping, results paths.
+
+Every configuration a script runs is a tier of :data:`flashcodec.tiers.TIERS`, named as there
+("jpeg-k2-int8"); :func:`tier_list` parses and checks ``--tiers`` against that registry.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+from flashcodec.tiers import TIERS
+from kvbench.results import environment_stamp, write_json
+
+#: benchmarks/results/
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+
+
+def tier_list(text: str) -> list[str]:
+    """``--tiers a,b``: tier names of :data:`~flashcodec.tiers.TIERS`, checked (argparse type)."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in TIERS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown tier(s) {unknown or text!r}; known: {list(TIERS)}")
+    return names
+
+
+def random_walk(b: int, h: int, s: int, d: int, seed: int, step: float) -> torch.Tensor:
+    """``[b, h, s, d]`` fp32 ``x_0 + step * cumsum(N(0, 1))`` along the sequence (seeded):
+    autocorrelated like the description's synthetic signal."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(b, h, 1, d, generator=g) + step * torch.randn(b, h, s, d, generator=g).cumsum(2)
+
+
+def sync(device: torch.device) -> None:
+    """Wait for queued CUDA work, so a wall-clock timing covers it (no-op on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def stamp(packages: list[str], device: torch.device | None = None) -> dict:
+    """:func:`kvbench.results.environment_stamp` (machine, versions, date, load average) plus the
+    torch threads and, given ``device``, its name."""
+    out = environment_stamp(packages)
+    out["machine"]["torch_threads"] = torch.get_num_threads()
+    if device is not None:
+        out["machine"]["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return out
+
+
+def add_device_options(parser: argparse.ArgumentParser) -> None:
+    """``--device``, ``--threads`` and ``--out`` (``benchmarks/tools/gpu_check.py`` passes the first two)."""
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="1 by default: intra-op threads stall on a shared machine"
+    )
+    parser.add_argument(
+        "--out", type=Path, default=None, help="default: results/<name>.json (CPU) or <name>_cuda.json"
+    )
+
+
+def save(data: dict, name: str, args: argparse.Namespace) -> Path:
+    """Write ``data`` to ``args.out`` or ``results/<name>.json`` (``<name>_cuda.json`` on a GPU)."""
+    out = args.out or RESULTS / (f"{name}.json" if args.device == "cpu" else f"{name}_cuda.json")
+    write_json(out, data)
+    print(f"wrote {out}")
+    return out
