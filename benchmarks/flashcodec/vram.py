@@ -3,7 +3,8 @@
 Question: does the memoized read keep a decode step's cost flat as S grows, and what does each
 tier hold in memory?
 
-For each S (4k .. 64k tokens; B=1, H=8, D=64, fp32 as in the description) and tier:
+For each S (4k .. 64k tokens; B=1, H=8, D=64, fp32 as in the description) and tier of
+:data:`flashcodec.tiers.TIERS` (``--tiers``; default jpeg-k2, jpeg-k2-int8, jpeg-k8-int8, png-keep1):
 
 * storage: measured from the tensors the cache holds (``storage_bytes()``): ``held`` = used
   archive + raw tail (= kvspec ``nbytes``), ``allocated`` = archive capacity + tail buffers,
@@ -12,7 +13,8 @@ For each S (4k .. 64k tokens; B=1, H=8, D=64, fp32 as in the description) and ti
 * step: ``decode_step`` of one new token, which appends it and returns the full view
   (median and mean over ``--steps`` steps after one warm-up step; the steps cross block
   boundaries, so they include the one-block decodes and any geometric regrowth).
-* blocks decoded per step (keys + values): the work a step does, counted, so the flatness
+* blocks decoded per step (keys + values): the work a step does, counted (the growth of each
+  stream's ``view_blocks``, the blocks its memoized view holds decoded), so the flatness
   evidence does not depend on a quiet machine. A non-memoized read would decode all of them.
 * redecode: what a non-memoized read would cost per step: decode every archived block
   (``codec.decode`` of the whole archive), min of ``--redecode-repeats`` (the min is the least
@@ -28,7 +30,6 @@ machine), and the blocks decoded per step stay at most 2, while re-decoding grow
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -36,17 +37,12 @@ import time
 from pathlib import Path
 
 import torch
+from common import RESULTS, random_walk, stamp, tier_list
 from flashcodec import CodecKVCache
-from reconstruct import random_walk, stamp
+from flashcodec.tiers import TIERS
+from kvbench.results import write_json
 
-RESULTS = Path(__file__).resolve().parents[1] / "results" / "flashcodec_vram.json"
-
-TIERS = {
-    "jpeg k=2": dict(mode="jpeg", block_size=8, keep_freqs=2),
-    "jpeg k=2 int8": dict(mode="jpeg", block_size=8, keep_freqs=2, quant_bits=8),
-    "jpeg k=8 int8": dict(mode="jpeg", block_size=8, keep_freqs=8, quant_bits=8),
-    "png keep=1.0": dict(mode="png", block_size=8, keep_ratio=1.0),
-}
+DEFAULT_TIERS = "jpeg-k2,jpeg-k2-int8,jpeg-k8-int8,png-keep1"
 
 
 def timed(fn, repeats: int) -> list[float]:
@@ -58,33 +54,26 @@ def timed(fn, repeats: int) -> list[float]:
     return out
 
 
-def run_one(name: str, cfg: dict, keys: torch.Tensor, values: torch.Tensor, new: torch.Tensor, args) -> dict:
-    s = keys.shape[2]
+def run_one(name: str, keys: torch.Tensor, values: torch.Tensor, new: torch.Tensor, args) -> dict:
+    s, codec = keys.shape[2], TIERS[name].codec
     fills = []
     for _ in range(args.repeats):
-        cache = CodecKVCache(**cfg)
+        cache = CodecKVCache(codec=codec)
         t0 = time.perf_counter()
         cache.forward(keys, values)
         fills.append((time.perf_counter() - t0) * 1e3)
     st_fill = cache.storage_bytes()
     cache.decode_step(new[:, :, :1], new[:, :, :1])  # warm-up: first regrowth of the view
     # count the work too (blocks decoded per step): unlike wall time, a shared CPU cannot disturb it
-    codec, decoded = cache.codec, []
-    plain_decode = codec.decode
-
-    def counting_decode(parts, dtype):
-        decoded[-1] += parts[0].shape[2]
-        return plain_decode(parts, dtype)
-
-    codec.decode = counting_decode
-    steps = []
+    streams = (cache.keys, cache.values)
+    steps, decoded = [], []
     for t in range(1, args.steps + 1):
         k1 = new[:, :, t : t + 1]
-        decoded.append(0)
+        before = sum(st.view_blocks for st in streams)
         t0 = time.perf_counter()
         cache.decode_step(k1, k1)
         steps.append((time.perf_counter() - t0) * 1e3)
-    del codec.decode  # back to the class method
+        decoded.append(sum(st.view_blocks for st in streams) - before)
     stream = cache.keys
     redecode = timed(
         lambda: stream.codec.decode(stream.archived_parts(), stream.dtype), args.redecode_repeats
@@ -92,7 +81,7 @@ def run_one(name: str, cfg: dict, keys: torch.Tensor, values: torch.Tensor, new:
     st = cache.storage_bytes()
     row = {
         "tier": name,
-        "config": cfg,
+        "codec": codec.config(),
         "seq_len": s,
         "storage_after_fill": {
             "held_bytes": st_fill.held,
@@ -136,7 +125,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--redecode-repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--tiers", type=tier_list, default=tier_list(DEFAULT_TIERS), help="tier names, comma-separated"
+    )
+    parser.add_argument("--out", type=Path, default=RESULTS / "flashcodec_vram.json")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
@@ -146,13 +138,13 @@ def main(argv: list[str] | None = None) -> int:
         keys = random_walk(args.batch, args.heads, s, args.dim, seed=0, step=0.05)
         values = random_walk(args.batch, args.heads, s, args.dim, seed=1, step=0.05)
         new = random_walk(args.batch, args.heads, args.steps + 1, args.dim, seed=2, step=0.05)
-        for name, cfg in TIERS.items():
-            rows.append(run_one(name, cfg, keys, values, new, args))
+        for name in args.tiers:
+            rows.append(run_one(name, keys, values, new, args))
         del keys, values
 
     s_min = min(args.seq)
     flatness = {}
-    for name in TIERS:
+    for name in args.tiers:
         base = next(r for r in rows if r["tier"] == name and r["seq_len"] == s_min)
         flatness[name] = {
             str(r["seq_len"]): {
@@ -167,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         }
     out = {
         "benchmark": "flashcodec cache footprint, fill time and per-step read cost vs sequence length",
-        **stamp(),
+        **stamp(["flashcodec-kv", "kvcache-spec", "torch", "numpy"]),
         "shape": {"batch": args.batch, "heads": args.heads, "dim": args.dim, "dtype": "float32"},
         "method": {
             "fill": f"min of {args.repeats} CodecKVCache.forward calls on the whole sequence",
@@ -179,9 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
         "flatness_vs_smallest_S": flatness,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    print(f"wrote {write_json(args.out, out)}")
     return 0
 
 
