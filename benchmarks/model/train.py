@@ -19,16 +19,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import platform
 import random
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
 import torch
+from kvbench.results import environment_stamp, weights_digest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from corpus import (  # noqa: E402
@@ -314,19 +312,6 @@ def lr_at(step: int, args: argparse.Namespace) -> float:
     return args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * cosine)
 
 
-def versions() -> dict:
-    import tokenizers
-    import transformers
-
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "tokenizers": tokenizers.__version__,
-        "numpy": np.__version__,
-    }
-
-
 def load_data(args: argparse.Namespace, tok) -> tuple[list[tuple[str, np.ndarray, float]], dict]:
     """Training token streams ``(name, tokens, weight)`` and the corpus record."""
     if args.corpus == "docs":
@@ -503,20 +488,16 @@ def main(argv: list[str] | None = None) -> dict:
     for s in samples:
         print(f"  {s['prompt']!r} -> {s['continuation']!r}", flush=True)
 
+    stamp = environment_stamp(["torch", "transformers", "tokenizers", "numpy"])
+    stamp["machine"]["torch_threads"] = args.threads
     record = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": {
-            "platform": platform.platform(),
-            "processor": platform.processor(),
-            "cpu_count": os.cpu_count(),
-            "torch_threads": args.threads,
-        },
-        "versions": versions(),
+        **stamp,
         "command": "python benchmarks/model/train.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "model_config": json.loads((args.out / "config.json").read_text()),
         "n_parameters": n_params,
         "checkpoint_bytes": sum(f.stat().st_size for f in args.out.iterdir()),
+        "weights_sha256": weights_digest(args.out),
         "corpus": corpus,
         "tokens": {
             "train": {name: int(len(t)) for name, t, _ in streams},

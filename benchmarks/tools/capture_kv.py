@@ -26,13 +26,11 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
-import platform
 import sys
-from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
+from kvbench.results import environment_stamp
 
 BENCH_DIR = Path(__file__).resolve().parents[1]
 REPO_ROOT = BENCH_DIR.parent
@@ -307,9 +305,13 @@ def main(argv: list[str] | None = None) -> dict:
 
     per_layer = []
     if args.stats_tokens:
-        stats_ids = tokenizer(text, return_tensors="pt").input_ids[:, args.start : args.start + args.stats_tokens]
+        stats_ids = tokenizer(text, return_tensors="pt").input_ids[
+            :, args.start : args.start + args.stats_tokens
+        ]
         per_layer = layer_statistics(model, stats_ids)
-        print(f"per layer, {stats_ids.shape[1]} tokens: Var(d)/Var(x), DCT low-2 energy, mean rank90 / rank99 per head")
+        print(
+            f"per layer, {stats_ids.shape[1]} tokens: Var(d)/Var(x), DCT low-2 energy, mean rank90 / rank99 per head"
+        )
         for row in per_layer:
             cells = []
             for label in ("keys_post_rope", "keys_pre_rope", "values"):
@@ -385,18 +387,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"added {[t.name for t in tvs]} to kvspec vectors ({args.kvspec_data_dir or 'package data'})")
 
     record = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": {
-            "platform": platform.platform(),
-            "processor": platform.processor(),
-            "cpu_count": os.cpu_count(),
-        },
-        "versions": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "numpy": np.__version__,
-        },
+        **environment_stamp(["torch", "transformers", "numpy"]),
         "command": "python benchmarks/tools/capture_kv.py "
         + " ".join(sys.argv[1:] if argv is None else argv),
         "model": model_label,
