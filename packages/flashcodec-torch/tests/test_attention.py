@@ -11,12 +11,10 @@ round their output, so each is compared with the fp64 truth instead: within one 
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import TIERS
+from conftest import CODECS
 from flashcodec import CodecKVCache, CodecStream
 from flashcodec.attention import (
     TORCH_CHUNK_BYTES,
@@ -26,11 +24,8 @@ from flashcodec.attention import (
     materialized_decode_attention,
 )
 from flashcodec.kernels.naive import combine_partials, decode_attention_partials, dense_rows
+from flashcodec.peak_memory import PeakMemory
 from kvspec import KVConfigError, KVDtypeError, KVShapeError
-
-ROOT = next(p for p in Path(__file__).resolve().parents if (p / "benchmarks").is_dir())
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from peak_memory import PeakMemory  # noqa: E402
 
 ATTN_TIERS = ["jpeg-k2", "jpeg-k2-int8", "jpeg-k4", "jpeg-k8-int8", "png-keep1", "png-keep0.5"]
 
@@ -43,7 +38,7 @@ def unit_walk(b, h, s, d, *, g, dtype=torch.float32):
 
 def filled_cache(tier, *, b=2, h=2, s=203, d=64, seed=0, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
-    cache = CodecKVCache(**TIERS[tier])
+    cache = CodecKVCache(codec=CODECS[tier])
     cache.append(unit_walk(b, h, s, d, g=g, dtype=dtype), unit_walk(b, h, s, d, g=g, dtype=dtype))
     return cache, g
 
@@ -75,7 +70,7 @@ def no_view_reads(monkeypatch):
     monkeypatch.setattr(CodecStream, "read", refuse)
     monkeypatch.setattr(CodecStream, "_ensure_view", refuse)
     for name in ("jpeg-k2", "png-keep1"):
-        monkeypatch.setattr(type(CodecKVCache(**TIERS[name]).codec), "decode", refuse)
+        monkeypatch.setattr(type(CodecKVCache(codec=CODECS[name]).codec), "decode", refuse)
 
 
 @pytest.mark.parametrize("groups", [1, 4], ids=lambda g: f"G{g}")

@@ -8,9 +8,6 @@ apply / remove) run on seeded random models built in memory.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -26,6 +23,8 @@ from flashcodec.hf import (  # noqa: E402
     remove_flash_codec,
 )
 from flashcodec.hf import codec_attention as ca  # noqa: E402
+from flashcodec.peak_memory import PeakMemory
+from flashcodec.tiers import TIERS  # noqa: E402
 from kvspec import KVConfigError  # noqa: E402
 from transformers import (  # noqa: E402
     AutoModelForCausalLM,
@@ -36,10 +35,6 @@ from transformers import (  # noqa: E402
     Qwen3Config,
     Qwen3ForCausalLM,
 )
-
-ROOT = next(p for p in Path(__file__).resolve().parents if (p / "benchmarks").is_dir())
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from peak_memory import PeakMemory  # noqa: E402
 
 NEW = 64
 GREEDY = dict(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
@@ -54,7 +49,7 @@ PROMPT = (
 
 @pytest.fixture(scope="module")
 def embedded():
-    from kvspec.models import embedded_model_path
+    from kvbench.models import embedded_model_path
 
     try:
         path = embedded_model_path()
@@ -89,20 +84,18 @@ def no_views(cache: FlashCodecCache) -> bool:
     return all(cache.layers[i].codec_cache.storage_bytes().view == 0 for i in cache.codec_layer_indices)
 
 
-@pytest.mark.parametrize(
-    "tier",
-    [
-        dict(mode="jpeg", block_size=8, keep_freqs=2, quant_bits=8),
-        dict(mode="jpeg", block_size=8, keep_freqs=8, quant_bits=8),
-    ],
-    ids=["jpeg-k2-int8", "jpeg-k8-int8"],
-)
+@pytest.mark.parametrize("tier", [t for t in TIERS.values() if t.materialization_free], ids=lambda t: t.name)
 def test_embedded_tokens_equal_the_materialized_path(embedded, tier):
+    """Every materialization-free tier of the registry generates its base tier's tokens exactly."""
     model, ids = embedded
-    materialized = model.generate(ids, cache=FlashCodecCache.from_config(model.config, **tier), **GREEDY)
+    base = TIERS[tier.name.removesuffix("-mf")]
+    assert base.codec == tier.codec and not base.materialization_free
+    materialized = model.generate(
+        ids, cache=FlashCodecCache.from_config(model.config, codec=base.codec), **GREEDY
+    )
     stats = apply_codec_attention(model, backend="torch")
     try:
-        cache = FlashCodecCache.from_config(model.config, **tier)
+        cache = FlashCodecCache.from_config(model.config, codec=tier.codec)
         coded = model.generate(ids, cache=cache, **GREEDY)
     finally:
         remove_codec_attention(model)

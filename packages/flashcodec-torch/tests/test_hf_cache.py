@@ -12,7 +12,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import warnings
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -20,7 +19,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from flashcodec import CodecKVCache  # noqa: E402
+from flashcodec import CodecKVCache, JPEGCodec, PNGCodec  # noqa: E402
 from flashcodec.hf import FlashCodecCache, FlashCodecLayer  # noqa: E402
 from flashcodec.hf.requirements import check_layer_api  # noqa: E402
 from kvspec import KVConfigError, KVShapeError, KVTrimError  # noqa: E402
@@ -28,19 +27,9 @@ from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM  # noqa: E4
 from transformers.cache_utils import DynamicSlidingWindowLayer, LinearAttentionLayer  # noqa: E402
 
 
-def _benchmarks_dir() -> Path:
-    for parent in Path(__file__).resolve().parents:
-        if (parent / "benchmarks" / "hybrid_fixture.py").is_file():
-            return parent / "benchmarks"
-    raise FileNotFoundError("benchmarks/hybrid_fixture.py not found above the test file")
-
-
 def make_hybrid_model():
-    sys.path.insert(0, str(_benchmarks_dir()))
-    try:
-        from hybrid_fixture import make_tiny_hybrid_model
-    finally:
-        sys.path.pop(0)
+    from hybrid_fixture import make_tiny_hybrid_model
+
     return make_tiny_hybrid_model(seed=0)
 
 
@@ -166,9 +155,15 @@ def test_layer_storage_is_measured_from_the_held_tensors():
         (dict(per_layer={0: 2}), "per_layer\\[0\\]"),
         (dict(per_layer=[{"keep_freqs": 2}]), "per_layer must be a dict"),
         (dict(per_layer={1: {"keep_freqs": 0}}), "per_layer\\[1\\]"),
+        (dict(codec=JPEGCodec(), keep_freqs=2), "not both"),
+        (dict(codec="png"), "codec must be a codec object"),
+        (dict(per_layer={0: {"codec": PNGCodec(), "mode": "png"}}), "per_layer\\[0\\]: .*not both"),
+        (dict(per_layer={0: {"codec": "png"}}), "per_layer\\[0\\]: codec must be a codec object"),
+        (dict(per_layer={0: {"check_finite": 1}}), "per_layer\\[0\\]: check_finite"),
     ],
     ids=["mode", "keep-freqs-range", "png-keep-freqs", "unknown-option", "negative-idx", "str-idx", "not-dict",
-         "list", "bad-value"],
+         "list", "bad-value", "codec-and-keywords", "codec-not-object", "layer-codec-and-keywords",
+         "layer-codec-not-object", "layer-check-finite"],
 )  # fmt: skip
 def test_bad_options_raise_config_errors(kwargs, match):
     with pytest.raises(KVConfigError, match=match):
@@ -186,6 +181,32 @@ def test_per_layer_without_config_is_applied_when_layers_appear():
     assert (codecs[1].mode, codecs[1].keep_freqs, codecs[1].quant_bits) == ("jpeg", 2, 8)
     assert codecs[2].mode == "png"  # switching mode dropped the jpeg-only keep_freqs default
     assert cache.storage_bytes(1).held < cache.storage_bytes(0).held
+
+
+def test_per_layer_takes_codec_objects_and_cache_options():
+    cache = FlashCodecCache(
+        codec=JPEGCodec(8),
+        initial_blocks=4,
+        per_layer={
+            1: JPEGCodec(8, 2, 8),
+            2: {"codec": PNGCodec(4), "check_finite": False},
+            3: {"keep_freqs": 4},
+        },
+    )
+    for idx in range(4):
+        cache.update(*kv(s=9, seed=idx), layer_idx=idx)
+    inner = [layer.codec_cache for layer in cache.layers]
+    assert [c.codec for c in inner] == [JPEGCodec(8), JPEGCodec(8, 2, 8), PNGCodec(4), JPEGCodec(8, 4)]
+    assert [c.check_finite for c in inner] == [True, True, False, True]
+    assert all(c.initial_blocks == 4 for c in inner)  # cache-wide options reach overridden layers too
+    assert cache.codec_defaults == {"codec": JPEGCodec(8), "check_finite": True, "initial_blocks": 4}
+
+
+def test_dict_overrides_merge_over_the_keyword_form_as_given():
+    # keep_freqs left unset follows the layer's block size, as in the keyword form
+    cache = FlashCodecCache(mode="jpeg", per_layer={0: {"block_size": 4}})
+    cache.update(*kv(s=9), layer_idx=0)
+    assert cache.layers[0].codec_cache.codec == JPEGCodec(4, keep_freqs=4)
 
 
 # ---------------------------------------------------------------- layout from a config
@@ -321,7 +342,7 @@ def test_import_flashcodec_does_not_import_transformers():
 
 def test_codec_layer_wraps_the_core_cache():
     layer = FlashCodecLayer(mode="jpeg", keep_freqs=4)
-    assert isinstance(layer.codec_cache, CodecKVCache) and layer.codec_options == {
-        "mode": "jpeg",
-        "keep_freqs": 4,
-    }
+    assert isinstance(layer.codec_cache, CodecKVCache) and layer.codec_cache.codec == JPEGCodec(
+        8, keep_freqs=4
+    )
+    assert FlashCodecLayer(codec=JPEGCodec(8, keep_freqs=4)).codec_cache.codec == layer.codec_cache.codec
