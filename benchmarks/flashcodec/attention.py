@@ -4,8 +4,10 @@ Question: what does attending on the stored rows cost and save, per sequence len
 with the materialized path that reads the memoized ``[B, H, S, D]`` view and runs SDPA?
 
 Setup (the description's): B=1, H_kv=8, H_q=16 (GQA, G=2), D=64 (``--dim``), fp32, keys and values
-a unit-RMS random walk along the sequence. For each final length S (4k .. 64k tokens) and tier
-(jpeg k=2 int8, jpeg k=2, png keep=1.0), a cache is prefilled with ``S - steps - 1`` tokens and
+a unit-RMS random walk along the sequence. For each final length S (``--seqs``, 4k .. 64k tokens)
+and tier of :data:`flashcodec.tiers.TIERS` (``--tiers``; default jpeg-k2-int8, jpeg-k2, png-keep1:
+both paths run on each tier's codec, so a ``-mf`` tier would only repeat its twin), a cache is
+prefilled with ``S - steps - 1`` tokens and
 then runs ``1 + steps`` decode steps (one warm-up), so it holds exactly S tokens at the end. One
 decode step is, per path:
 
@@ -20,7 +22,7 @@ Memory, per path:
 * ``resident_bytes``: what the cache holds after the steps, measured from its tensors
   (``storage_bytes().resident`` = archive capacity + tail buffers + the memoized view, if any);
 * ``transient_peak_bytes``: the high-water mark of tensors allocated during the measured steps and
-  alive at once (CPU: :class:`peak_memory.PeakMemory`, an aten-level dispatch tracker; CUDA:
+  alive at once (CPU: :class:`flashcodec.peak_memory.PeakMemory`, an aten-level dispatch tracker; CUDA:
   ``torch.cuda.max_memory_allocated`` minus the bytes allocated before the steps);
 * ``peak_bytes = resident_bytes + transient_peak_bytes``.
 
@@ -38,24 +40,17 @@ same stored rows. Ratios (``time_ratio = coefficient / materialized``,
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
-from pathlib import Path
 
 import torch
+from common import add_device_options, save, stamp, sync, tier_list
 from flashcodec import CodecKVCache
 from flashcodec.attention import codec_decode_attention, triton_available
 from flashcodec.peak_memory import PeakMemory
-from kvbench.results import environment_stamp, write_json
+from flashcodec.tiers import TIERS
 
-RESULTS = Path(__file__).resolve().parents[1] / "results"
-
-TIERS = {
-    "jpeg k=2 int8": dict(mode="jpeg", block_size=8, keep_freqs=2, quant_bits=8),
-    "jpeg k=2": dict(mode="jpeg", block_size=8, keep_freqs=2),
-    "png keep=1.0": dict(mode="png", block_size=8, keep_ratio=1.0),
-}
+DEFAULT_TIERS = "jpeg-k2-int8,jpeg-k2,png-keep1"
 
 
 def unit_walk(h: int, s: int, d: int, gen: torch.Generator) -> torch.Tensor:
@@ -65,23 +60,13 @@ def unit_walk(h: int, s: int, d: int, gen: torch.Generator) -> torch.Tensor:
 
 
 def fp64_truth(query: torch.Tensor, cache: CodecKVCache) -> torch.Tensor:
-    """The last step's attention computed in fp64 from the same stored rows (the reference both paths approximate)."""
-    groups = query.shape[1] // cache.keys.heads
-
-    def full(stream):
-        view = torch.cat(
-            [cache.codec.decode(stream.archived_parts(), torch.float64), stream.tail().double()], 2
-        )
-        return view.repeat_interleave(groups, dim=1)
-
-    k, v = full(cache.keys), full(cache.values)
-    scores = query.double() @ k.transpose(-1, -2) / query.shape[-1] ** 0.5
-    return scores.softmax(-1) @ v
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    """The last step's attention in fp64 over the fp64 decode of the same stored rows (+ the raw
+    tail): the reference both paths approximate."""
+    k, v = (
+        torch.cat([cache.codec.decode(st.archived_parts(), torch.float64), st.tail().double()], 2)
+        for st in (cache.keys, cache.values)
+    )
+    return torch.nn.functional.scaled_dot_product_attention(query.double(), k, v, enable_gqa=True)
 
 
 def make_step(path: str, cache: CodecKVCache):
@@ -102,8 +87,8 @@ def make_step(path: str, cache: CodecKVCache):
     return step
 
 
-def run_path(path: str, tier: dict, prefill: tuple, tokens: list, device: torch.device) -> dict:
-    cache = CodecKVCache(**tier)
+def run_path(path: str, tier: str, prefill: tuple, tokens: list, device: torch.device) -> dict:
+    cache = CodecKVCache(codec=TIERS[tier].codec)
     cache.append(*prefill)
     if path == "materialized":
         cache.read()  # what the prefill leaves behind in a transformers run: the view
@@ -178,9 +163,9 @@ def run(args) -> dict:
             for t in range(start, seq)
         ]
         for name in args.tiers:
-            result = {"seq_len": seq, "tier": name, "codec": TIERS[name]}
+            result = {"seq_len": seq, "tier": name, "codec": TIERS[name].codec.config()}
             for path in paths:
-                result[path] = run_path(path, TIERS[name], prefill, tokens, device)
+                result[path] = run_path(path, name, prefill, tokens, device)
             ref = result["materialized"].pop("_out")
             truth = fp64_truth(tokens[-1][0], result["materialized"]["_cache"])
             for path in paths:
@@ -205,14 +190,8 @@ def run(args) -> dict:
                 result["coefficient_triton"] = triton_note
             rows.append(result)
             print(summary_line(result), flush=True)
-    stamp = environment_stamp(["torch", "triton", "flashcodec-kv", "kvcache-spec"])
-    stamp["machine"].update(
-        torch_threads=torch.get_num_threads(),
-        load_average_1_5_15min=os.getloadavg(),
-        device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-    )
     return {
-        "benchmark": "bench_attention",
+        "benchmark": "flashcodec/attention",
         "question": "one decode step: materialized view + SDPA vs attention on the stored rows",
         "settings": {
             "batch": 1,
@@ -223,7 +202,7 @@ def run(args) -> dict:
             "measured_steps": args.steps,
             "signal": "unit-RMS random walk (step 0.1) along the sequence",
         },
-        **stamp,
+        **stamp(["torch", "triton", "flashcodec-kv", "kvcache-spec"], device),
         "results": rows,
     }
 
@@ -244,29 +223,21 @@ def summary_line(r: dict) -> str:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seqs", type=lambda s: [int(x) for x in s.split(",")], default=[4096, 16384, 65536])
-    parser.add_argument("--tiers", type=lambda s: s.split(","), default=list(TIERS))
+    parser.add_argument(
+        "--seqs", type=lambda s: [int(x) for x in s.split(",")], default=[4096, 8192, 16384, 32768, 65536]
+    )
+    parser.add_argument(
+        "--tiers", type=tier_list, default=tier_list(DEFAULT_TIERS), help="tier names, comma-separated"
+    )
     parser.add_argument(
         "--steps", type=int, default=24, help="measured decode steps (half timed, half tracked)"
     )
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--groups", type=int, default=2)
     parser.add_argument("--dim", type=int, default=64)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument(
-        "--threads", type=int, default=1, help="1 by default: intra-op threads stall on a shared machine"
-    )
-    parser.add_argument("--out", type=Path, default=None)
+    add_device_options(parser)
     args = parser.parse_args(argv)
-    for name in args.tiers:
-        if name not in TIERS:
-            parser.error(f"--tiers: unknown tier {name!r}; known: {list(TIERS)}")
-    out = args.out or RESULTS / (
-        "flashcodec_attention.json" if args.device == "cpu" else "flashcodec_attention_cuda.json"
-    )
-    data = run(args)
-    write_json(out, data)
-    print(f"wrote {out}")
+    save(run(args), "flashcodec_attention", args)
 
 
 if __name__ == "__main__":
