@@ -31,6 +31,7 @@ __all__ = [
     "codec_class",
     "make_codec",
     "resolve_codec",
+    "keyword_values",
     "dct_matrix",
     "delta_variance_ratio",
     "quantize_int8",
@@ -85,9 +86,10 @@ def make_codec(mode: str = "jpeg", **options: Any) -> BlockCodec:
 
 
 def _equal(value: Any, default: Any) -> bool:
+    """Whether ``value`` is ``default`` for the keyword form (a bool never counts as a number)."""
     try:
         return bool(value == default) and type(value) is not bool
-    except Exception:  # a tensor or an object without a plain ==: never a default
+    except Exception:  # e.g. a tensor, whose == is elementwise: not a default
         return False
 
 
