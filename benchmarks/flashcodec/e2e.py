@@ -1,33 +1,37 @@
-"""End-to-end greedy decode on the embedded model with a long prompt: baseline, materialized, materialization-free.
+"""End-to-end greedy decode on the embedded model with a long prompt: baseline vs flashcodec tiers.
 
-Question: what do the three tiers cost in decode speed and memory on a whole model?
+Question: what do the materialized and the materialization-free paths cost in decode speed and
+memory on a whole model?
 
-* ``baseline``: transformers' ``DynamicCache`` (raw K/V);
-* ``materialized``: :class:`flashcodec.hf.FlashCodecCache` (codec archive + the memoized view
-  every decode step attends over);
-* ``materialization_free``: the same cache with :func:`flashcodec.hf.apply_codec_attention`:
-  decode steps attend on the stored rows, the prefill's view is released on the first step
-  (backend ``auto``: torch on the CPU, the Triton kernel on CUDA).
+Configurations: ``baseline`` (transformers' ``DynamicCache``, raw K/V) and the tiers of
+:data:`flashcodec.tiers.TIERS` named by ``--tiers`` (default jpeg-k2-int8, jpeg-k2-int8-mf,
+jpeg-k8-int8, jpeg-k8-int8-mf, png-keep1). A tier runs :class:`flashcodec.hf.FlashCodecCache`
+with its codec; a ``-mf`` tier (``materialization_free``) also runs
+:func:`flashcodec.hf.apply_codec_attention`: decode steps attend on the stored rows and the
+prefill's view is released (backend ``auto``: torch on the CPU, the Triton kernel on CUDA).
+A ``-mf`` tier stores what its twin without the suffix stores, so the two are compared.
 
-Each codec tier (``--tiers``) is run for the two codec paths. The prompt is the first
-``--prompt-tokens`` tokens of the committed held-out text (``benchmarks/data/heldout.txt``); the
-decode is ``--new-tokens`` greedy steps written out as the loop ``generate`` runs (one forward
-per token, argmax), so prefill and decode are timed apart. The timed runs go round robin over
-every configuration (``--repeats`` rounds), so a change in the machine's load hits all alike.
+The prompt is the first ``--prompt-tokens`` tokens of kvbench's held-out text
+(:func:`kvbench.models.default_text_path`); the decode is ``--new-tokens`` greedy steps written
+out as the loop ``generate`` runs (one forward per token, argmax), so prefill and decode are
+timed apart. The timed runs go round robin over every configuration (``--repeats`` rounds), so a
+change in the machine's load hits all alike.
 
 Figures per run:
 
 * ``decode_tokens_per_s``: decode steps / decode-loop seconds of the fastest round (every
   round's seconds are in ``decode_s_all_runs``);
 * ``peak_bytes``: high-water mark of tensors allocated during prefill + decode and alive at once
-  (weights excluded). CPU: :class:`peak_memory.PeakMemory` (aten dispatch tracker), in a separate
-  pass from the timing; CUDA: ``torch.cuda.max_memory_allocated`` minus the bytes before the run;
+  (weights excluded). CPU: :class:`flashcodec.peak_memory.PeakMemory` (aten dispatch tracker), in
+  a separate pass from the timing; CUDA: ``torch.cuda.max_memory_allocated`` minus the bytes
+  before the run;
 * ``steady_bytes``: bytes the cache holds after the decode, measured from its tensors (baseline:
   the ``DynamicCache`` keys and values; codec: ``storage_bytes().resident`` = archive capacity +
   tail buffers + the memoized view, if any);
-* ``token_match_vs_baseline`` and ``tokens_equal_materialized``;
-* ``decode_steps_on_stored_rows`` / ``fallbacks``: the wrapper's counters over every run of the
-  tier (the timed repeats and the memory pass), per layer call.
+* ``token_match_vs_baseline``; on a ``-mf`` tier ``tokens_equal_materialized`` and the ratios to
+  its twin;
+* ``decode_steps_on_stored_rows`` / ``fallbacks`` (``-mf`` tiers): the wrapper's counters over
+  every run of the tier (the timed repeats and the memory pass), per layer call.
 
     hatch run torch:python benchmarks/flashcodec/e2e.py          # writes results/flashcodec_e2e.json
 """
@@ -35,24 +39,20 @@ Figures per run:
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from pathlib import Path
 
 import torch
+from common import add_device_options, save, stamp, sync, tier_list
 from flashcodec.hf import FlashCodecCache, apply_codec_attention, remove_codec_attention
 from flashcodec.peak_memory import PeakMemory
+from flashcodec.tiers import TIERS
 from kvbench.models import default_text_path, embedded_model_path
-from kvbench.results import environment_stamp, weights_digest, write_json
+from kvbench.results import weights_digest
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-RESULTS = Path(__file__).resolve().parents[1] / "results"
-
-TIERS = {
-    "jpeg k=2 int8": dict(mode="jpeg", block_size=8, keep_freqs=2, quant_bits=8),
-    "jpeg k=8 int8": dict(mode="jpeg", block_size=8, keep_freqs=8, quant_bits=8),
-    "png keep=1.0": dict(mode="png", block_size=8, keep_ratio=1.0),
-}
+DEFAULT_TIERS = "jpeg-k2-int8,jpeg-k2-int8-mf,jpeg-k8-int8,jpeg-k8-int8-mf,png-keep1"
+MF = "-mf"
 
 
 def cache_bytes(cache) -> int:
@@ -60,11 +60,6 @@ def cache_bytes(cache) -> int:
     if isinstance(cache, FlashCodecCache):
         return cache.storage_bytes().resident + cache.native_nbytes()
     return sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values) if t is not None)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 @torch.no_grad()
@@ -86,29 +81,28 @@ def greedy(model, ids: torch.Tensor, cache, new_tokens: int) -> tuple[list[int],
     return tokens, t1 - t0, time.perf_counter() - t1
 
 
-def make_cache(model, tier: dict | None):
-    return (
-        DynamicCache(config=model.config)
-        if tier is None
-        else FlashCodecCache.from_config(model.config, **tier)
-    )
-
-
 class Run:
-    """One configuration: a cache tier (None = ``DynamicCache``), with or without the attention wrapper."""
+    """One configuration: ``baseline`` (``DynamicCache``) or a tier of ``TIERS``."""
 
-    def __init__(self, name: str, tier: dict | None, coded: bool):
-        self.name, self.tier, self.coded = name, tier, coded
+    def __init__(self, name: str):
+        self.name = name
+        self.tier = None if name == "baseline" else TIERS[name]
         self.decode_s: list[float] = []
         self.result: dict = {}
         self.coded_calls = 0  # the wrapper's counters, summed over every run of this configuration
         self.fallbacks: dict[str, int] = {}
 
+    def new_cache(self, model):
+        if self.tier is None:
+            return DynamicCache(config=model.config)
+        return FlashCodecCache.from_config(model.config, codec=self.tier.codec)
+
     def __call__(self, model, ids, new_tokens, backend):
         """One greedy run: returns (tokens, prefill s, decode s, steady bytes)."""
-        stats = apply_codec_attention(model, backend=backend) if self.coded else None
+        coded = self.tier is not None and self.tier.materialization_free
+        stats = apply_codec_attention(model, backend=backend) if coded else None
         try:
-            cache = make_cache(model, self.tier)
+            cache = self.new_cache(model)
             tokens, prefill_s, decode_s = greedy(model, ids, cache, new_tokens)
             return tokens, prefill_s, decode_s, cache_bytes(cache)
         finally:
@@ -142,12 +136,7 @@ def run(args) -> dict:
         .input_ids[:, : args.prompt_tokens]
         .to(device)
     )
-    runs = [Run("baseline", None, False)]
-    for name in args.tiers:
-        runs += [
-            Run(f"{name} / materialized", TIERS[name], False),
-            Run(f"{name} / materialization-free", TIERS[name], True),
-        ]
+    runs = [Run("baseline")] + [Run(name) for name in args.tiers]
     # timing: round robin, so a change in the machine's load hits every configuration alike
     for _ in range(args.repeats):
         for r in runs:
@@ -166,30 +155,28 @@ def run(args) -> dict:
         )
         rows[r.name] = r.result
     base_tokens = rows["baseline"]["tokens"]
-    for name in args.tiers:
-        mat, free = rows[f"{name} / materialized"], rows[f"{name} / materialization-free"]
-        coded = next(r for r in runs if r.name == f"{name} / materialization-free")
-        free["decode_steps_on_stored_rows"] = coded.coded_calls
-        free["fallbacks"] = dict(coded.fallbacks)
-        for row in (mat, free):
-            same = sum(a == b for a, b in zip(row["tokens"], base_tokens, strict=True))
-            row["token_match_vs_baseline"] = same / len(base_tokens)
-        free["tokens_equal_materialized"] = free["tokens"] == mat["tokens"]
-        free["speed_ratio_vs_materialized"] = free["decode_tokens_per_s"] / mat["decode_tokens_per_s"]
-        free["steady_ratio_materialized_over_this"] = mat["steady_bytes"] / free["steady_bytes"]
-        free["peak_ratio_materialized_over_this"] = mat["peak_bytes"] / free["peak_bytes"]
+    for r in runs[1:]:
+        row = rows[r.name]
+        row.update(codec=r.tier.codec.config(), materialization_free=r.tier.materialization_free)
+        row["token_match_vs_baseline"] = sum(
+            a == b for a, b in zip(row["tokens"], base_tokens, strict=True)
+        ) / len(base_tokens)
+        if not r.tier.materialization_free:
+            continue
+        row["decode_steps_on_stored_rows"] = r.coded_calls
+        row["fallbacks"] = dict(r.fallbacks)
+        twin = rows.get(r.name.removesuffix(MF))  # the same codec, materialized
+        if twin is not None:
+            row["tokens_equal_materialized"] = row["tokens"] == twin["tokens"]
+            row["speed_ratio_vs_materialized"] = row["decode_tokens_per_s"] / twin["decode_tokens_per_s"]
+            row["steady_ratio_materialized_over_this"] = twin["steady_bytes"] / row["steady_bytes"]
+            row["peak_ratio_materialized_over_this"] = twin["peak_bytes"] / row["peak_bytes"]
     for name, row in rows.items():
         print(line(name, row), flush=True)
-    stamp = environment_stamp(["torch", "transformers", "triton", "flashcodec-kv", "kvcache-spec"])
-    stamp["machine"].update(
-        torch_threads=torch.get_num_threads(),
-        load_average_1_5_15min=os.getloadavg(),
-        device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-    )
     cfg = model.config
     return {
-        "benchmark": "bench_e2e",
-        "question": "greedy decode on a whole model: baseline vs materialized vs materialization-free",
+        "benchmark": "flashcodec/e2e",
+        "question": "greedy decode on a whole model: baseline vs materialized vs materialization-free tiers",
         "settings": {
             "model": str(path.name),
             "weights_sha256": weights_digest(path),
@@ -203,7 +190,7 @@ def run(args) -> dict:
             "repeats": args.repeats,
             "backend": args.backend,
         },
-        **stamp,
+        **stamp(["torch", "transformers", "triton", "flashcodec-kv", "kvcache-spec"], device),
         "results": rows,
     }
 
@@ -218,26 +205,16 @@ def line(name: str, r: dict) -> str:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="a local model directory (default: the embedded model)")
-    parser.add_argument("--tiers", type=lambda s: s.split(","), default=["jpeg k=2 int8", "jpeg k=8 int8"])
+    parser.add_argument(
+        "--tiers", type=tier_list, default=tier_list(DEFAULT_TIERS), help="tier names, comma-separated"
+    )
     parser.add_argument("--prompt-tokens", type=int, default=1920)
     parser.add_argument("--new-tokens", type=int, default=33)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument(
-        "--threads", type=int, default=1, help="1 by default: intra-op threads stall on a shared machine"
-    )
-    parser.add_argument("--out", type=Path, default=None)
+    add_device_options(parser)
     args = parser.parse_args(argv)
-    for name in args.tiers:
-        if name not in TIERS:
-            parser.error(f"--tiers: unknown tier {name!r}; known: {list(TIERS)}")
-    out = args.out or RESULTS / (
-        "flashcodec_e2e.json" if args.device == "cpu" else "flashcodec_e2e_cuda.json"
-    )
-    data = run(args)
-    write_json(out, data)
-    print(f"wrote {out}")
+    save(run(args), "flashcodec_e2e", args)
 
 
 if __name__ == "__main__":
