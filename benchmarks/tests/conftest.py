@@ -19,6 +19,10 @@ for folder in (BENCH_DIR / "model", BENCH_DIR / "tools"):
         sys.path.insert(0, str(folder))
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: takes more than a few seconds (still runs by default)")
+
+
 @pytest.fixture(scope="session")
 def training_record() -> dict:
     """``benchmarks/results/tiny_model_training.json``, written by ``train_tiny_model.py``."""
