@@ -83,3 +83,55 @@ def test_trim_count_validates_and_clamps():
     for bad in (-1, 1.5, True, "2", None):
         with pytest.raises(KVTrimError, match=r"trim\(n=.*\) needs an int n >= 0"):
             trim_count(bad, 5)
+
+
+# --------------------------------------------------------------------------- bad input to helpers
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(s=10, singles=0, cycle=(0,)), "cycle must be"),
+        (dict(s=10, cycle=()), "cycle must be"),
+        (dict(s=10, cycle=(2.5,)), "cycle must be"),
+        (dict(s=0), "s must be"),
+        (dict(s=True), "s must be"),
+        (dict(s=10, singles=-1), "singles must be"),
+    ],
+)
+def test_stream_schedule_rejects_what_would_never_finish(kwargs, match):
+    from kvspec.conformance import stream_schedule
+
+    with pytest.raises(KVConfigError, match=match):
+        stream_schedule(**kwargs)
+    assert sum(stream_schedule(10, singles=0, cycle=(1,))) == 10
+
+
+def test_trim_count_checks_the_offset_too():
+    with pytest.raises(KVConfigError, match="offset=-5"):
+        trim_count(0, -5)
+    assert trim_count(3, 2) == 2
+
+
+@pytest.mark.parametrize("field", ["tokens", "nbytes", "raw_nbytes", "elements"])
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "3"])
+def test_storage_stats_refuses_impossible_sizes(field, bad):
+    good = dict(tokens=1, nbytes=2, raw_nbytes=4, elements=2)
+    with pytest.raises(KVConfigError, match=field):
+        StorageStats(**{**good, field: bad})
+
+
+def test_vector_files_that_are_missing_or_corrupt_name_the_file(tmp_path):
+    from kvspec import KVDataError, load_vectors
+
+    with pytest.raises(KVDataError, match="holds no manifest.json"):
+        load_vectors(data_dir=tmp_path / "missing")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "manifest.json").write_text("{not json")
+    with pytest.raises(KVDataError, match="manifest.json: not a kvspec manifest"):
+        load_vectors(data_dir=bad)
+    (bad / "manifest.json").write_text(
+        '{"vectors": [{"name": "x", "family": "gaussian", "dtype": "float32"}]}'
+    )
+    (bad / "vectors.npz").write_bytes(b"not a zip file")
+    with pytest.raises(KVDataError, match="vectors.npz: cannot be read"):
+        load_vectors(data_dir=bad)

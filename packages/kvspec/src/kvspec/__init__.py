@@ -11,6 +11,7 @@ from .adapter import Adapter, CacheConfigCase, Capabilities
 from .interface import (
     KVCacheLayer,
     KVConfigError,
+    KVDataError,
     KVDtypeError,
     KVShapeError,
     KVSpecError,
@@ -45,6 +46,7 @@ __all__ = [
     "ConformanceError",
     "KVCacheLayer",
     "KVConfigError",
+    "KVDataError",
     "KVDtypeError",
     "KVShapeError",
     "KVSpecError",

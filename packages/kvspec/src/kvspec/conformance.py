@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import numbers
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from .adapter import Adapter, CacheConfigCase, Capabilities
-from .interface import KVCacheLayer, KVDtypeError, KVShapeError, KVTrimError, KVValueError
+from .interface import KVCacheLayer, KVConfigError, KVDtypeError, KVShapeError, KVTrimError, KVValueError
 from .synthetic import planted_lowrank
 from .vectors import TestVector, load_vectors, round_to_dtype
 
@@ -82,9 +83,21 @@ def _fail(where: str, message: str) -> None:
 
 def stream_schedule(s: int, singles: int = 16, cycle: tuple[int, ...] = (3, 17, 8, 31)) -> list[int]:
     """How a vector of ``s`` tokens is fed: a prefill of ``s // 2``, up to ``singles``
-    one-token steps, then multi-token appends cycling through ``cycle``. Sums to ``s``."""
-    if s < 1:
-        raise ValueError(f"s must be >= 1; got {s}")
+    one-token steps, then multi-token appends cycling through ``cycle``. Sums to ``s``.
+
+    ``KVConfigError`` unless ``s >= 1``, ``singles >= 0`` and ``cycle`` is a non-empty sequence of
+    positive ints (a zero in ``cycle`` would never finish).
+    """
+
+    def is_int(x: Any, low: int) -> bool:
+        return not isinstance(x, bool) and isinstance(x, numbers.Integral) and x >= low
+
+    if not is_int(s, 1):
+        raise KVConfigError(f"s must be an int >= 1; got {s!r}")
+    if not is_int(singles, 0):
+        raise KVConfigError(f"singles must be an int >= 0; got {singles!r}")
+    if not isinstance(cycle, (tuple, list)) or not cycle or not all(is_int(c, 1) for c in cycle):
+        raise KVConfigError(f"cycle must be a non-empty sequence of ints >= 1; got {cycle!r}")
     if s == 1:
         return [1]
     chunks = [s // 2]

@@ -23,6 +23,7 @@ __all__ = [
     "KVValueError",
     "KVTrimError",
     "KVCacheLayer",
+    "KVDataError",
     "StorageStats",
     "check_kv_pair",
     "trim_count",
@@ -56,6 +57,11 @@ class KVValueError(KVSpecError, ValueError):
 
 class KVTrimError(KVSpecError, ValueError):
     """``trim(n)`` was asked for a negative count, or the cache cannot trim."""
+
+
+class KVDataError(KVSpecError, ValueError):
+    """A file or saved state the library reads is missing, corrupt or inconsistent with its
+    metadata (the message names the file or field and what is wrong)."""
 
 
 # --------------------------------------------------------------------------- protocol
@@ -128,6 +134,12 @@ class StorageStats:
     raw_nbytes: int
     elements: int
 
+    def __post_init__(self) -> None:
+        for name in ("tokens", "nbytes", "raw_nbytes", "elements"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+                raise KVConfigError(f"StorageStats {name} must be an int >= 0; got {value!r}")
+
     @property
     def ratio(self) -> float:
         """``nbytes / raw_nbytes`` (below 1 means the cache saves memory)."""
@@ -177,8 +189,11 @@ def check_kv_pair(
 def trim_count(n: Any, offset: int) -> int:
     """Validate ``trim(n)``'s argument and clamp it to ``offset``: how many tokens to drop.
 
-    Raises ``KVTrimError`` unless ``n`` is an integer >= 0 (bools are refused).
+    Raises ``KVTrimError`` unless ``n`` is an integer >= 0 (bools are refused), and
+    ``KVConfigError`` when ``offset`` (the caller's own count) is not an integer >= 0.
     """
+    if isinstance(offset, bool) or not isinstance(offset, numbers.Integral) or offset < 0:
+        raise KVConfigError(f"trim_count(offset={offset!r}) needs the cache's token count, an int >= 0")
     if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
         raise KVTrimError(f"trim(n={n!r}) needs an int n >= 0 (a token count)")
-    return min(int(n), offset)
+    return min(int(n), int(offset))

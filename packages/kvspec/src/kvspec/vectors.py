@@ -30,6 +30,8 @@ from typing import Any
 
 import numpy as np
 
+from .interface import KVDataError
+
 __all__ = [
     "FAMILIES",
     "DTYPES",
@@ -214,11 +216,20 @@ def vector_statistics(keys: np.ndarray, values: np.ndarray) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------- reading
 def _read_manifest(data_dir: Path) -> list[dict[str, Any]]:
+    """The manifest's vector entries; [] for a folder without one (a new data dir to add to)."""
     path = Path(data_dir) / MANIFEST_NAME
     if not path.exists():
         return []
-    doc = json.loads(path.read_text(encoding="utf-8"))
-    return list(doc.get("vectors", []))
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+        entries = doc["vectors"]
+        if not isinstance(entries, list) or not all(
+            isinstance(e, dict) and {"name", "family", "dtype"} <= set(e) for e in entries
+        ):
+            raise TypeError("'vectors' must be a list of objects with name, family and dtype")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as err:
+        raise KVDataError(f"{path}: not a kvspec manifest ({type(err).__name__}: {err})") from None
+    return list(entries)
 
 
 def _read_dir(data_dir: Path) -> list[TestVector]:
@@ -227,11 +238,24 @@ def _read_dir(data_dir: Path) -> list[TestVector]:
     if not entries:
         return []
     vectors = []
-    with np.load(data_dir / ARRAYS_NAME, allow_pickle=False) as npz:
+    arrays = data_dir / ARRAYS_NAME
+    try:
+        npz = np.load(arrays, allow_pickle=False)
+    except (OSError, ValueError, zipfile.BadZipFile) as err:
+        raise KVDataError(
+            f"{arrays}: cannot be read as the vectors' arrays ({type(err).__name__}: {err})"
+        ) from None
+    with npz:
         for entry in entries:
             name = entry["name"]
-            keys = np.ascontiguousarray(npz[f"{name}/keys"], dtype=np.float32)
-            values = np.ascontiguousarray(npz[f"{name}/values"], dtype=np.float32)
+            try:
+                keys = np.ascontiguousarray(npz[f"{name}/keys"], dtype=np.float32)
+                values = np.ascontiguousarray(npz[f"{name}/values"], dtype=np.float32)
+            except (KeyError, ValueError, OSError, zipfile.BadZipFile) as err:
+                raise KVDataError(
+                    f"{arrays}: the arrays of vector {name!r} named in {MANIFEST_NAME} cannot be read "
+                    f"({type(err).__name__}: {err})"
+                ) from None
             # shared between callers: read-only so no adapter can corrupt the data for the next test
             keys.setflags(write=False)
             values.setflags(write=False)
@@ -261,6 +285,8 @@ def load_vectors(families: str | list[str] | tuple[str, ...] | None = None, data
     the package data; the result for a directory is cached, and :func:`add_vectors` clears it.
     """
     directory = str(Path(data_dir or DATA_DIR).resolve())
+    if not (Path(directory) / MANIFEST_NAME).is_file():
+        raise KVDataError(f"data_dir={str(data_dir)!r} holds no {MANIFEST_NAME}: not a kvspec vectors folder")
     vectors = list(_cached(directory))
     if families is None:
         return vectors
