@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-FILES = sorted(
-    [ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "packages").glob("*/README.md")]
-)
+FILES = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "packages").glob("*/README.md")])
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.MULTILINE | re.DOTALL)
 #: model names a reader replaces with their own: hub ids and the placeholders the docs use
-MODEL_NAME = re.compile(r"""(["'])(?:Qwen/[\w.-]+|mlx-community/[\w.-]+|meta-llama/[\w.-]+|path/or/hf-id)\1""")
+MODEL_NAME = re.compile(
+    r"""(["'])(?:Qwen/[\w.-]+|mlx-community/[\w.-]+|meta-llama/[\w.-]+|path/or/hf-id)\1"""
+)
 
 
 def snippets(path: Path) -> list[str]:

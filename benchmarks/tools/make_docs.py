@@ -1,4 +1,5 @@
-"""Generate docs/benchmarks.md (and README.md's results block) from benchmarks/results/compare_*.json.
+"""Generate docs/benchmarks.md, README.md's results block and docs/embedded-model.md's measured block
+from benchmarks/results (compare_*.json; the model's training, evaluation and K/V statistics).
 
     python benchmarks/tools/make_docs.py            # rewrite docs/benchmarks.md and the README block
     python benchmarks/tools/make_docs.py --check    # exit 1 if either is not what the results give
@@ -24,7 +25,20 @@ ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
 DOC = ROOT / "docs" / "benchmarks.md"
 README = ROOT / "README.md"
+MODEL_DOC = ROOT / "docs" / "embedded-model.md"
 START, END = "<!-- results:start -->", "<!-- results:end -->"
+MODEL_START, MODEL_END = "<!-- model:start -->", "<!-- model:end -->"
+
+#: the real-model K/V statistics the flashcodec reference description publishes ("Real KV statistics",
+#: post-RoPE, 512 tokens): quoted beside ours, never measured here. (model / layer, tensor, Var(d)/Var(x),
+#: energy in the lowest 2 of 8 DCT coefficients)
+REFERENCE_KV_STATS = (
+    ("Qwen3-0.6B L0", "K", 0.16, 0.94),
+    ("Qwen3-0.6B L0", "V", 1.87, 0.31),
+    ("Qwen3-0.6B L27", "V", 1.02, 0.59),
+    ("Qwen3.5-0.8B L3", "K", 0.72, 0.71),
+    ("Qwen3.5-0.8B L23", "V", 0.09, 0.97),
+)
 
 #: (result file stem, section title, what the package is compared with)
 SECTIONS = (
@@ -334,12 +348,108 @@ def render_readme_block(results: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def replace_block(text: str, block: str) -> str | None:
-    """``text`` with the part between the results markers replaced by ``block``; None without markers."""
-    start, end = text.find(START), text.find(END)
-    if start < 0 or end < start:
+def replace_block(text: str, block: str, start: str = START, end: str = END) -> str | None:
+    """``text`` with the part between the ``start`` and ``end`` markers replaced by ``block``; None
+    without markers."""
+    a, b = text.find(start), text.find(end)
+    if a < 0 or b < a:
         return None
-    return text[:start] + block + text[end + len(END) :]
+    return text[:a] + block + text[b + len(end) :]
+
+
+def _mean(xs: list[float]) -> str:
+    return f"{sum(xs) / len(xs):.1f}"
+
+
+def render_model_block(training: dict[str, Any], evaluation: dict[str, Any], stats: dict[str, Any]) -> str:
+    """The measured part of docs/embedded-model.md: training run, context use, K/V statistics."""
+    args, tokens = training["args"], training["tokens"]
+    seen = training["tokens_seen"]
+    lines = [
+        MODEL_START,
+        "",
+        f"**Training run** (`benchmarks/results/tiny_model_training.json`, {training['date'][:10]}): "
+        f"`{training['command']}`; {training['steps_done']} of {training['steps_planned']} steps "
+        f"(resumed at step {training.get('resumed_at_step', 0)}), batch {args['batch']} x {args['seq_len']} tokens, "
+        f"{seen:,} tokens in this run, {training['train_seconds'] / 3600:.2f} h of training on "
+        f"{training['machine']['cpu_count']} CPU cores shared with other work. Training tokens per stream: "
+        + ", ".join(f"{name} {n:,}" for name, n in tokens["train"].items())
+        + ".",
+        "",
+        "| step | train loss (nats) | lr | elapsed |",
+        "|---:|---:|---:|---:|",
+    ]
+    curve = training["loss_curve"]
+    picks = sorted({0, len(curve) // 4, len(curve) // 2, 3 * len(curve) // 4, len(curve) - 1})
+    for i in picks:
+        point = curve[i]
+        lines.append(
+            f"| {point['step']} | {point['train_loss']:.3f} | {point['lr']:.2e} | {point['elapsed_s'] / 60:.0f} min |"
+        )
+    held = training["heldout"]
+    lines += [
+        "",
+        f"Held-out (2,048-token windows): loss {held['loss_nats']:.3f} nats, perplexity {held['perplexity']:.1f}; "
+        f"the add-one unigram model: {held['unigram_add_one_perplexity']:.1f}.",
+        "",
+        "**Does it use its context?** (`benchmarks/results/tiny_model_eval.json`, written by "
+        "`benchmarks/model/evaluate.py`): held-out perplexity per position of the target in non-overlapping "
+        "2,048-token windows, and over the 256-token windows of the first model's record (same targets), "
+        "for this model and the earlier one trained at 256 tokens:",
+        "",
+        "| model | 0-256 | 256-512 | 512-1,024 | 1,024-2,048 | 256-token windows |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for key, label in (("model", "this model"), ("baseline", "earlier model (trained at 256)")):
+        if key not in evaluation:
+            continue
+        r = evaluation[key]
+        cells = [f"{b['perplexity']:.1f}" for b in r["by_position_2048_windows"]["buckets"]]
+        sha = (r.get("weights_sha256") or "")[:12]
+        lines.append(
+            f"| {label} (`{sha}`) | " + " | ".join(cells) + f" | {r['perplexity_256_windows']:.1f} |"
+        )
+    lines += [
+        "",
+        f"**K/V statistics of every layer** (`benchmarks/results/real_kv_stats.json`, "
+        f"{stats['per_layer_tokens']} held-out tokens; written by `benchmarks/tools/capture_kv.py`). "
+        "Var(d)/Var(x): variance of first differences along the sequence over the variance (below 1: "
+        "smooth; 2: white noise); DCT low-2: share of energy in the lowest 2 of 8 DCT coefficients of "
+        "8-token blocks (white noise: 0.25); rank 90 / 99: mean over KV heads of the rank holding 90% / "
+        "99% of the centred energy, out of 64.",
+        "",
+        "| layer | tensor | Var(d)/Var(x) | DCT low-2 | rank 90 | rank 99 |",
+        "|---:|---|---:|---:|---:|---:|",
+    ]
+    names = {"keys_post_rope": "K post-RoPE", "keys_pre_rope": "K pre-RoPE", "values": "V"}
+    for row in stats["per_layer"]:
+        for key, label in names.items():
+            st = row[key]
+            lines.append(
+                f"| {row['layer']} | {label} | {st['var_delta_ratio']:.2f} | {st['dct_low2_energy']:.2f} | "
+                f"{_mean(st['rank90_per_head'])} | {_mean(st['rank99_per_head'])} |"
+            )
+    lines += [
+        "",
+        "Beside it, the real models the flashcodec reference description measured (post-RoPE, 512 tokens; "
+        "quoted from that description, not measured here):",
+        "",
+        "| model / layer | tensor | Var(d)/Var(x) | DCT low-2 |",
+        "|---|---|---:|---:|",
+    ]
+    lines += [f"| {m} | {t} | {r:.2f} | {e:.2f} |" for m, t, r, e in REFERENCE_KV_STATS]
+    lines += ["", MODEL_END]
+    return "\n".join(lines)
+
+
+def _model_inputs(results_dir: Path) -> tuple[dict, dict, dict] | None:
+    files = [
+        results_dir / n for n in ("tiny_model_training.json", "tiny_model_eval.json", "real_kv_stats.json")
+    ]
+    if not all(f.is_file() for f in files):
+        return None
+    training, evaluation, stats = (read_json(f) for f in files)
+    return (training, evaluation, stats) if "per_layer" in stats else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -358,6 +468,12 @@ def main(argv: list[str] | None = None) -> int:
         updated = replace_block(current, render_readme_block(results))
         if updated is not None:
             targets.append((README, updated))
+    model_inputs = _model_inputs(args.results)
+    if MODEL_DOC.is_file() and model_inputs is not None:
+        current = MODEL_DOC.read_text(encoding="utf-8")
+        updated = replace_block(current, render_model_block(*model_inputs), MODEL_START, MODEL_END)
+        if updated is not None:
+            targets.append((MODEL_DOC, updated))
     stale = []
     for path, text in targets:
         old = path.read_text(encoding="utf-8") if path.is_file() else None
