@@ -104,3 +104,50 @@ def test_prompt_longer_than_one_prefill_chunk(embedded, monkeypatch):
     gen = generate_step(mx.array(prompt), model, max_tokens=16, prompt_cache=caches, prefill_step_size=128)
     assert all(mx.all(mx.isfinite(lp)).item() for _, lp in gen)
     assert fits == [128] * (2 * len(model.layers)) and caches[0].offset == len(prompt) + 16
+
+
+@pytest.mark.slow
+def test_pre_rope_full_rank_matches_kvcache_for_64_steps_across_chunks_trim_and_save_load(embedded, tmp_path):
+    from palu_mlx import load_prompt_cache, save_prompt_cache
+
+    model, tokenizer = embedded
+    head_dim = model.args.head_dim
+    config = KVCacheConfig(head_dim=head_dim, palu_rank=head_dim, palu_hi_bit=16, palu_lo_bit=16)
+    base = [KVCache() for _ in model.layers]
+    palu = KVCacheBuilder.for_model(model, config)
+    assert all(c.rotary is not None for c in palu)
+    prompt = prompt_ids(tokenizer, 200)
+    steps = []
+    first = greedy(model, prompt, 24, base, prefill_step_size=64)  # chunked prefill
+    assert greedy(model, prompt, 24, palu, prefill_step_size=64) == first
+    steps += first
+    for b, p in zip(base, palu, strict=True):
+        assert b.trim(16) == p.trim(16) == 16 and b.offset == p.offset
+    probe = mx.array([first[0:1]])
+    diff = mx.abs(model(probe, cache=palu) - model(probe, cache=base)).max().item()
+    assert diff < 1e-3  # the next position after trim sees the right positions
+    second = greedy(model, first[-8:], 20, base)
+    assert greedy(model, first[-8:], 20, palu) == second
+    steps += second
+    path = str(tmp_path / "embedded.safetensors")
+    save_prompt_cache(path, palu)
+    loaded = load_prompt_cache(path)
+    third = greedy(model, second[-1:], 20, base)
+    assert greedy(model, second[-1:], 20, loaded) == third
+    steps += third
+    assert len(steps) == 64
+
+
+@pytest.mark.slow
+def test_pre_rope_keys_need_a_lower_rank_than_post_rope_keys(embedded):
+    model, tokenizer = embedded
+    head_dim = model.args.head_dim
+    prompt = mx.array(prompt_ids(tokenizer, 256))
+    ranks = {}
+    for pre_rope in (False, True):
+        config = KVCacheConfig(head_dim=head_dim, palu_n_head_groups=4, palu_pre_rope=pre_rope)
+        caches = KVCacheBuilder.for_model(model, config)
+        model(prompt[None], cache=caches)
+        ranks[pre_rope] = [c.key_rank for c in caches]
+    print(f"\n90%-energy key rank per layer (4 groups): post-RoPE {ranks[False]}, pre-RoPE {ranks[True]}")
+    assert sum(ranks[True]) < sum(ranks[False])

@@ -18,6 +18,7 @@ from .config import KVCacheConfig
 from .lowrank import GroupProjection, fit_group_projection, project, reconstruct, select_rank
 from .mixed_bit import BitAllocationPolicy, FixedSplitPolicy, MixedBitCoder, Segment, UniformPolicy
 from .naive import NaiveQuantKVCache, naive_roundtrip
+from .rope import PRE_ROPE_ARCHITECTURES, PreRopeFallbackWarning, Rotary, model_rotaries
 from .tiers import TIERS, Tier, tier
 
 __version__ = "0.1.0"
@@ -44,4 +45,8 @@ __all__ = [
     "UniformPolicy",
     "MixedBitCoder",
     "Segment",
+    "Rotary",
+    "PreRopeFallbackWarning",
+    "PRE_ROPE_ARCHITECTURES",
+    "model_rotaries",
 ]

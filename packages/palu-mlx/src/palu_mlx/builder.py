@@ -3,7 +3,13 @@
 ``KVCacheBuilder.for_model(model, config)`` returns one cache per layer, ready for
 ``generate(..., prompt_cache=caches)``, ``stream_generate`` or ``generate_step``.
 ``KVCacheBuilder.install(model, config)`` sets ``model.make_cache`` so every
-mlx-lm call that builds its own cache gets fresh palu caches.
+mlx-lm call that builds its own cache gets fresh palu caches; ``KVCacheBuilder.uninstall``
+puts the model's own ``make_cache`` back.
+
+For the architectures of :data:`palu_mlx.rope.PRE_ROPE_ARCHITECTURES` (and
+``config.palu_pre_rope``, the default) each palu cache gets its layer's RoPE, so keys are
+coded before RoPE; other architectures fall back to post-RoPE keys with a
+:class:`~palu_mlx.rope.PreRopeFallbackWarning`. No module of the model is changed either way.
 
 mlx-lm's ``load_prompt_cache`` only knows its own cache classes, so this module
 has its own :func:`save_prompt_cache` / :func:`load_prompt_cache`. The file is a
@@ -29,8 +35,11 @@ from .cache import PaluKVCache
 from .config import KVCacheConfig
 from .mixed_bit import BitAllocationPolicy
 from .naive import NaiveQuantKVCache
+from .rope import Rotary, model_rotaries
 
 __all__ = ["KVCacheBuilder", "model_kv_dims", "save_prompt_cache", "load_prompt_cache"]
+
+_NO_ROTARIES: list[Rotary | None] = []
 
 _OURS: dict[str, type] = {"PaluKVCache": PaluKVCache, "NaiveQuantKVCache": NaiveQuantKVCache}
 _FORMAT = "palu-mlx.prompt-cache.v1"
@@ -52,12 +61,14 @@ class KVCacheBuilder:
 
     @staticmethod
     def make_layer_cache(
-        config: KVCacheConfig, allocation_policy: BitAllocationPolicy | None = None
+        config: KVCacheConfig,
+        allocation_policy: BitAllocationPolicy | None = None,
+        rotary: Rotary | None = None,
     ) -> PaluKVCache | NaiveQuantKVCache:
-        """One layer's cache for ``config`` (``method`` "palu" or "naive")."""
+        """One layer's cache for ``config`` (``method`` "palu" or "naive"); ``rotary``: pre-RoPE keys."""
         if config.method == "naive":
             return NaiveQuantKVCache(config.naive_bits, config.naive_group_size, config.palu_check_finite)
-        return PaluKVCache(config, allocation_policy)
+        return PaluKVCache(config, allocation_policy, rotary)
 
     @staticmethod
     def for_model(
@@ -69,9 +80,20 @@ class KVCacheBuilder:
 
         Layers whose default cache is mlx-lm's plain ``KVCache`` get a palu cache;
         other layer caches the model asks for (rotating windows, SSM state) are kept.
+        With ``config.palu_pre_rope`` each palu cache codes its layer's keys before RoPE
+        where the architecture supports it (else a ``PreRopeFallbackWarning``).
         Raises ``KVConfigError`` when ``config.head_dim`` differs from the model's
         head dim or its KV head count is not divisible by ``palu_n_head_groups``.
         """
+        return KVCacheBuilder._build(model, config, allocation_policy, None)
+
+    @staticmethod
+    def _build(
+        model: nn.Module,
+        config: KVCacheConfig,
+        allocation_policy: BitAllocationPolicy | None,
+        rotaries: list[Rotary | None] | None,
+    ) -> list[Any]:
         if not isinstance(config, KVCacheConfig):
             raise KVConfigError(f"config must be a KVCacheConfig; got {type(config).__name__}")
         head_dim, n_kv = model_kv_dims(model)
@@ -82,11 +104,15 @@ class KVCacheBuilder:
                 f"palu_n_head_groups={config.palu_n_head_groups} must divide the model's "
                 f"{n_kv} key/value heads; allowed: a divisor of {n_kv}"
             )
+        if rotaries is None:
+            rotaries = _rotaries(model, config, head_dim)
         defaults = _default_caches(model)
         replaceable = (mlx_cache.KVCache, PaluKVCache, NaiveQuantKVCache)
         caches = [
-            KVCacheBuilder.make_layer_cache(config, allocation_policy) if type(c) in replaceable else c
-            for c in defaults
+            KVCacheBuilder.make_layer_cache(config, allocation_policy, _at(rotaries, i))
+            if type(c) in replaceable
+            else c
+            for i, c in enumerate(defaults)
         ]
         if not any(isinstance(c, (PaluKVCache, NaiveQuantKVCache)) for c in caches):
             raise KVConfigError("the model has no full-attention KVCache layer a palu cache could replace")
@@ -100,16 +126,48 @@ class KVCacheBuilder:
     ) -> Callable[[], list[Any]]:
         """Set ``model.make_cache`` to build fresh palu caches on every call; returns that factory.
 
-        Validates ``config`` against the model first (see :meth:`for_model`).
+        Validates ``config`` against the model first (see :meth:`for_model`); the pre-RoPE
+        decision (and its warning) is taken once, here. Nothing but ``make_cache`` changes;
+        :meth:`uninstall` undoes it.
         """
-        KVCacheBuilder.for_model(model, config, allocation_policy)
+        rotaries = _rotaries(model, config, model_kv_dims(model)[0])
+        KVCacheBuilder._build(model, config, allocation_policy, rotaries)
 
         def make_cache(*_args: Any, **_kwargs: Any) -> list[Any]:
-            return KVCacheBuilder.for_model(model, config, allocation_policy)
+            return KVCacheBuilder._build(model, config, allocation_policy, rotaries)
 
+        # Re-installing keeps the first install's record of what the model had.
+        had_own = model.make_cache._palu_had_own if _installed(model) else "make_cache" in vars(model)
         make_cache._palu_original = _original_make_cache(model)  # type: ignore[attr-defined]
+        make_cache._palu_had_own = had_own  # type: ignore[attr-defined]
         model.make_cache = make_cache
         return make_cache
+
+    @staticmethod
+    def uninstall(model: nn.Module) -> bool:
+        """Undo :meth:`install`: the model's own ``make_cache`` again. Returns False if none was installed."""
+        if not _installed(model):
+            return False
+        current = model.make_cache
+        if current._palu_had_own:
+            model.make_cache = current._palu_original
+        else:
+            del model.make_cache
+        return True
+
+
+def _installed(model: nn.Module) -> bool:
+    return hasattr(getattr(model, "make_cache", None), "_palu_original")
+
+
+def _rotaries(model: nn.Module, config: KVCacheConfig, head_dim: int | None) -> list[Rotary | None]:
+    if config.method != "palu" or not config.palu_pre_rope:
+        return _NO_ROTARIES
+    return model_rotaries(model, head_dim) or _NO_ROTARIES
+
+
+def _at(rotaries: list[Rotary | None], i: int) -> Rotary | None:
+    return rotaries[i] if i < len(rotaries) else None
 
 
 def _original_make_cache(model: nn.Module) -> Callable[[], list[Any]] | None:

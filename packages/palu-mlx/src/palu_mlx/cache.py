@@ -17,6 +17,13 @@ Life of a layer's cache:
 Buffers grow in steps of :attr:`step` tokens (as mlx-lm's ``KVCache``): one
 O(S) copy per ``step`` tokens, none per decoded token.
 
+**Pre-RoPE keys.** Given a :class:`~palu_mlx.rope.Rotary` (``KVCacheBuilder.for_model``
+passes one for the architectures that support it), the cache takes the rotated keys it
+receives back to before RoPE (at their positions ``offset + i``), fits and codes those, and
+rotates the reconstructed keys at positions ``0 .. offset-1`` for attention. Before the fit the
+exact rotated keys are held as given. Positions are the token indices of the cache, so
+chunked prefill, ``trim`` and save / load keep them right.
+
 The class deliberately has no ``bits`` attribute: mlx-lm sends any cache with
 one to its quantized attention, which expects ``mx.quantize`` tuples.
 """
@@ -33,6 +40,7 @@ from .config import UNQUANTIZED_BITS, KVCacheConfig
 from .layer import CacheLayer, write_rows
 from .lowrank import GroupProjection, fit_group_projection, project, reconstruct
 from .mixed_bit import BitAllocationPolicy, FixedSplitPolicy, MixedBitCoder, Segment, UniformPolicy
+from .rope import Rotary
 
 __all__ = ["PaluKVCache"]
 
@@ -50,17 +58,28 @@ class PaluKVCache(CacheLayer):
         allocation_policy: how latent channels get their bit widths; defaults to
             :class:`FixedSplitPolicy` from the config's hi/lo fields. Value latents
             use ``UniformPolicy(16)`` (unquantized) when ``palu_quantize_values`` is False.
+        rotary: the layer's RoPE as a :class:`~palu_mlx.rope.Rotary`: keys arrive rotated at
+            positions ``offset + i`` and are coded before RoPE (the pre-RoPE path). None codes
+            the keys as given.
 
     ``trim`` keeps the fitted projections: trimming back below the fit point does not refit.
     """
 
-    def __init__(self, config: KVCacheConfig, allocation_policy: BitAllocationPolicy | None = None):
+    def __init__(
+        self,
+        config: KVCacheConfig,
+        allocation_policy: BitAllocationPolicy | None = None,
+        rotary: Rotary | None = None,
+    ):
         if not isinstance(config, KVCacheConfig):
             raise KVConfigError(f"config must be a KVCacheConfig; got {type(config).__name__}")
         if config.method != "palu":
             raise KVConfigError(f"PaluKVCache needs config.method='palu'; got {config.method!r}")
+        if rotary is not None and not isinstance(rotary, Rotary):
+            raise KVConfigError(f"rotary must be a palu_mlx.rope.Rotary or None; got {type(rotary).__name__}")
         super().__init__()
         self.config = config
+        self.rotary = rotary
         self.allocation_policy = allocation_policy or FixedSplitPolicy(
             config.palu_hi_bit, config.palu_lo_bit, config.palu_hi_fraction
         )
@@ -82,6 +101,8 @@ class PaluKVCache(CacheLayer):
                 f"palu_n_head_groups={self.config.palu_n_head_groups} must divide the key/value head "
                 f"count {h}; allowed: a divisor of {h}"
             )
+        if self.rotary is not None and self.rotary.dims > d:
+            raise KVShapeError(f"keys head dim {d} is smaller than the RoPE dims {self.rotary.dims}")
         if self.config.palu_rank is not None and self.config.palu_rank > min(d, dv):
             raise KVConfigError(
                 f"palu_rank={self.config.palu_rank} exceeds the head dims (keys {d}, values {dv}); "
@@ -103,18 +124,24 @@ class PaluKVCache(CacheLayer):
             exact_keys = write_rows(self._exact_keys, keys, prev, self.step)
             exact_values = write_rows(self._exact_values, values, prev, self.step)
             if end >= self.config.min_fit_tokens(d):
-                self._fit(exact_keys[..., :end, :], exact_values[..., :end, :], keys.dtype)
+                self._fit(self._pre_rope(exact_keys[..., :end, :], 0), exact_values[..., :end, :], keys.dtype)
                 self._exact_keys = self._exact_values = None
             else:
                 self._exact_keys, self._exact_values = exact_keys, exact_values
         else:
-            self._key_codes = self._append_codes(self._key_codes, self._key_coder, self._key_proj, keys, prev)
+            self._key_codes = self._append_codes(
+                self._key_codes, self._key_coder, self._key_proj, self._pre_rope(keys, prev), prev
+            )
             self._value_codes = self._append_codes(
                 self._value_codes, self._value_coder, self._value_proj, values, prev
             )
         self._shape, self._dtype = (b, h, d, dv), keys.dtype
         self.offset = end
         return self._fetch()
+
+    def _pre_rope(self, keys: mx.array, offset: int) -> mx.array:
+        """Keys rotated at ``offset + i`` -> the keys before RoPE (float32); as given without a rotary."""
+        return keys if self.rotary is None else self.rotary.unrotate(keys, offset)
 
     def _append_codes(
         self,
@@ -162,10 +189,12 @@ class PaluKVCache(CacheLayer):
         n = self.offset
         if self._key_proj is None:
             return self._exact_keys[..., :n, :], self._exact_values[..., :n, :]
-        return (
-            self._reconstruct(self._key_codes, self._key_coder, self._key_proj, n),
-            self._reconstruct(self._value_codes, self._value_coder, self._value_proj, n),
-        )
+        if self.rotary is None:
+            keys = self._reconstruct(self._key_codes, self._key_coder, self._key_proj, n)
+        else:
+            latents = self._key_coder.decode({name: buf[..., :n, :] for name, buf in self._key_codes.items()})
+            keys = self.rotary.rotate(reconstruct(latents, self._key_proj, mx.float32), 0).astype(self._dtype)
+        return keys, self._reconstruct(self._value_codes, self._value_coder, self._value_proj, n)
 
     def _reconstruct(self, buffers, coder: MixedBitCoder, projection: GroupProjection, n: int) -> mx.array:
         latents = coder.decode({name: buf[..., :n, :] for name, buf in buffers.items()})
@@ -183,16 +212,18 @@ class PaluKVCache(CacheLayer):
 
         Before the fit: ``exact_keys``, ``exact_values``. After: ``key.basis``,
         ``key.mean``, ``key.singular_values``, ``key.seg<i>.<field>`` (and ``value.*``).
+        On the pre-RoPE path also ``rope.inv_freq`` (even when empty).
         """
         n = self.offset
-        if self._shape is None:
-            return {}
-        if self._key_proj is None:
-            return {
-                "exact_keys": self._exact_keys[..., :n, :],
-                "exact_values": self._exact_values[..., :n, :],
-            }
         out: dict[str, mx.array] = {}
+        if self.rotary is not None:
+            out["rope.inv_freq"] = self.rotary.inv_freq
+        if self._shape is None:
+            return out
+        if self._key_proj is None:
+            out["exact_keys"] = self._exact_keys[..., :n, :]
+            out["exact_values"] = self._exact_values[..., :n, :]
+            return out
         for prefix, proj, codes in (
             ("key", self._key_proj, self._key_codes),
             ("value", self._value_proj, self._value_codes),
@@ -210,6 +241,7 @@ class PaluKVCache(CacheLayer):
             **self._runtime(),
             "key_segments": _segments_to_list(self._key_coder),
             "value_segments": _segments_to_list(self._value_coder),
+            "rope": None if self.rotary is None else self.rotary.to_meta(),
         }
         return self.config.to_json(), json.dumps(runtime, sort_keys=True)
 
@@ -223,7 +255,11 @@ class PaluKVCache(CacheLayer):
         """Rebuild a cache from :attr:`state` and :attr:`meta_state` (bitwise the same arrays)."""
         config_json, runtime = cls._split_meta_state(meta_state)
         config = KVCacheConfig.from_json(config_json)
-        cache = cls(config, allocation_policy)
+        rope_meta = runtime.get("rope")
+        if rope_meta is not None and "rope.inv_freq" not in state:
+            raise KVConfigError("state is missing array 'rope.inv_freq' needed by meta_state")
+        rotary = None if rope_meta is None else Rotary.from_meta(rope_meta, state["rope.inv_freq"])
+        cache = cls(config, allocation_policy, rotary)
         if not cache._restore_runtime(runtime):
             return cache
         try:
@@ -261,6 +297,8 @@ class PaluKVCache(CacheLayer):
             else (self._exact_values, self._value_proj, self._value_codes)
         )
         out = [] if exact is None else [exact]
+        if which == "key" and self.rotary is not None and self._shape is not None:
+            out.append(self.rotary.inv_freq)
         if proj is not None:
             out += list(proj.arrays().values())
         out += list((codes or {}).values())
@@ -322,7 +360,8 @@ class PaluKVCache(CacheLayer):
 
     def __repr__(self) -> str:
         phase = f"fitted r_k={self.key_rank} r_v={self.value_rank}" if self.fitted else "exact"
-        return f"PaluKVCache(offset={self.offset}, {phase})"
+        rope = ", pre-RoPE keys" if self.rotary is not None else ""
+        return f"PaluKVCache(offset={self.offset}, {phase}{rope})"
 
 
 def _projection_dtype(coder: MixedBitCoder, dtype: mx.Dtype) -> mx.Dtype:

@@ -65,6 +65,11 @@ class KVCacheConfig:
             ``D`` rows and a short prompt cannot lock in a degenerate low-rank subspace.
         palu_check_finite: reject NaN / inf keys and values (costs one device sync per
             layer call); False skips the check for speed.
+        palu_pre_rope: when :meth:`KVCacheBuilder.for_model` builds caches for a model whose
+            architecture supports it, code keys as they were before RoPE and rotate the
+            reconstructed keys at their positions (see :mod:`palu_mlx.rope`); False, or an
+            unsupported architecture (with a warning), caches the post-RoPE keys. A cache built
+            without a model (``PaluKVCache(config)``) always codes the keys it is given.
         naive_bits, naive_group_size: bit width and group size of the ``"naive"`` baseline
             (uniform ``mx.quantize`` of the full K/V; group size 32, 64 or 128).
     """
@@ -81,6 +86,7 @@ class KVCacheConfig:
     palu_quantize_values: bool = True
     palu_min_fit_tokens: int | None = None
     palu_check_finite: bool = True
+    palu_pre_rope: bool = True
     naive_bits: int = 2
     naive_group_size: int = 64
 
@@ -131,6 +137,8 @@ class KVCacheConfig:
             )
         if not isinstance(self.palu_check_finite, bool):
             raise KVConfigError(f"palu_check_finite={self.palu_check_finite!r} must be True or False")
+        if not isinstance(self.palu_pre_rope, bool):
+            raise KVConfigError(f"palu_pre_rope={self.palu_pre_rope!r} must be True or False")
         if not _is_int(self.naive_bits) or self.naive_bits not in PACKABLE_BITS:
             raise KVConfigError(
                 f"naive_bits={self.naive_bits!r} cannot be packed; allowed: {', '.join(map(str, PACKABLE_BITS))}"
