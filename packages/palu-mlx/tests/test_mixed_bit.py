@@ -10,7 +10,7 @@ from palu_mlx import FixedSplitPolicy, MixedBitCoder, Segment, UniformPolicy
 from palu_mlx.mixed_bit import pack_codes, unpack_codes
 
 
-@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 6, 8])
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 6, 7, 8])
 @pytest.mark.parametrize("n", [1, 7, 16, 33])
 def test_pack_unpack_round_trip(bits, n):
     rng = np.random.default_rng(bits * 100 + n)

@@ -16,7 +16,15 @@ from .builder import KVCacheBuilder, load_prompt_cache, model_kv_dims, save_prom
 from .cache import PaluKVCache
 from .config import KVCacheConfig
 from .lowrank import GroupProjection, fit_group_projection, project, reconstruct, select_rank
-from .mixed_bit import BitAllocationPolicy, FixedSplitPolicy, MixedBitCoder, Segment, UniformPolicy
+from .mixed_bit import (
+    BitAllocationPolicy,
+    FixedSplitPolicy,
+    MixedBitCoder,
+    Segment,
+    UniformPolicy,
+    WaterFillingPolicy,
+    water_fill,
+)
 from .naive import NaiveQuantKVCache, naive_roundtrip
 from .rope import PRE_ROPE_ARCHITECTURES, PreRopeFallbackWarning, Rotary, model_rotaries
 from .tiers import TIERS, Tier, tier
@@ -45,6 +53,8 @@ __all__ = [
     "UniformPolicy",
     "MixedBitCoder",
     "Segment",
+    "WaterFillingPolicy",
+    "water_fill",
     "Rotary",
     "PreRopeFallbackWarning",
     "PRE_ROPE_ARCHITECTURES",

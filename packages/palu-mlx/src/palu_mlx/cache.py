@@ -39,7 +39,14 @@ from kvspec import KVConfigError, KVShapeError
 from .config import UNQUANTIZED_BITS, KVCacheConfig
 from .layer import CacheLayer, write_rows
 from .lowrank import GroupProjection, fit_group_projection, project, reconstruct
-from .mixed_bit import BitAllocationPolicy, FixedSplitPolicy, MixedBitCoder, Segment, UniformPolicy
+from .mixed_bit import (
+    BitAllocationPolicy,
+    FixedSplitPolicy,
+    MixedBitCoder,
+    Segment,
+    UniformPolicy,
+    WaterFillingPolicy,
+)
 from .rope import Rotary
 
 __all__ = ["PaluKVCache"]
@@ -80,9 +87,7 @@ class PaluKVCache(CacheLayer):
         super().__init__()
         self.config = config
         self.rotary = rotary
-        self.allocation_policy = allocation_policy or FixedSplitPolicy(
-            config.palu_hi_bit, config.palu_lo_bit, config.palu_hi_fraction
-        )
+        self.allocation_policy = allocation_policy or default_policy(config)
         self._exact_keys: mx.array | None = None
         self._exact_values: mx.array | None = None
         self._key_proj: GroupProjection | None = None
@@ -158,23 +163,12 @@ class PaluKVCache(CacheLayer):
     def _fit(self, keys: mx.array, values: mx.array, dtype: mx.Dtype) -> None:
         """Fit projections on every held token, code them all, and switch to the latent phase."""
         cfg = self.config
-        key_proj = fit_group_projection(
-            keys, cfg.palu_n_head_groups, cfg.palu_rank, cfg.palu_energy_threshold
-        )
-        value_proj = fit_group_projection(
-            values, cfg.palu_n_head_groups, cfg.palu_rank, cfg.palu_energy_threshold
-        )
-        compact = compact_dtype(dtype)
-        key_coder = MixedBitCoder(
-            self.allocation_policy.allocate(np.array(key_proj.singular_values)),
-            cfg.palu_group_size,
-            dtype,
-            compact,
-        )
         value_policy = self.allocation_policy if cfg.palu_quantize_values else UniformPolicy(UNQUANTIZED_BITS)
-        value_coder = MixedBitCoder(
-            value_policy.allocate(np.array(value_proj.singular_values)), cfg.palu_group_size, dtype, compact
-        )
+        key_proj, key_segments = _fit_and_allocate(keys, cfg, self.allocation_policy)
+        value_proj, value_segments = _fit_and_allocate(values, cfg, value_policy)
+        compact = compact_dtype(dtype)
+        key_coder = MixedBitCoder(key_segments, cfg.palu_group_size, dtype, compact)
+        value_coder = MixedBitCoder(value_segments, cfg.palu_group_size, dtype, compact)
         # Quantized latents carry far more error than 16-bit projections add (2^-11 relative),
         # so their projections are stored at 16 bits; unquantized tiers keep the input dtype
         # so that full rank stays near-lossless.
@@ -362,6 +356,42 @@ class PaluKVCache(CacheLayer):
         phase = f"fitted r_k={self.key_rank} r_v={self.value_rank}" if self.fitted else "exact"
         rope = ", pre-RoPE keys" if self.rotary is not None else ""
         return f"PaluKVCache(offset={self.offset}, {phase}{rope})"
+
+
+def default_policy(config: KVCacheConfig) -> BitAllocationPolicy:
+    """The policy a config implies: water-filling at ``palu_bits`` when set, else the hi/lo split."""
+    if config.palu_bits is not None:
+        return WaterFillingPolicy(config.palu_bits)
+    return FixedSplitPolicy(config.palu_hi_bit, config.palu_lo_bit, config.palu_hi_fraction)
+
+
+def _fit_and_allocate(
+    x: mx.array, cfg: KVCacheConfig, policy: BitAllocationPolicy
+) -> tuple[GroupProjection, tuple[Segment, ...]]:
+    """Fit ``x``'s projection, let ``policy`` allocate widths, and drop trailing 0-bit channels.
+
+    A policy that ``chooses_rank`` (water-filling) sees the full spectrum (or ``palu_rank``
+    channels). If it gives every channel 0 bits, channel 0 keeps 1 bit so the coder has a row.
+    """
+    if getattr(policy, "chooses_rank", False):
+        rank = cfg.palu_rank if cfg.palu_rank is not None else x.shape[-1]
+        projection = fit_group_projection(x, cfg.palu_n_head_groups, rank)
+    else:
+        projection = fit_group_projection(x, cfg.palu_n_head_groups, cfg.palu_rank, cfg.palu_energy_threshold)
+    segments = tuple(s for s in policy.allocate(np.array(projection.singular_values)) if s.bits > 0)
+    if not segments:
+        segments = (Segment(0, 1, 1),)
+    keep = segments[-1].stop
+    gaps = any(a.stop != b.start for a, b in zip(segments[:-1], segments[1:], strict=True))
+    if segments[0].start != 0 or gaps:
+        raise KVConfigError(f"policy {policy!r} gave 0 bits to a channel before a coded one: {segments!r}")
+    if keep < projection.rank:
+        projection = GroupProjection(
+            basis=mx.contiguous(projection.basis[:, :, :keep]),
+            mean=projection.mean,
+            singular_values=mx.contiguous(projection.singular_values[:, :keep]),
+        )
+    return projection, segments
 
 
 def _projection_dtype(coder: MixedBitCoder, dtype: mx.Dtype) -> mx.Dtype:

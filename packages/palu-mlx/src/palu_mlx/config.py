@@ -58,6 +58,11 @@ class KVCacheConfig:
         palu_group_size: channels sharing one scale/bias inside a bit-width segment
             (a positive integer; a segment whose width is not a multiple of it ends in a
             smaller group).
+        palu_bits: target average code bits per original K/V element (a number in ``(0, 8]``).
+            When set, :class:`~palu_mlx.mixed_bit.WaterFillingPolicy` replaces the rank, the
+            energy threshold and the hi/lo split: projections are fitted at full rank (or
+            ``palu_rank``) and each latent channel gets an integer width 0-8 from its variance
+            by reverse water-filling; 0 drops the channel. ``None`` (default) keeps the hi/lo split.
         palu_quantize_values: False keeps value latents unquantized (input dtype; fp16
             for fp16 models), still low-rank.
         palu_min_fit_tokens: tokens held exactly before the projections are fitted;
@@ -84,6 +89,7 @@ class KVCacheConfig:
     palu_hi_fraction: float = 0.25
     palu_group_size: int = 32
     palu_quantize_values: bool = True
+    palu_bits: float | None = None
     palu_min_fit_tokens: int | None = None
     palu_check_finite: bool = True
     palu_pre_rope: bool = True
@@ -126,6 +132,9 @@ class KVCacheConfig:
             raise KVConfigError(f"palu_hi_fraction={f!r} must be a number in [0, 1]")
         if not _is_int(self.palu_group_size) or self.palu_group_size < 1:
             raise KVConfigError(f"palu_group_size={self.palu_group_size!r} must be a positive integer")
+        b = self.palu_bits
+        if b is not None and (not _is_real(b) or not math.isfinite(b) or not 0.0 < b <= 8.0):
+            raise KVConfigError(f"palu_bits={b!r} must be None or a number in (0, 8] (code bits per element)")
         if not isinstance(self.palu_quantize_values, bool):
             raise KVConfigError(f"palu_quantize_values={self.palu_quantize_values!r} must be True or False")
         if self.palu_min_fit_tokens is not None and (

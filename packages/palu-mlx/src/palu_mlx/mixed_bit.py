@@ -26,7 +26,9 @@ token's codes never change when later tokens arrive.
 
 from __future__ import annotations
 
+import heapq
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -34,17 +36,25 @@ import mlx.core as mx
 import numpy as np
 from kvspec import KVConfigError
 
-from .config import PACKABLE_BITS, UNQUANTIZED_BITS
+from .config import UNQUANTIZED_BITS
 
 __all__ = [
     "Segment",
     "BitAllocationPolicy",
     "FixedSplitPolicy",
     "UniformPolicy",
+    "WaterFillingPolicy",
+    "water_fill",
+    "CODER_BITS",
     "MixedBitCoder",
     "pack_codes",
     "unpack_codes",
 ]
+
+
+#: widths a coder segment can have: 1..8 bits packed (7 as 4 codes per uint32), 16 = unquantized.
+#: A policy may also return 0 bits for trailing channels: the cache drops them (they decode to the mean).
+CODER_BITS: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8, UNQUANTIZED_BITS)
 
 
 @dataclass(frozen=True)
@@ -106,6 +116,75 @@ class UniformPolicy:
         return _merge([Segment(0, int(np.shape(singular_values)[-1]), self.bits)])
 
 
+def water_fill(variances: Sequence[np.ndarray], budget_bits: int, max_bits: int = 8) -> list[np.ndarray]:
+    """Integer reverse water-filling: spread ``budget_bits`` over every channel of every tensor.
+
+    ``variances`` is one 1-D array of channel variances per tensor (any number of layers,
+    keys and values together: one level for all). Under the high-rate model a channel of
+    variance ``λ`` coded at ``b`` bits keeps an error ``λ 4^-b``, so each next bit is given to
+    the channel whose error it cuts most (``0.75 λ 4^-b``); that greedy choice is the optimal
+    integer allocation for this convex model, and it is reverse water-filling with integer
+    widths: channels below the level get 0 bits (dropped).
+
+    Returns one int array of widths in ``[0, max_bits]`` per tensor. Exactly ``budget_bits``
+    are spent unless every channel of positive variance already has ``max_bits``; a
+    zero-variance channel never gets a bit. Ties go to the earlier tensor and channel, so for
+    variances sorted in descending order the widths are non-increasing.
+    """
+    if not isinstance(budget_bits, (int, np.integer)) or budget_bits < 0:
+        raise KVConfigError(f"budget_bits={budget_bits!r} must be a non-negative integer")
+    if not isinstance(max_bits, int) or not 1 <= max_bits <= 8:
+        raise KVConfigError(f"max_bits={max_bits!r} must be an integer in [1, 8]")
+    lams = [np.maximum(np.asarray(v, dtype=np.float64).reshape(-1), 0.0) for v in variances]
+    widths = [np.zeros(lam.shape, dtype=np.int64) for lam in lams]
+    # max-heap on the error the next bit removes; (tensor, channel) breaks ties deterministically
+    heap = [(-0.75 * lam[c], t, c) for t, lam in enumerate(lams) for c in range(lam.size) if lam[c] > 0]
+    heapq.heapify(heap)
+    for _ in range(int(budget_bits)):
+        if not heap:
+            break
+        _, t, c = heapq.heappop(heap)
+        widths[t][c] += 1
+        if widths[t][c] < max_bits:
+            heapq.heappush(heap, (-0.75 * lams[t][c] * 4.0 ** -int(widths[t][c]), t, c))
+    return widths
+
+
+def segments_from_widths(widths: np.ndarray) -> tuple[Segment, ...]:
+    """Per-channel widths ``[r]`` -> contiguous :class:`Segment`\\ s (runs of one width; 0 kept)."""
+    widths = np.asarray(widths).reshape(-1)
+    return _merge([Segment(i, i + 1, int(w)) for i, w in enumerate(widths)])
+
+
+@dataclass(frozen=True)
+class WaterFillingPolicy:
+    """Bits per latent channel by reverse water-filling on the channel variances (one tensor).
+
+    ``bits`` is the target average code bits per *original* element: a tensor of ``r``
+    channels (fitted at full rank, ``r = D``) gets ``round(bits * r)`` code bits per token and
+    head, shared by :func:`water_fill` over the channel variances (``σ²`` averaged over the
+    head groups, which share one segment layout). Channels below the level get 0 bits: the
+    cache drops them, so the rank follows from the budget. Scales and biases of the coder
+    (16 bits per group of ``palu_group_size`` channels per token) come on top of the budget.
+    """
+
+    bits: float
+    max_bits: int = 8
+
+    #: the cache fits this policy's tensors at full rank and lets it choose the rank
+    chooses_rank = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.bits, (int, float)) or isinstance(self.bits, bool) or not 0 < self.bits <= 8:
+            raise KVConfigError(f"palu_bits={self.bits!r} must be a number in (0, 8]")
+
+    def allocate(self, singular_values: np.ndarray) -> tuple[Segment, ...]:
+        sv = np.atleast_2d(np.asarray(singular_values, dtype=np.float64))
+        variances = (sv**2).mean(axis=0)
+        budget = int(round(self.bits * sv.shape[-1]))
+        return segments_from_widths(water_fill([variances], budget, self.max_bits)[0])
+
+
 # --------------------------------------------------------------------------- packing
 def _word(bits: int) -> tuple[mx.Dtype, int]:
     """Storage word and codes per word for ``bits``."""
@@ -162,11 +241,8 @@ class MixedBitCoder:
             if seg.start != prev.stop:
                 raise KVConfigError(f"segments={segments!r} must be contiguous")
         for seg in segments:
-            if seg.width < 1 or seg.bits not in (*PACKABLE_BITS, UNQUANTIZED_BITS):
-                raise KVConfigError(
-                    f"segment {seg!r}: width must be >= 1 and bits one of "
-                    f"{(*PACKABLE_BITS, UNQUANTIZED_BITS)}"
-                )
+            if seg.width < 1 or seg.bits not in CODER_BITS:
+                raise KVConfigError(f"segment {seg!r}: width must be >= 1 and bits one of {CODER_BITS}")
         if not isinstance(group_size, int) or group_size < 1:
             raise KVConfigError(f"group_size={group_size!r} must be a positive integer")
         self.segments = tuple(segments)
