@@ -13,7 +13,7 @@ tier, optional Top-M pruning). The named tiers are in :mod:`flashcodec.tiers`.
 Importing this package never imports transformers or triton.
 """
 
-from .attention import codec_decode_attention
+from .attention import codec_decode_attention, codec_prefill_attention
 from .cache import SUPPORTED_DTYPES, CodecKVCache
 from .codecs import CODECS, BlockCodec, JPEGCodec, PNGCodec, dct_matrix, delta_variance_ratio, make_codec
 from .storage import CodecStorage
@@ -60,6 +60,7 @@ __all__ = [
     "dct_matrix",
     "delta_variance_ratio",
     "codec_decode_attention",
+    "codec_prefill_attention",
     "SUPPORTED_DTYPES",
     "__version__",
     *_HF_EXPORTS,

@@ -10,10 +10,14 @@ and the reconstructed ``[B, H, S, D]`` view is never built: :func:`codec_decode_
 the archive buffers and the raw tail of two :class:`~flashcodec.stream.CodecStream` s as they are
 (int8 coefficients included) and never calls ``read()``.
 
-Scope: decode (one new token per sequence). Prefill keeps using the view: there the coefficient
-form would need a ``[S, n_blocks * R]`` score tensor, larger than the view it saves. The gain in
-bytes read is ``R / r`` (jpeg ``keep_freqs < block_size``, and 1/4 more from int8); png stores
+Decode (one new token per sequence): :func:`codec_decode_attention` on the stored rows. The gain
+in bytes read is ``R / r`` (jpeg ``keep_freqs < block_size``, and 1/4 more from int8); png stores
 ``r`` rows per block, so it is supported but saves nothing.
+
+Multi-token steps (prefill, chunked prefill, verification): :func:`codec_prefill_attention`. The
+coefficient form would need a ``[s, n_blocks * R]`` score tensor per head, so there the archived
+blocks are decoded :data:`CHUNK_BLOCKS` at a time and folded into an online softmax
+(log-sum-exp): peak memory is one decoded chunk plus one pass's scores, never the whole view.
 
 Backends: ``"torch"`` (:mod:`flashcodec.kernels.naive`, split into chunks of blocks so its
 temporaries stay bounded) and ``"triton"`` (:mod:`flashcodec.kernels.triton_attention`, a split-K
@@ -29,21 +33,26 @@ import numbers
 import torch
 from kvspec import KVConfigError, KVDtypeError, KVShapeError
 
-from .kernels.naive import CodedRows, decode_attention_naive
-from .stream import CodecStream
+from .kernels.naive import CodedRows, decode_attention_naive, prefill_attention_naive
+from .stream import SPARE_BLOCKS, CodecStream
 
 __all__ = [
     "BACKENDS",
     "coded_rows",
     "additive_key_mask",
     "codec_decode_attention",
+    "codec_prefill_attention",
     "materialized_decode_attention",
+    "materialized_prefill_attention",
+    "CHUNK_BLOCKS",
     "triton_available",
 ]
 
 BACKENDS = ("auto", "torch", "triton")
 #: bytes of fp32 rows one torch chunk may cast at once: bounds the temporaries on long sequences
 TORCH_CHUNK_BYTES = 2 << 20
+#: archived blocks a multi-token step decodes at a time (also the archive's most spare blocks)
+CHUNK_BLOCKS = SPARE_BLOCKS
 
 
 def triton_available() -> bool:
@@ -236,4 +245,123 @@ def materialized_decode_attention(
     attn_mask = None if mask is None else mask[:, None, None, :].to(query.dtype)
     return torch.nn.functional.scaled_dot_product_attention(
         query, k, v, attn_mask=attn_mask, scale=scale, enable_gqa=query.shape[1] != k.shape[1]
+    )
+
+
+def _check_prefill(
+    query: object, key_stream: object, value_stream: object, scale: object, chunk_blocks: object
+) -> None:
+    """Raise the kvspec error for a call :func:`codec_prefill_attention` cannot serve; reads only."""
+    if chunk_blocks is not None and (
+        isinstance(chunk_blocks, bool) or not isinstance(chunk_blocks, numbers.Integral) or chunk_blocks < 1
+    ):
+        raise KVConfigError(f"chunk_blocks must be None or an integer >= 1; got {chunk_blocks!r}")
+    if isinstance(query, torch.Tensor) and query.dim() == 4 and query.shape[2] >= 1:
+        one = query[:, :, :1]
+        _check_call(one, key_stream, value_stream, scale, "torch", None)
+        assert isinstance(key_stream, CodecStream)
+        if query.shape[2] > key_stream.seq_len:
+            raise KVShapeError(
+                f"query has s={query.shape[2]} tokens but the streams hold only {key_stream.seq_len}: "
+                "append the new keys and values first"
+            )
+        return
+    if not isinstance(query, torch.Tensor):
+        raise KVDtypeError(f"query must be a torch.Tensor; got {type(query).__name__}")
+    raise KVShapeError(f"query must be [B, Hq, s, D] with s >= 1; got shape {tuple(query.shape)}")
+
+
+def _prefill_mask(mask: object, batch: int, heads: int, s: int, total: int, device) -> torch.Tensor | None:
+    """``attn_mask`` as additive fp32 ``[B, 1 | Hq, s, S]``; None stays None (causal)."""
+    if mask is None:
+        return None
+    if not isinstance(mask, torch.Tensor):
+        raise KVDtypeError(f"attn_mask must be a torch.Tensor or None; got {type(mask).__name__}")
+    if (
+        mask.dim() != 4
+        or mask.shape[0] != batch
+        or mask.shape[1] not in (1, heads)
+        or tuple(mask.shape[2:])
+        != (
+            s,
+            total,
+        )
+    ):
+        raise KVShapeError(
+            f"attn_mask must have shape [B, 1 or Hq, s, S] = [{batch}, 1 or {heads}, {s}, {total}]; "
+            f"got {tuple(mask.shape)}"
+        )
+    if mask.dtype == torch.bool:
+        zero = torch.zeros((), dtype=torch.float32, device=mask.device)
+        mask = torch.where(mask, zero, torch.full_like(zero, -math.inf))
+    elif not mask.is_floating_point():
+        raise KVDtypeError(f"attn_mask must be bool or floating point; got {mask.dtype}")
+    return mask.to(device=device, dtype=torch.float32)
+
+
+@torch.no_grad()
+def codec_prefill_attention(
+    query: torch.Tensor,
+    key_stream: CodecStream,
+    value_stream: CodecStream,
+    *,
+    scale: float | None = None,
+    attn_mask: torch.Tensor | None = None,
+    chunk_blocks: int | None = None,
+) -> torch.Tensor:
+    """Attention of the ``s`` newest tokens over the coded streams, without the whole-history view.
+
+    Args:
+        query: ``[B, Hq, s, D]``: the queries of the last ``s`` tokens of the streams (their keys
+            and values already appended), post-RoPE; ``Hq = G * Hkv`` as in :func:`codec_decode_attention`.
+        key_stream, value_stream: the layer's streams (``S`` tokens each).
+        scale: score scale, default ``D ** -0.5``.
+        attn_mask: None (causal: query ``i`` sees the keys up to its own position ``S - s + i``),
+            or bool ``[B, 1 | Hq, s, S]`` (True = attend) or additive float of that shape, used
+            instead of the causal rule (transformers' 4-D masks: padding, custom masks).
+        chunk_blocks: archived blocks decoded at a time (default :data:`CHUNK_BLOCKS`).
+
+    Returns:
+        ``[B, Hq, s, Dv]`` in ``query.dtype``; fp32 arithmetic on keys and values rounded to the
+        stream dtype, i.e. on exactly the values the materialized view would hold. A query that sees
+        no key gets zeros. Peak temporaries: one decoded chunk of keys and values (``chunk_blocks *
+        r`` tokens) and at most ``2**20`` scores; the streams are only read, no view is built.
+    """
+    _check_prefill(query, key_stream, value_stream, scale, chunk_blocks)
+    b, hq, s, d = query.shape
+    mask = _prefill_mask(attn_mask, b, hq, s, key_stream.seq_len, query.device)
+    return prefill_attention_naive(
+        query,
+        coded_rows(key_stream),
+        coded_rows(value_stream),
+        scale=1.0 / math.sqrt(d) if scale is None else float(scale),
+        mask=mask,
+        chunk_blocks=chunk_blocks or CHUNK_BLOCKS,
+    )
+
+
+@torch.no_grad()
+def materialized_prefill_attention(
+    query: torch.Tensor,
+    key_stream: CodecStream,
+    value_stream: CodecStream,
+    *,
+    scale: float | None = None,
+    attn_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The materialized path, for comparison: ``read()`` both views, then causal (or masked) SDPA.
+
+    Same arguments and result as :func:`codec_prefill_attention`; builds the memoized views.
+    """
+    _check_prefill(query, key_stream, value_stream, scale, None)
+    b, hq, s, _ = query.shape
+    total = key_stream.seq_len
+    mask = _prefill_mask(attn_mask, b, hq, s, total, query.device)
+    if mask is None:
+        pos_q = torch.arange(total - s, total, device=query.device)
+        visible = torch.arange(total, device=query.device)[None, :] <= pos_q[:, None]
+        mask = torch.zeros(s, total, device=query.device).masked_fill(~visible, -math.inf)[None, None]
+    k, v = key_stream.read(), value_stream.read()
+    return torch.nn.functional.scaled_dot_product_attention(
+        query, k, v, attn_mask=mask.to(query.dtype), scale=scale, enable_gqa=hq != k.shape[1]
     )

@@ -8,8 +8,11 @@ A stream with batch ``B``, heads ``H``, head dimension ``D``, input dtype ``dt``
 * **archive**: one preallocated tensor per codec part, ``[B, H, capacity, *part_shape]``; the
   first ``n_blocks`` slots along dim 2 are in use (``archived_parts()`` returns those slices).
   Block ``b`` covers tokens ``b*r .. b*r + r - 1``. ``capacity`` starts at ``initial_blocks``
-  (16) on the first archived block and doubles on overflow; a block is written once, in place,
-  and never rewritten (``crop`` only lowers ``n_blocks``; later appends reuse the freed slots).
+  (16) on the first archived block and doubles on overflow, but never reserves more than
+  ``max_spare_blocks`` (:data:`SPARE_BLOCKS`, 64) blocks beyond those needed: spare capacity is
+  at most one attention chunk, so resident bytes stay within held bytes + one chunk + the tail
+  buffer. A block is written once, in place, and never rewritten (``crop`` only lowers
+  ``n_blocks``; later appends reuse the freed slots).
 
   ==========================  =====================================  ====================
   codec                       parts (per block shape)                dtype
@@ -44,7 +47,12 @@ import torch
 from .codecs.base import BlockCodec
 from .storage import CodecStorage
 
-__all__ = ["CodecStream"]
+__all__ = ["CodecStream", "SPARE_BLOCKS"]
+
+#: most archive blocks reserved beyond those in use (one attention chunk of
+#: :data:`flashcodec.attention.CHUNK_BLOCKS`): growth doubles while the archive is small, then
+#: grows by this many blocks, so spare capacity never exceeds one chunk of stored rows
+SPARE_BLOCKS = 64
 
 
 class CodecStream:
@@ -56,6 +64,7 @@ class CodecStream:
         dtype: the input dtype (fp16, bf16 or fp32); tail and view use it.
         device: where every buffer lives.
         initial_blocks: archive capacity (in blocks) allocated with the first complete block.
+        max_spare_blocks: most blocks reserved beyond those in use when the archive grows.
     """
 
     def __init__(
@@ -68,12 +77,14 @@ class CodecStream:
         device: torch.device | str,
         *,
         initial_blocks: int = 16,
+        max_spare_blocks: int = SPARE_BLOCKS,
     ):
         self.codec = codec
         self.batch, self.heads, self.dim = batch, heads, dim
         self.dtype = dtype
         self.device = torch.device(device)
         self.initial_blocks = max(1, int(initial_blocks))
+        self.max_spare_blocks = max(0, int(max_spare_blocks))
         self._archive: tuple[torch.Tensor, ...] = ()
         self.n_blocks = 0
         self._tail = torch.zeros(batch, heads, codec.block_size, dim, dtype=dtype, device=self.device)
@@ -155,6 +166,7 @@ class CodecStream:
         new_cap = max(cap, self.initial_blocks)
         while new_cap < blocks:
             new_cap *= 2
+        new_cap = min(new_cap, blocks + self.max_spare_blocks)
         new = []
         for i, spec in enumerate(self.codec.part_specs(self.dim)):
             buf = torch.zeros(

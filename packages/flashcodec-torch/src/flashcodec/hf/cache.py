@@ -169,10 +169,15 @@ class FlashCodecCache(Cache):
         Returns that layer's full ``keys [B, H, S, D]`` and ``values [B, H, S, Dv]`` in the input
         dtype. Without a config, codec layers up to ``layer_idx`` are created here.
         """
+        self.ensure_layers(layer_idx)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def ensure_layers(self, layer_idx: int) -> None:
+        """Without a config, create the codec layers up to ``layer_idx`` (as :meth:`update` does);
+        with one, every layer exists already and nothing changes."""
         if self.layer_types is None:
             while len(self.layers) <= layer_idx:
                 self.layers.append(FlashCodecLayer(**self._options_for(len(self.layers))))
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     # ------------------------------------------------------------------ description
     @property

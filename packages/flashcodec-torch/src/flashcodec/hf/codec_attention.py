@@ -2,24 +2,26 @@
 
 ``apply_codec_attention(model)`` puts a wrapper in the ``__dict__`` of every standard Llama /
 Qwen-style attention module of that one model (the class and every other model are untouched).
-On a decode step whose layer lives in a :class:`~flashcodec.hf.FlashCodecLayer`, the wrapper runs
+On every step whose layer lives in a :class:`~flashcodec.hf.FlashCodecLayer`, the wrapper runs
 the module's own projections, q/k norms and RoPE (the same submodules and the same
-``apply_rotary_pos_emb`` of the module's modeling file), appends the new key/value to the layer's
-codec cache *without reading it*, and replaces the attention output by
-:func:`flashcodec.attention.codec_decode_attention` before ``o_proj``. Everything else falls back
-to the original forward, unchanged:
+``apply_rotary_pos_emb`` of the module's modeling file), appends the new keys/values to the layer's
+codec cache *without reading it*, and replaces the attention output before ``o_proj`` by
 
-* prefill and any step with more than one new token (the coefficient form would blow the score
-  tensor up to ``[S, n_blocks * R]``);
+* :func:`flashcodec.attention.codec_decode_attention` for a decode step (one new token on a filled
+  layer): attention on the stored rows, int8 codes and scales as stored;
+* :func:`flashcodec.attention.codec_prefill_attention` for a multi-token step (prefill, chunked
+  prefill, assisted decoding's verification): the archive is decoded a chunk at a time and folded
+  into an online softmax, so no whole-history view exists at any point.
+
+Everything else falls back to the original forward, unchanged:
+
 * a cache that is not a ``FlashCodecCache``, or a layer that is not a codec layer (hybrid models);
 * training mode, sliding-window layers, ``output_attentions``, and masks that are not a plain
-  ``[B, 1|H, 1, S]`` tensor (or ``[B, S]``) over exactly the cached tokens.
+  tensor over exactly the cached tokens (decode: ``[B, 1|H, 1, S]`` or ``[B, S]``; multi-token:
+  None = causal, ``[B, 1|H, s, S]`` or a ``[B, S]`` padding mask combined with the causal rule).
 
-The reconstructed view a fallback call builds through ``cache.update`` (the prefill, above all) is
-needed only inside that call: the wrapper releases it as soon as the original forward returns, so
-the prefill never leaves one view per layer behind, and the decode steps never rebuild it. The
-price: a later multi-token step (chunked prefill, assisted decoding's verification) decodes that
-layer's whole archive again instead of only its new blocks.
+The reconstructed view a fallback call builds through ``cache.update`` is needed only inside that
+call: the wrapper releases it as soon as the original forward returns.
 
 Batches of any size are served; left padding reaches the kernel as a per-sequence key mask.
 ``remove_codec_attention(model)`` puts back exactly what each module's ``__dict__`` held.
@@ -43,7 +45,7 @@ from typing import Any
 import torch
 from kvspec import KVConfigError
 
-from ..attention import BACKENDS, codec_decode_attention
+from ..attention import BACKENDS, codec_decode_attention, codec_prefill_attention
 from .cache import FlashCodecCache
 from .layer import FlashCodecLayer
 
@@ -63,21 +65,23 @@ _WRAPPER_ATTR = "__flashcodec_codec_attention__"
 
 
 class CodecAttentionStats:
-    """Counts of decode calls served on the stored rows and of calls that fell back (per model).
+    """Counts of calls served without a view, and of calls that fell back (per model).
 
-    ``fallbacks`` maps the reason (a short string) to a count, so a test or a user can see why
-    a step did not take the materialization-free path.
+    ``coded``: decode steps (one token) served on the stored rows; ``chunked``: multi-token steps
+    (prefill, chunked prefill, verification) served chunk by chunk; ``fallbacks`` maps the reason
+    (a short string) to a count, so a test or a user can see why a step took the original forward.
     """
 
     def __init__(self) -> None:
         self.coded = 0
+        self.chunked = 0
         self.fallbacks: dict[str, int] = {}
 
     def fallback(self, reason: str) -> None:
         self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
 
     def __repr__(self) -> str:
-        return f"CodecAttentionStats(coded={self.coded}, fallbacks={self.fallbacks})"
+        return f"CodecAttentionStats(coded={self.coded}, chunked={self.chunked}, fallbacks={self.fallbacks})"
 
 
 def _is_supported(module: torch.nn.Module) -> bool:
@@ -132,12 +136,13 @@ def _unsupported_reason(
     """Why this call must take the original forward, or None when the coded path serves it."""
     if not isinstance(cache, FlashCodecCache):
         return "no cache" if cache is None else "not a FlashCodecCache"
-    if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3 or hidden.shape[1] != 1:
-        return "not a single-token step"
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3 or hidden.shape[1] == 0:
+        return "not a [B, s, hidden] step"
     idx = module.layer_idx
-    layer = cache.layers[idx] if idx < len(cache.layers) else None
-    if not isinstance(layer, FlashCodecLayer) or layer.codec_cache.offset == 0:
-        return "not a filled codec layer"
+    lazy = cache.layer_types is None and idx >= len(cache.layers)  # built on its first update
+    layer = None if lazy else cache.layers[idx] if idx < len(cache.layers) else None
+    if not lazy and not isinstance(layer, FlashCodecLayer):
+        return "not a codec layer"
     if module.training:
         return "training"
     if getattr(module, "sliding_window", None) is not None:
@@ -146,14 +151,36 @@ def _unsupported_reason(
         return "output_attentions"
     if position_embeddings is None:
         return "no position embeddings"
-    stream = layer.codec_cache.keys
-    if (module.q_proj.weight.dtype, hidden.device, hidden.shape[0]) != (
+    stream = None if layer is None else layer.codec_cache.keys
+    if stream is not None and (module.q_proj.weight.dtype, hidden.device, hidden.shape[0]) != (
         stream.dtype,
         stream.device,
         stream.batch,
     ):
         return "dtype, device or batch differs from the cache"
     return None
+
+
+def _step_mask(
+    attention_mask: Any, batch: int, heads: int, s: int, total: int
+) -> tuple[bool, torch.Tensor | None]:
+    """``(usable, mask)`` for a multi-token step: None (causal) or ``[B, 1|Hq, s, S]`` bool / additive."""
+    if attention_mask is None:
+        return True, None
+    if not isinstance(attention_mask, torch.Tensor):
+        return False, None
+    if attention_mask.dim() == 4:
+        ok = attention_mask.shape[0] == batch and attention_mask.shape[1] in (1, heads)
+        return (
+            (True, attention_mask) if ok and tuple(attention_mask.shape[2:]) == (s, total) else (False, None)
+        )
+    if attention_mask.dim() == 2 and tuple(attention_mask.shape) == (batch, total):
+        # a [B, S] padding mask (1 = keep): combined here with the causal rule
+        keep = attention_mask.bool() if not attention_mask.is_floating_point() else attention_mask == 0
+        pos_q = torch.arange(total - s, total, device=attention_mask.device)
+        causal = torch.arange(total, device=attention_mask.device)[None, :] <= pos_q[:, None]
+        return True, (causal[None, None] & keep[:, None, None, :])
+    return False, None
 
 
 def _release_view(layer: FlashCodecLayer) -> None:
@@ -190,10 +217,18 @@ def _decode_on_rows(
     if reason is not None:
         stats.fallback(reason)
         return None
+    if module.layer_idx >= len(cache.layers):
+        cache.ensure_layers(module.layer_idx)
     layer = cache.layers[module.layer_idx]
     codec_cache = layer.codec_cache
-    batch, total = hidden.shape[0], codec_cache.offset + 1
-    usable, mask = _key_mask(found.get("attention_mask"), batch, total)
+    batch, steps = hidden.shape[0], hidden.shape[1]
+    total = codec_cache.offset + steps
+    decode = steps == 1 and codec_cache.offset > 0
+    if decode:
+        usable, mask = _key_mask(found.get("attention_mask"), batch, total)
+    else:
+        heads = module.q_proj.weight.shape[0] // module.head_dim
+        usable, mask = _step_mask(found.get("attention_mask"), batch, heads, steps, total)
     if not usable:
         stats.fallback("attention mask layout")
         return None
@@ -213,14 +248,22 @@ def _decode_on_rows(
     cos, sin = position_embeddings
     query, key = rope(query, key, cos, sin)
 
+    if not layer.is_initialized:
+        layer.lazy_initialization(key, value)
     codec_cache.append(key, value)
     _release_view(layer)  # in case something rebuilt it since (a crop, a beam reorder)
 
-    out = codec_decode_attention(
-        query, codec_cache.keys, codec_cache.values, scale=module.scaling, key_mask=mask, backend=backend
-    )
+    if decode:
+        out = codec_decode_attention(
+            query, codec_cache.keys, codec_cache.values, scale=module.scaling, key_mask=mask, backend=backend
+        )
+        stats.coded += 1
+    else:
+        out = codec_prefill_attention(
+            query, codec_cache.keys, codec_cache.values, scale=module.scaling, attn_mask=mask
+        )
+        stats.chunked += 1
     out = out.transpose(1, 2).reshape(*input_shape, -1).contiguous()
-    stats.coded += 1
     return module.o_proj(out), None
 
 

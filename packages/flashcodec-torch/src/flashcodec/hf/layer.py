@@ -76,11 +76,21 @@ class FlashCodecLayer(CacheLayerMixin):
         return self.keys, self.values
 
     def _refresh(self) -> None:
-        """Point ``keys`` / ``values`` at the current reconstruction after an edit."""
-        if self.codec_cache.keys is None:
+        """Point ``keys`` / ``values`` at the current reconstruction after an edit.
+
+        Only a layer that keeps a view reads again: on the materialization-free path (no view held)
+        a crop or a beam reorder must not rebuild the whole history; ``keys`` / ``values`` are then
+        empty ``[B, H, 0, D]`` tensors, as that path leaves them after every step.
+        """
+        cc = self.codec_cache
+        if cc.keys is None or cc.values is None:
             self.keys = self.values = None
+        elif cc.keys.has_view:
+            self.keys, self.values = cc.read()
         else:
-            self.keys, self.values = self.codec_cache.read()
+            ks, vs = cc.keys, cc.values
+            self.keys = torch.empty(ks.batch, ks.heads, 0, ks.dim, dtype=ks.dtype, device=ks.device)
+            self.values = torch.empty(vs.batch, vs.heads, 0, vs.dim, dtype=vs.dtype, device=vs.device)
 
     # ------------------------------------------------------------------ lengths and masks
     def get_seq_length(self) -> int:

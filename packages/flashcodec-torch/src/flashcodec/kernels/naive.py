@@ -28,6 +28,9 @@ __all__ = [
     "decode_attention_partials",
     "combine_partials",
     "decode_attention_naive",
+    "decoded_chunk",
+    "online_softmax_update",
+    "prefill_attention_naive",
 ]
 
 #: the running max of a split with no visible token: finite, so ``exp(EMPTY_MAX - m)`` is 0, not NaN
@@ -216,3 +219,116 @@ def decode_attention_naive(
         query, keys, values, scale=scale, key_mask=key_mask, blocks_per_split=blocks_per_split
     )
     return combine_partials(m, denom, acc, query.dtype)
+
+
+# --------------------------------------------------------------------------- multi-token steps
+def decoded_chunk(rows: CodedRows, start: int, stop: int) -> torch.Tensor:
+    """Blocks ``start .. stop-1`` decoded: ``[B, H, (stop-start) * r, D]`` in the tail's dtype.
+
+    ``A @ rows`` on the stored rows of those blocks only. The arithmetic runs in fp64 when a
+    segment is fp64 (png deltas: every partial sum is exact there, so the tokens come back bit
+    for bit) and in fp32 otherwise; the result is rounded to the stream dtype (``tail.dtype``),
+    exactly like the codec's own decode, so a chunk equals the same slice of the materialized view.
+    """
+    wide = any(seg.dtype == torch.float64 for seg in rows.segments)
+    cdt = torch.float64 if wide else torch.float32
+    parts = [seg[:, :, start:stop].to(cdt) for seg in rows.segments]
+    dense = parts[0] if len(parts) == 1 else torch.cat(parts, dim=3)
+    if rows.scales is not None:
+        # out of place: an fp32 / fp64 segment's .to() is a view of the archive itself
+        dense = dense * rows.scales[:, :, start:stop, :, None].to(cdt)
+    blocks = torch.matmul(rows.synthesis.to(cdt), dense)  # [B, H, nb, r, D]
+    b, h, nb, r, d = blocks.shape
+    return blocks.reshape(b, h, nb * r, d).to(rows.tail.dtype)
+
+
+def online_softmax_update(
+    state: tuple[torch.Tensor, torch.Tensor, torch.Tensor], scores: torch.Tensor, values: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One log-sum-exp step: fold ``scores [..., T]`` over ``values [..., T, Dv]`` into ``(m, l, acc)``.
+
+    ``m [...]`` running max (:data:`EMPTY_MAX` before any visible score), ``l [...]`` running sum of
+    ``exp(score - m)``, ``acc [..., Dv]`` running unnormalized output; all fp32.
+    """
+    m, denom, acc = state
+    if scores.shape[-1] == 0:
+        return state
+    m_new = torch.maximum(m, scores.amax(dim=-1).clamp_min(EMPTY_MAX))
+    alpha = torch.exp(m - m_new)
+    p = torch.exp(scores - m_new.unsqueeze(-1))
+    return m_new, denom * alpha + p.sum(dim=-1), acc * alpha.unsqueeze(-1) + p @ values
+
+
+def prefill_attention_naive(
+    query: torch.Tensor,
+    keys: CodedRows,
+    values: CodedRows,
+    *,
+    scale: float | None = None,
+    mask: torch.Tensor | None = None,
+    chunk_blocks: int = 64,
+    score_elements: int = 1 << 20,
+) -> torch.Tensor:
+    """Attention of ``s`` new query tokens over coded keys/values, chunk by chunk (never the whole view).
+
+    Args:
+        query: ``[B, Hq, s, D]``, the queries of the last ``s`` tokens the streams hold (already
+            appended); ``Hq = G * Hkv`` (query head ``h * G + g`` reads kv head ``h``).
+        keys, values: the two streams' rows (:class:`CodedRows`), ``S`` tokens each.
+        scale: multiplies every score (default ``D ** -0.5``).
+        mask: None (causal: query ``i`` sees keys ``0 .. S - s + i``) or additive fp32
+            ``[B, 1 | Hq, s, S]`` (0 visible, -inf hidden) replacing the causal rule.
+        chunk_blocks: archived blocks decoded at a time (each is decoded once); the raw tail is
+            the last chunk.
+        score_elements: most score entries one pass forms (the queries are split to fit).
+
+    Returns:
+        ``[B, Hq, s, Dv]`` in ``query.dtype``, fp32 arithmetic on keys/values rounded to the
+        stream dtype (as the materialized view holds them). A query that sees no key gets zeros.
+        Peak temporaries: one decoded chunk of keys and values plus one pass's scores; the
+        running state is the size of the output.
+    """
+    b, hq, s, d = query.shape
+    hkv = keys.tail.shape[1]
+    g = hq // hkv
+    r, n = keys.block_size, keys.n_blocks
+    total = keys.seq_len
+    first = total - s  # position of query 0
+    dv = values.tail.shape[-1]
+    dev = query.device
+    if scale is None:
+        scale = 1.0 / math.sqrt(d)
+    cb = max(1, int(chunk_blocks))
+    q = (query.float() * scale).reshape(b, hkv, g, s, d)
+    m = torch.full((b, hkv, g, s), EMPTY_MAX, dtype=torch.float32, device=dev)
+    denom = torch.zeros_like(m)
+    acc = torch.zeros(b, hkv, g, s, dv, dtype=torch.float32, device=dev)
+    chunks = [(start * r, min(start + cb, n) * r, start, min(start + cb, n)) for start in range(0, n, cb)]
+    chunks.append((n * r, total, None, None))  # the raw tail
+    pos_q = torch.arange(first, total, device=dev)
+    for k0, k1, start, stop in chunks:
+        if k1 <= k0 or (mask is None and k0 > total - 1):
+            continue
+        if start is None:
+            kc, vc = keys.tail, values.tail
+        else:
+            kc, vc = decoded_chunk(keys, start, stop), decoded_chunk(values, start, stop)
+        kt = kc.float().unsqueeze(2).transpose(-1, -2)  # [B, Hkv, 1, D, T]
+        vf = vc.float().unsqueeze(2)  # [B, Hkv, 1, T, Dv]
+        qc = max(1, int(score_elements) // max(1, b * hq * (k1 - k0)))
+        # causal: queries before position k0 see nothing of this chunk
+        q_start = max(0, k0 - first) if mask is None else 0
+        for q0 in range(q_start, s, qc):
+            q1 = min(s, q0 + qc)
+            scores = q[:, :, :, q0:q1] @ kt  # [B, Hkv, G, sq, T]
+            if mask is None:
+                pos_k = torch.arange(k0, k1, device=dev)
+                scores = scores.masked_fill(pos_k[None, :] > pos_q[q0:q1, None], -math.inf)
+            else:
+                part = mask[:, :, q0:q1, k0:k1]
+                part = part.reshape(b, hkv, g, q1 - q0, k1 - k0) if part.shape[1] == hq else part[:, :, None]
+                scores = scores + part
+            state = (m[..., q0:q1], denom[..., q0:q1], acc[..., q0:q1, :])
+            m[..., q0:q1], denom[..., q0:q1], acc[..., q0:q1, :] = online_softmax_update(state, scores, vf)
+    out = acc / denom.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)
+    return out.reshape(b, hq, s, dv).to(query.dtype)
