@@ -27,7 +27,15 @@ from flashcodec.kernels.naive import combine_partials, decode_attention_partials
 from flashcodec.peak_memory import PeakMemory
 from kvspec import KVConfigError, KVDtypeError, KVShapeError
 
-ATTN_TIERS = ["jpeg-k2", "jpeg-k2-int8", "jpeg-k4", "jpeg-k8-int8", "png-keep1", "png-keep0.5"]
+ATTN_TIERS = [
+    "jpeg-k2",
+    "jpeg-k2-int8",
+    "jpeg-k4",
+    "jpeg-k8-int8",
+    "jpeg-k8-int4",
+    "png-keep1",
+    "png-keep0.5",
+]
 
 
 def unit_walk(b, h, s, d, *, g, dtype=torch.float32):

@@ -79,6 +79,7 @@ def test_storage_is_measured_and_split(tier):
         "png-keep0.5": d * 4 + 7 * d * 8,  # pruning does not shrink the dense layout
         "jpeg-k8": 8 * d * 4,
         "jpeg-k8-int8": 8 * d + 8 * 4,  # int8 coefficients + fp32 scales
+        "jpeg-k8-int4": 8 * d // 2 + 8 * 4,  # two int4 codes a byte + fp32 scales
         "jpeg-k4": 4 * d * 4,
         "jpeg-k2": 2 * d * 4,
         "jpeg-k2-int8": 2 * d + 2 * 4,
@@ -159,7 +160,7 @@ def test_forward_starts_over():
         (dict(keep_freqs=9), "keep_freqs"),
         (dict(mode="png", keep_ratio=0.0), "keep_ratio"),
         (dict(mode="png", keep_ratio=1.01), "keep_ratio"),
-        (dict(quant_bits=4), "quant_bits"),
+        (dict(quant_bits=3), "quant_bits"),
         (dict(mode="png", quant_bits=8), "quant_bits"),
         (dict(mode="png", keep_freqs=2), "keep_freqs"),
         (dict(mode="jpeg", keep_ratio=0.5), "keep_ratio"),

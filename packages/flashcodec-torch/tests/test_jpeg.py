@@ -8,7 +8,14 @@ import pytest
 import torch
 from conftest import gaussian, random_walk
 from flashcodec import JPEGCodec, dct_matrix
-from flashcodec.codecs.quant import dequantize_int8, quantize_int8
+from flashcodec.codecs.quant import (
+    dequantize_int4,
+    dequantize_int8,
+    pack_int4,
+    quantize_int4,
+    quantize_int8,
+    unpack_int4,
+)
 from kvspec import KVConfigError, KVShapeError
 
 
@@ -91,6 +98,43 @@ def test_int8_stores_int8_with_one_scale_per_block_and_frequency():
     assert codec.storage_ratio(16, torch.float32) == pytest.approx((2 * 16 + 2 * 4) / (8 * 16 * 4))
 
 
+def test_int4_packs_two_codes_a_byte_with_one_scale_per_block_and_frequency():
+    x = random_walk(s=64, d=16)
+    codec = JPEGCodec(8, 8, quant_bits=4)
+    q, scale = codec.encode(x)
+    assert q.dtype == torch.uint8 and q.shape == (2, 3, 8, 8, 8)  # D = 16 codes in 8 bytes
+    assert scale.dtype == torch.float32 and scale.shape == (2, 3, 8, 8, 1)
+    codes = unpack_int4(q, 16)
+    assert int(codes.abs().max()) == 7 and int(codes.min()) >= -7  # full symmetric range, -8 unused
+    y = codec.decode((q, scale), torch.float32)
+    # at most half a step per coefficient; the basis is orthonormal, so the same bound in tokens
+    step = scale.expand(*scale.shape[:-1], 16)
+    fp = JPEGCodec(8, 8).encode(x)[0]
+    assert ((dequantize_int4(q, scale, 16) - fp).abs() <= step / 2 + 1e-6).all()
+    assert (y - x).norm() < 0.2 * x.norm()
+    assert codec.storage_ratio(16, torch.float32) == pytest.approx((8 * 8 + 8 * 4) / (8 * 16 * 4))
+
+
+@pytest.mark.parametrize("dim", [1, 2, 7, 64])
+def test_int4_packing_round_trips(dim):
+    g = torch.Generator().manual_seed(dim)
+    codes = torch.randint(-8, 8, (3, 4, dim), generator=g)
+    packed = pack_int4(codes)
+    assert packed.dtype == torch.uint8 and packed.shape == (3, 4, (dim + 1) // 2)
+    assert torch.equal(unpack_int4(packed, dim), codes.to(torch.int8))
+    # the layout the kernels read: element 2i in the low nibble of byte i, 2i+1 in the high one
+    if dim >= 2:
+        assert int(packed[0, 0, 0]) == (int(codes[0, 0, 0]) + 8) | ((int(codes[0, 0, 1]) + 8) << 4)
+    q, scale = quantize_int4(torch.randn(5, dim, generator=g))
+    assert torch.equal(pack_int4(unpack_int4(q, dim)), q)
+
+
+def test_int4_needs_an_even_head_dim():
+    with pytest.raises(KVShapeError, match="D must be even"):
+        JPEGCodec(8, 8, quant_bits=4).check_dim(7)
+    JPEGCodec(8, 8, quant_bits=8).check_dim(7)  # only int4 packs along D
+
+
 def test_quantize_zero_rows_and_bounds():
     x = torch.tensor([[0.0, 0.0, 0.0], [1.0, -2.0, 0.5]])
     q, scale = quantize_int8(x)
@@ -114,8 +158,9 @@ def test_decode_is_differentiable():
         (dict(block_size=True), "block_size"),
         (dict(block_size=8, keep_freqs=0), "keep_freqs"),
         (dict(block_size=8, keep_freqs=9), "keep_freqs"),
-        (dict(block_size=8, quant_bits=4), "quant_bits"),
+        (dict(block_size=8, quant_bits=3), "quant_bits"),
         (dict(block_size=8, quant_bits=16), "quant_bits"),
+        (dict(block_size=8, quant_bits=4.0), "quant_bits"),
     ],
 )
 def test_bad_config_raises(kwargs, match):

@@ -26,7 +26,7 @@ if not HAS_CUDA and "triton" not in sys.modules:
     os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 from conftest import CODECS  # noqa: E402
-from flashcodec import CodecKVCache, PNGCodec  # noqa: E402
+from flashcodec import CodecKVCache, JPEGCodec, PNGCodec  # noqa: E402
 from flashcodec.attention import codec_decode_attention, coded_rows, materialized_decode_attention  # noqa: E402
 from flashcodec.kernels import triton_attention as ta  # noqa: E402
 from flashcodec.kernels.naive import combine_partials, decode_attention_partials  # noqa: E402
@@ -49,6 +49,8 @@ CASES = {
     "jpeg-k4-bf16": (CODECS["jpeg-k4"], 1, 2, 2, 37, 16, torch.bfloat16, 2, 2, False),
     "tail-only": (CODECS["jpeg-k2-int8"], 2, 1, 2, 5, 16, torch.float32, 2, 2, False),
     "no-tail-default-split": (CODECS["jpeg-k2-int8"], 1, 1, 4, 48, 16, torch.float32, None, 16, False),
+    "jpeg-k8-int8": (JPEGCodec(8, 8, quant_bits=8), 1, 1, 2, 21, 16, torch.float32, 1, 2, False),
+    "jpeg-k4-int4-masked": (JPEGCodec(4, 4, quant_bits=4), 2, 1, 2, 19, 16, torch.float32, 2, 2, True),
 }
 
 

@@ -15,6 +15,8 @@ NAMES = [
     "jpeg-k8",
     "jpeg-k8-int8",
     "jpeg-k8-int8-mf",
+    "jpeg-k8-int4",
+    "jpeg-k8-int4-mf",
     "jpeg-k4",
     "jpeg-k2",
     "jpeg-k2-int8",
@@ -28,8 +30,10 @@ def test_names_order_and_codecs():
     assert TIERS["png-keep1"].codec == PNGCodec(8, keep_ratio=1.0, delta_dtype=torch.float64)
     assert TIERS["jpeg-k8"].codec == JPEGCodec(8, 8)
     assert TIERS["jpeg-k2-int8"].codec == JPEGCodec(8, 2, 8)
+    assert TIERS["jpeg-k8-int4"].codec == JPEGCodec(8, 8, 4)
     assert [t.name for t in TIERS.values() if t.materialization_free] == [
         "jpeg-k8-int8-mf",
+        "jpeg-k8-int4-mf",
         "jpeg-k2-int8-mf",
     ]
 

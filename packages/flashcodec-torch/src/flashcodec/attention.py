@@ -159,7 +159,8 @@ def _torch_chunk_blocks(keys: CodedRows, values: CodedRows) -> int:
     """Blocks per torch chunk so that one chunk's fp32 rows stay within :data:`TORCH_CHUNK_BYTES`."""
     # elements of one block over the batch and heads: B * H * R * D
     per_block = max(
-        sum(math.prod(seg.shape) // max(1, seg.shape[2]) for seg in rows.segments) for rows in (keys, values)
+        sum(seg.shape[0] * seg.shape[1] * seg.shape[3] * rows.tail.shape[-1] for seg in rows.segments)
+        for rows in (keys, values)
     )
     return max(16, TORCH_CHUNK_BYTES // (4 * max(1, per_block)))
 

@@ -121,6 +121,8 @@ class CodecKVCache:
         if keys.dtype not in SUPPORTED_DTYPES:
             allowed = ", ".join(_DTYPE_BY_NAME)
             raise KVDtypeError(f"keys/values dtype must be one of {allowed}; got {keys.dtype}")
+        for t in (keys, values):
+            self.codec.check_dim(t.shape[-1])
         if keys.device != values.device:
             raise KVDtypeError(
                 f"keys (on {keys.device}) and values (on {values.device}) must be on one device"

@@ -85,6 +85,17 @@ TIERS: dict[str, Tier] = _registry(
         JPEGCodec(8, keep_freqs=8, quant_bits=8),
         materialization_free=True,
     ),
+    Tier(
+        "jpeg-k8-int4",
+        "jpeg, all 8 coefficients stored int4 (two codes a byte) with a scale per (block, frequency)",
+        JPEGCodec(8, keep_freqs=8, quant_bits=4),
+    ),
+    Tier(
+        "jpeg-k8-int4-mf",
+        "jpeg-k8-int4 with materialization-free attention (decode on the packed int4 codes, prefill in chunks)",
+        JPEGCodec(8, keep_freqs=8, quant_bits=4),
+        materialization_free=True,
+    ),
     Tier("jpeg-k4", "jpeg, lowest 4 of 8 coefficients", JPEGCodec(8, keep_freqs=4)),
     Tier("jpeg-k2", "jpeg, lowest 2 of 8 coefficients", JPEGCodec(8, keep_freqs=2)),
     Tier("jpeg-k2-int8", "jpeg, lowest 2 of 8 coefficients, int8", JPEGCodec(8, keep_freqs=2, quant_bits=8)),

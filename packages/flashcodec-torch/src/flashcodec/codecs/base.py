@@ -132,6 +132,13 @@ class BlockCodec(ABC):
         """
         return (self.stored_rows(parts, torch.float32),), None
 
+    def check_dim(self, dim: int) -> None:
+        """Raise ``KVShapeError`` when this codec cannot store rows of head dimension ``dim``.
+
+        Every ``dim >= 1`` by default; the caches call it before the first append changes anything.
+        """
+        return None
+
     def config(self) -> dict:
         """``mode`` plus every field: the keywords that rebuild this codec through
         :func:`flashcodec.codecs.make_codec` (dtypes given by name, so every value prints plainly)."""

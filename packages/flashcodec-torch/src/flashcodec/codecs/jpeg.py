@@ -10,6 +10,8 @@ Stored parts per block (``PartSpec``):
   * ``quant_bits=None``: ``coeffs [K, D]`` in the input dtype.
   * ``quant_bits=8``: ``coeffs [K, D]`` int8 and ``scales [K, 1]`` fp32
     (one scale per (block, frequency), counted in storage).
+  * ``quant_bits=4``: ``coeffs [K, ceil(D/2)]`` uint8 (two int4 codes a byte, see
+    :mod:`flashcodec.codecs.quant`) and ``scales [K, 1]`` fp32.
 """
 
 from __future__ import annotations
@@ -21,10 +23,10 @@ from functools import lru_cache
 from typing import ClassVar
 
 import torch
-from kvspec import KVConfigError
+from kvspec import KVConfigError, KVShapeError
 
 from .base import BlockCodec, PartSpec, check_block_size, compute_dtype, from_blocks, to_blocks
-from .quant import dequantize_int8, quantize_int8
+from .quant import dequantize_int4, dequantize_int8, packed_width, quantize_int4, quantize_int8
 
 __all__ = ["JPEGCodec", "dct_matrix"]
 
@@ -67,7 +69,8 @@ class JPEGCodec(BlockCodec):
         block_size: ``r``, tokens per block (>= 1).
         keep_freqs: ``K`` in ``1..r``; ``None`` (the default) means ``r``: lossless up to float
             rounding. Stored as the resolved ``K``, so ``JPEGCodec(8) == JPEGCodec(8, 8)``.
-        quant_bits: ``None`` (coefficients in the input dtype) or ``8`` (int8 + fp32 scales).
+        quant_bits: ``None`` (coefficients in the input dtype), ``8`` (int8 + fp32 scales) or
+            ``4`` (int4, two codes a byte, + fp32 scales); one scale per (block, frequency).
 
     dtypes: arithmetic runs in fp32 (fp64 for fp64 input); non-quantized coefficients are
     stored in the input dtype and :meth:`decode` returns the requested dtype.
@@ -91,11 +94,15 @@ class JPEGCodec(BlockCodec):
                 f"keep_freqs must be an integer in 1..block_size={block_size}; got {self.keep_freqs!r}"
             )
         quant_bits = self.quant_bits
-        if quant_bits is not None and (isinstance(quant_bits, bool) or quant_bits != 8):
-            raise KVConfigError(f"quant_bits must be None or 8; got {quant_bits!r}")
+        if quant_bits is not None and (
+            isinstance(quant_bits, bool)
+            or not isinstance(quant_bits, numbers.Integral)
+            or quant_bits not in (4, 8)
+        ):
+            raise KVConfigError(f"quant_bits must be None, 8 or 4; got {quant_bits!r}")
         object.__setattr__(self, "block_size", block_size)
         object.__setattr__(self, "keep_freqs", int(keep_freqs))
-        object.__setattr__(self, "quant_bits", None if quant_bits is None else 8)
+        object.__setattr__(self, "quant_bits", None if quant_bits is None else int(quant_bits))
 
     # ------------------------------------------------------------------ description
     @property
@@ -113,7 +120,17 @@ class JPEGCodec(BlockCodec):
                 PartSpec("coeffs", (self.keep_freqs, dim), torch.int8),
                 PartSpec("scales", (self.keep_freqs, 1), torch.float32),
             )
+        if self.quant_bits == 4:
+            return (
+                PartSpec("coeffs", (self.keep_freqs, packed_width(dim)), torch.uint8),
+                PartSpec("scales", (self.keep_freqs, 1), torch.float32),
+            )
         return (PartSpec("coeffs", (self.keep_freqs, dim), None),)
+
+    def check_dim(self, dim: int) -> None:
+        """int4 packs two codes a byte along ``D``: ``D`` must be even (every head size in use is)."""
+        if self.quant_bits == 4 and dim % 2:
+            raise KVShapeError(f"quant_bits=4 packs two codes a byte along D: D must be even; got D={dim}")
 
     def analysis_matrix(self, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
         """``M [K, r]`` (encode: ``C = M @ block``)."""
@@ -126,28 +143,38 @@ class JPEGCodec(BlockCodec):
     # ------------------------------------------------------------------ maps
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """``x [..., n*r, D]`` -> ``(coeffs [..., n, K, D],)`` in ``x.dtype``,
-        or ``(int8 coeffs [..., n, K, D], fp32 scales [..., n, K, 1])`` with ``quant_bits=8``.
+        or ``(int8 coeffs [..., n, K, D], fp32 scales [..., n, K, 1])`` with ``quant_bits=8``,
+        or ``(uint8 packed coeffs [..., n, K, ceil(D/2)], fp32 scales [..., n, K, 1])`` with ``quant_bits=4``.
         """
         blocks = to_blocks(x, self.block_size)
         cdt = compute_dtype(x.dtype)
         coeffs = torch.matmul(self.analysis_matrix(cdt, x.device), blocks.to(cdt))
         if self.quant_bits == 8:
             return quantize_int8(coeffs, dim=-1)
+        if self.quant_bits == 4:
+            return quantize_int4(coeffs)
         return (coeffs.to(x.dtype),)
 
     def stored_rows(self, parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
-        """Coefficients ``[..., n, K, D]`` in ``dtype`` (int8 dequantized with its scales)."""
+        """Coefficients ``[..., n, K, D]`` in ``dtype`` (int8 / int4 dequantized with their scales).
+
+        int4: ``D`` is twice the packed width (:meth:`check_dim` refuses an odd ``D``).
+        """
         if self.quant_bits == 8:
             q, scale = parts
             return dequantize_int8(q, scale, dtype)
+        if self.quant_bits == 4:
+            q, scale = parts
+            return dequantize_int4(q, scale, 2 * q.shape[-1], dtype)
         (coeffs,) = parts
         return coeffs.to(dtype)
 
     def row_segments(
         self, parts: tuple[torch.Tensor, ...]
     ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
-        """``((coeffs [..., n, K, D],), scales [..., n, K] or None)``: the parts as stored (int8 stays int8)."""
-        if self.quant_bits == 8:
+        """``((coeffs [..., n, K, D or ceil(D/2)],), scales [..., n, K] or None)``: the parts as
+        stored (int8 stays int8; int4 stays packed uint8, which the kernels recognize by dtype)."""
+        if self.quant_bits is not None:
             q, scale = parts
             return (q,), scale[..., 0]
         return (parts[0],), None

@@ -1,19 +1,36 @@
-"""Symmetric int8 quantization with one fp32 scale per row (pure tensor maps).
+"""Symmetric int8 / int4 quantization with one fp32 scale per row (pure tensor maps).
 
-Used by the jpeg codec with ``quant_bits=8``: one scale per (block, frequency), i.e. the
+Used by the jpeg codec with ``quant_bits=8`` or ``4``: one scale per (block, frequency), i.e. the
 reduction runs over the head dimension ``D`` (``dim=-1``). Scales are kept in fp32 whatever
 the input dtype: an fp16 scale of a small coefficient row could underflow, and the scales
-are a small share of the bytes (4 bytes per ``D`` int8 values).
+are a small share of the bytes (4 bytes per ``D`` codes).
+
+int4 layout: codes ``q`` in ``-7..7`` stored as the nibble ``q + 8`` (``1..15``; ``0`` unused), two
+per ``uint8`` byte along the last axis: element ``2i`` in the low nibble of byte ``i``, element
+``2i + 1`` in its high nibble. An odd ``D`` is padded with one zero code. Every kernel that reads
+packed rows recognizes them by their dtype (``torch.uint8``).
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["QMAX", "quantize_int8", "dequantize_int8"]
+__all__ = [
+    "QMAX",
+    "QMAX4",
+    "quantize_int8",
+    "dequantize_int8",
+    "quantize_int4",
+    "dequantize_int4",
+    "pack_int4",
+    "unpack_int4",
+    "packed_width",
+]
 
 #: symmetric range: -127..127 (-128 unused, so negation never overflows)
 QMAX = 127
+#: int4 symmetric range: -7..7
+QMAX4 = 7
 
 
 def quantize_int8(x: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,3 +55,43 @@ def quantize_int8(x: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.T
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``q * scale`` in ``dtype``; ``q`` int8 ``[..., D]``, ``scale`` fp32 broadcastable to it."""
     return (q.to(torch.float32) * scale).to(dtype)
+
+
+def packed_width(dim: int) -> int:
+    """Bytes of ``dim`` int4 codes: ``ceil(dim / 2)``."""
+    return (dim + 1) // 2
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """Codes ``q`` (integers in ``-8..7``, ``[..., D]``) -> ``uint8 [..., ceil(D/2)]`` (layout above)."""
+    nib = (q.to(torch.int16) + 8).to(torch.uint8)
+    if nib.shape[-1] % 2:
+        nib = torch.cat([nib, torch.full_like(nib[..., :1], 8)], dim=-1)
+    return nib[..., 0::2] | (nib[..., 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor, dim: int) -> torch.Tensor:
+    """``uint8 [..., ceil(D/2)]`` -> int8 codes ``[..., D]`` in ``-8..7`` (``dim = D``)."""
+    low = (packed & 15).to(torch.int8) - 8
+    high = (packed >> 4).to(torch.int8) - 8
+    return torch.stack([low, high], dim=-1).flatten(-2)[..., :dim]
+
+
+def quantize_int4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``x [..., D]`` to packed int4 with one fp32 scale per row (over ``D``).
+
+    Returns ``(packed, scale)``: ``packed`` uint8 ``[..., ceil(D/2)]``, ``scale`` fp32 ``[..., 1]``
+    with ``unpack * scale`` within ``scale / 2`` of ``x``; an all-zero row gets ``scale = 0``.
+    """
+    xf = x.to(torch.float32)
+    scale = xf.abs().amax(dim=-1, keepdim=True) / QMAX4
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(xf / safe).clamp_(-QMAX4, QMAX4)
+    return pack_int4(q), scale
+
+
+def dequantize_int4(
+    packed: torch.Tensor, scale: torch.Tensor, dim: int, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """``unpack_int4(packed, dim) * scale`` in ``dtype``; ``scale`` fp32 broadcastable to ``[..., dim]``."""
+    return (unpack_int4(packed, dim).to(torch.float32) * scale).to(dtype)

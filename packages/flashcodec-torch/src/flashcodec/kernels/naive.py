@@ -28,6 +28,7 @@ __all__ = [
     "decode_attention_partials",
     "combine_partials",
     "decode_attention_naive",
+    "as_float",
     "decoded_chunk",
     "online_softmax_update",
     "prefill_attention_naive",
@@ -45,7 +46,9 @@ class CodedRows(NamedTuple):
             ``[B, H, n, R_i, D]`` whose rows, in order, are the ``R = sum R_i`` rows of a block, as
             a codec's ``row_segments`` gives them (jpeg: ``(coeffs,)``; png:
             ``(anchors[..., None, :], deltas)``); int8, fp16, bf16, fp32
-            or fp64; usually views into the archive buffers (no copy).
+            or fp64; usually views into the archive buffers (no copy). ``uint8`` segments are
+            packed int4 codes ``[B, H, n, R_i, D / 2]``: element ``2i`` of a row in the low nibble
+            of byte ``i``, element ``2i + 1`` in the high nibble, each nibble the code plus 8.
         scales: ``[B, H, n, R]`` fp32 dequantization scales per (block, row), or None (float rows).
         synthesis: ``A [r, R]`` fp32 with ``block = A @ rows``.
         tail: raw tail tokens ``[B, H, t, D]`` (``t < r``), after the archived blocks.
@@ -70,21 +73,31 @@ class CodedRows(NamedTuple):
         return self.n_blocks * self.block_size + self.tail.shape[2]
 
 
+def as_float(segment: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A row segment (or a slice of one) in ``dtype``, int4 codes unpacked: ``[..., D]``."""
+    if segment.dtype != torch.uint8:
+        return segment.to(dtype)
+    low = (segment & 15).to(dtype) - 8
+    high = (segment >> 4).to(dtype) - 8
+    return torch.stack([low, high], dim=-1).flatten(-2)
+
+
 def dense_rows(rows: CodedRows, start: int, stop: int) -> torch.Tensor:
     """The dequantized rows of blocks ``start .. stop-1`` as fp32 ``[B, H, stop-start, R, D]`` (a copy).
 
     The kernels never build this; tests use it to check an addressing against ``stored_rows``.
     """
-    dense = torch.cat([seg[:, :, start:stop].float() for seg in rows.segments], dim=3)
+    dense = torch.cat([as_float(seg[:, :, start:stop]) for seg in rows.segments], dim=3)
     if rows.scales is not None:
         dense = dense * rows.scales[:, :, start:stop, :, None]
     return dense
 
 
 def _flat_rows(segment: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-    """Blocks ``start..stop-1`` of one segment as fp32 ``[B, H, nb * R_i, D]`` (int8 cast here)."""
-    b, h, _, rows, d = segment.shape
-    return segment[:, :, start:stop].reshape(b, h, (stop - start) * rows, d).float()
+    """Blocks ``start..stop-1`` of one segment as fp32 ``[B, H, nb * R_i, D]`` (int8 cast, int4 unpacked here)."""
+    b, h, _, rows, _ = segment.shape
+    flat = as_float(segment[:, :, start:stop])
+    return flat.reshape(b, h, (stop - start) * rows, flat.shape[-1])
 
 
 def _row_dots(q: torch.Tensor, rows: CodedRows, start: int, stop: int) -> torch.Tensor:
@@ -232,7 +245,7 @@ def decoded_chunk(rows: CodedRows, start: int, stop: int) -> torch.Tensor:
     """
     wide = any(seg.dtype == torch.float64 for seg in rows.segments)
     cdt = torch.float64 if wide else torch.float32
-    parts = [seg[:, :, start:stop].to(cdt) for seg in rows.segments]
+    parts = [as_float(seg[:, :, start:stop], cdt) for seg in rows.segments]
     dense = parts[0] if len(parts) == 1 else torch.cat(parts, dim=3)
     if rows.scales is not None:
         # out of place: an fp32 / fp64 segment's .to() is a view of the archive itself

@@ -11,7 +11,9 @@ Two kernels:
 * ``_combine_kernel``, grid ``(B * Hq,)``: merges the partials with log-sum-exp and writes the
   output in the query dtype.
 
-Neither kernel ever forms a ``[S, D]`` tensor; all arithmetic is fp32. The contraction over the
+Neither kernel ever forms a ``[S, D]`` tensor; all arithmetic is fp32. Packed int4 rows (``uint8``
+segments, two codes a byte along ``D``) are unpacked in registers: element ``d`` is the nibble
+``(byte[d // 2] >> 4 * (d % 2)) & 15``, minus 8. The contraction over the
 ``R`` stored rows and the ``r`` synthesis rows is unrolled (``R, r <= 64``), and every product is a
 broadcast multiply + reduction (no ``tl.dot``), so tiny shapes work on any GPU and in the interpreter.
 
@@ -67,6 +69,7 @@ def _codec_partial_kernel(
     RP: tl.constexpr,
     GP: tl.constexpr, DP: tl.constexpr, DVP: tl.constexpr, TILE: tl.constexpr,
     HAS_KS: tl.constexpr, HAS_VS: tl.constexpr, HAS_MASK: tl.constexpr,
+    PACKED_K: tl.constexpr, PACKED_V: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -76,6 +79,9 @@ def _codec_partial_kernel(
     d = tl.arange(0, DP)
     dv = tl.arange(0, DVP)
     p = tl.arange(0, RP)  # token row inside a block (r padded to a power of two)
+    # packed int4 rows: element d sits in byte d // 2, low nibble for even d, high for odd
+    dk = d // 2 if PACKED_K else d
+    dvk = dv // 2 if PACKED_V else dv
     g_ok = g < groups
     d_ok = d < dim
     dv_ok = dv < dim_v
@@ -100,10 +106,16 @@ def _codec_partial_kernel(
             scores = tl.zeros([GP, TILE, RP], tl.float32)
             for j in tl.static_range(RK):
                 if j < RK0:  # a compile-time choice of segment
-                    ptr = K0 + b * sk0b + h * sk0h + n[:, None] * sk0n + j * sk0j + d[None, :] * sk0d
+                    ptr = K0 + b * sk0b + h * sk0h + n[:, None] * sk0n + j * sk0j + dk[None, :] * sk0d
                 else:
-                    ptr = K1 + b * sk1b + h * sk1h + n[:, None] * sk1n + (j - RK0) * sk1j + d[None, :] * sk1d
-                row = tl.load(ptr, mask=n_ok[:, None] & d_ok[None, :], other=0).to(tl.float32)  # [TILE, DP]
+                    ptr = K1 + b * sk1b + h * sk1h + n[:, None] * sk1n + (j - RK0) * sk1j + dk[None, :] * sk1d
+                row_ok = n_ok[:, None] & d_ok[None, :]
+                if PACKED_K:
+                    byte = tl.load(ptr, mask=row_ok, other=0).to(tl.int32)
+                    code = ((byte >> ((d % 2) * 4)[None, :]) & 15) - 8
+                    row = tl.where(row_ok, code.to(tl.float32), 0.0)  # [TILE, DP]
+                else:
+                    row = tl.load(ptr, mask=row_ok, other=0).to(tl.float32)  # [TILE, DP]
                 qs = tl.sum(q[:, None, :] * row[None, :, :], axis=2)  # [GP, TILE]
                 if HAS_KS:
                     ks = tl.load(KS + b * sksb + h * sksh + n * sksn + j * sksj, mask=n_ok, other=0.0)
@@ -128,10 +140,18 @@ def _codec_partial_kernel(
                     vs = tl.load(VS + b * svsb + h * svsh + n * svsn + j * svsj, mask=n_ok, other=0.0)
                     w = w * vs[None, :]
                 if j < RV0:
-                    ptr = V0 + b * sv0b + h * sv0h + n[:, None] * sv0n + j * sv0j + dv[None, :] * sv0d
+                    ptr = V0 + b * sv0b + h * sv0h + n[:, None] * sv0n + j * sv0j + dvk[None, :] * sv0d
                 else:
-                    ptr = V1 + b * sv1b + h * sv1h + n[:, None] * sv1n + (j - RV0) * sv1j + dv[None, :] * sv1d
-                row = tl.load(ptr, mask=n_ok[:, None] & dv_ok[None, :], other=0).to(tl.float32)  # [TILE, DVP]
+                    ptr = (
+                        V1 + b * sv1b + h * sv1h + n[:, None] * sv1n + (j - RV0) * sv1j + dvk[None, :] * sv1d
+                    )
+                row_ok = n_ok[:, None] & dv_ok[None, :]
+                if PACKED_V:
+                    byte = tl.load(ptr, mask=row_ok, other=0).to(tl.int32)
+                    code = ((byte >> ((dv % 2) * 4)[None, :]) & 15) - 8
+                    row = tl.where(row_ok, code.to(tl.float32), 0.0)  # [TILE, DVP]
+                else:
+                    row = tl.load(ptr, mask=row_ok, other=0).to(tl.float32)  # [TILE, DVP]
                 acc += tl.sum(w[:, :, None] * row[None, :, :], axis=1)
             m_i = m_new
     else:
@@ -294,6 +314,7 @@ def decode_attention_partials_triton(
         RP=_pow2(r),
         GP=_pow2(groups), DP=_pow2(d), DVP=_pow2(dv), TILE=tile,
         HAS_KS=keys.scales is not None, HAS_VS=values.scales is not None, HAS_MASK=key_mask is not None,
+        PACKED_K=keys.segments[0].dtype == torch.uint8, PACKED_V=values.segments[0].dtype == torch.uint8,
     )  # fmt: skip
     return m, denom, acc
 
