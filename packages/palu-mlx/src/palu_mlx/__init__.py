@@ -14,6 +14,8 @@ latent coder, and reconstructed only at attention time. Named configurations
 
 from .builder import KVCacheBuilder, load_prompt_cache, model_kv_dims, save_prompt_cache
 from .cache import PaluKVCache
+from .calibrated import CalibratedKVCache, FixedQuantCoder
+from .calibration import Calibration, TensorCalibration, calibrate, default_calibration_text
 from .config import KVCacheConfig
 from .lowrank import GroupProjection, fit_group_projection, project, reconstruct, select_rank
 from .mixed_bit import (
@@ -35,6 +37,12 @@ __all__ = [
     "KVCacheConfig",
     "KVCacheBuilder",
     "PaluKVCache",
+    "CalibratedKVCache",
+    "FixedQuantCoder",
+    "Calibration",
+    "TensorCalibration",
+    "calibrate",
+    "default_calibration_text",
     "NaiveQuantKVCache",
     "naive_roundtrip",
     "Tier",

@@ -32,6 +32,8 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models import cache as mlx_cache
 
 from .cache import PaluKVCache
+from .calibrated import CalibratedKVCache, calibrated_caches
+from .calibration import Calibration
 from .config import KVCacheConfig
 from .mixed_bit import BitAllocationPolicy
 from .naive import NaiveQuantKVCache
@@ -41,7 +43,12 @@ __all__ = ["KVCacheBuilder", "model_kv_dims", "save_prompt_cache", "load_prompt_
 
 _NO_ROTARIES: list[Rotary | None] = []
 
-_OURS: dict[str, type] = {"PaluKVCache": PaluKVCache, "NaiveQuantKVCache": NaiveQuantKVCache}
+_OURS: dict[str, type] = {
+    "PaluKVCache": PaluKVCache,
+    "NaiveQuantKVCache": NaiveQuantKVCache,
+    "CalibratedKVCache": CalibratedKVCache,
+}
+_OUR_CLASSES = tuple(_OURS.values())
 _FORMAT = "palu-mlx.prompt-cache.v1"
 
 
@@ -107,14 +114,23 @@ class KVCacheBuilder:
         if rotaries is None:
             rotaries = _rotaries(model, config, head_dim)
         defaults = _default_caches(model)
-        replaceable = (mlx_cache.KVCache, PaluKVCache, NaiveQuantKVCache)
-        caches = [
-            KVCacheBuilder.make_layer_cache(config, allocation_policy, _at(rotaries, i))
-            if type(c) in replaceable
-            else c
-            for i, c in enumerate(defaults)
-        ]
-        if not any(isinstance(c, (PaluKVCache, NaiveQuantKVCache)) for c in caches):
+        replaceable = (mlx_cache.KVCache, *_OUR_CLASSES)
+        if config.method == "palu" and config.palu_calibration is not None:
+            calibration = load_calibration(config.palu_calibration)
+            calibration.check_model(model)
+            calibrated = calibrated_caches(config, calibration, rotaries or None)
+            caches = [
+                calibrated[i] if type(c) in replaceable and calibrated[i] is not None else c
+                for i, c in enumerate(defaults)
+            ]
+        else:
+            caches = [
+                KVCacheBuilder.make_layer_cache(config, allocation_policy, _at(rotaries, i))
+                if type(c) in replaceable
+                else c
+                for i, c in enumerate(defaults)
+            ]
+        if not any(isinstance(c, _OUR_CLASSES) for c in caches):
             raise KVConfigError("the model has no full-attention KVCache layer a palu cache could replace")
         return caches
 
@@ -154,6 +170,22 @@ class KVCacheBuilder:
         else:
             del model.make_cache
         return True
+
+
+_CALIBRATIONS: dict[tuple[str, float], Calibration] = {}
+
+
+def load_calibration(path: str) -> Calibration:
+    """:meth:`Calibration.load`, remembered per (path, modification time): caches are built often."""
+    import os
+
+    try:
+        key = (os.path.abspath(path), os.path.getmtime(path))
+    except OSError as exc:
+        raise KVConfigError(f"palu_calibration={path!r} cannot be read: {exc}") from None
+    if key not in _CALIBRATIONS:
+        _CALIBRATIONS[key] = Calibration.load(path)
+    return _CALIBRATIONS[key]
 
 
 def _installed(model: nn.Module) -> bool:

@@ -82,6 +82,11 @@ class PaluKVCache(CacheLayer):
             raise KVConfigError(f"config must be a KVCacheConfig; got {type(config).__name__}")
         if config.method != "palu":
             raise KVConfigError(f"PaluKVCache needs config.method='palu'; got {config.method!r}")
+        if config.palu_calibration is not None:
+            raise KVConfigError(
+                f"palu_calibration={config.palu_calibration!r}: calibrated caches are built per model "
+                "by KVCacheBuilder.for_model (CalibratedKVCache), not by PaluKVCache"
+            )
         if rotary is not None and not isinstance(rotary, Rotary):
             raise KVConfigError(f"rotary must be a palu_mlx.rope.Rotary or None; got {type(rotary).__name__}")
         super().__init__()

@@ -1,14 +1,66 @@
-"""The ``palu-mlx`` command: ``palu-mlx compare [options]`` (see :mod:`palu_mlx.compare`).
+"""The ``palu-mlx`` command.
 
-The command needs the ``compare`` extra (kvbench); without it, it says how to install it.
+* ``palu-mlx calibrate --model PATH_OR_ID --out FILE [--text FILE]``: fit per-layer, per-KV-head
+  projections on calibration text (:mod:`palu_mlx.calibration`); needs only palu-mlx.
+* ``palu-mlx compare [options]`` (see :mod:`palu_mlx.compare`): needs the ``compare`` extra
+  (kvbench); without it, it says how to install it.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 from collections.abc import Sequence
 
-__all__ = ["main"]
+__all__ = ["main", "calibrate_main"]
+
+_CALIBRATE_HELP = "fit per-layer, per-KV-head projections for a model on calibration text"
+
+
+def calibrate_main(argv: Sequence[str]) -> int:
+    """``palu-mlx calibrate``: returns the exit code (1 with a one-line error on a user mistake)."""
+    parser = argparse.ArgumentParser(prog="palu-mlx calibrate", description=_CALIBRATE_HELP)
+    parser.add_argument("--model", required=True, help="mlx-lm model: a local path or a Hugging Face id")
+    parser.add_argument("--out", required=True, help="calibration file to write (.safetensors)")
+    parser.add_argument(
+        "--text",
+        default=None,
+        help="UTF-8 text file to calibrate on (default: the text shipped with palu-mlx)",
+    )
+    parser.add_argument("--window", type=int, default=512, help="tokens per calibration window (default 512)")
+    parser.add_argument("--max-tokens", type=int, default=None, help="use at most this many tokens")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = parser.parse_args(list(argv))
+
+    import mlx_lm
+    from kvspec import KVSpecError
+
+    from .calibration import calibrate
+
+    try:
+        text = None if args.text is None else open(args.text, encoding="utf-8").read()
+    except OSError as exc:
+        print(f"error: --text {args.text!r} cannot be read: {exc}", file=sys.stderr)
+        return 1
+    try:
+        model, tokenizer = mlx_lm.load(args.model)
+    except Exception as exc:  # noqa: BLE001 - any loading failure is the user's --model
+        print(f"error: --model {args.model!r} cannot be loaded: {exc}", file=sys.stderr)
+        return 1
+    try:
+        result = calibrate(
+            model, tokenizer, text, window=args.window, max_tokens=args.max_tokens, progress=not args.quiet
+        )
+        result.save(args.out)
+    except (KVSpecError, ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    m = result.model
+    print(
+        f"wrote {args.out}: {m['architecture']}, {m['n_layers']} layers x {m['n_kv_heads']} KV heads x "
+        f"head dim {m['head_dim']}, {result.tokens} tokens, keys {'before' if result.pre_rope else 'after'} RoPE"
+    )
+    return 0
 
 
 def _compare():
@@ -17,15 +69,27 @@ def _compare():
     return main
 
 
+def _calibrate():
+    return calibrate_main
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Dispatch ``palu-mlx <command>``; returns the exit code (2 for an unknown command)."""
+    args = list(sys.argv[1:] if argv is None else argv)
     try:
         from kvbench.cli import dispatch
     except ImportError:
+        if args and args[0] == "calibrate":
+            return calibrate_main(args[1:])
         print('error: palu-mlx compare needs kvbench: pip install "palu-mlx[compare]"', file=sys.stderr)
         return 2
     return dispatch(
-        "palu-mlx", {"compare": ("compare palu tiers with mlx-lm's caches on a model", _compare)}, argv
+        "palu-mlx",
+        {
+            "compare": ("compare palu tiers with mlx-lm's caches on a model", _compare),
+            "calibrate": (_CALIBRATE_HELP, _calibrate),
+        },
+        args,
     )
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -63,6 +64,12 @@ class KVCacheConfig:
             energy threshold and the hi/lo split: projections are fitted at full rank (or
             ``palu_rank``) and each latent channel gets an integer width 0-8 from its variance
             by reverse water-filling; 0 drops the channel. ``None`` (default) keeps the hi/lo split.
+        palu_calibration: path of a calibration file written by ``palu-mlx calibrate``
+            (:class:`~palu_mlx.calibration.Calibration`). When set, ``KVCacheBuilder.for_model``
+            builds :class:`~palu_mlx.calibrated.CalibratedKVCache` layers: fixed per-KV-head
+            projections and quantizers from the file, widths by one water-filling level across
+            all layers at ``palu_bits`` (2.0 when None); rank, energy, hi/lo and group-size fields
+            are then unused. A file made for another model raises ``KVConfigError``.
         palu_quantize_values: False keeps value latents unquantized (input dtype; fp16
             for fp16 models), still low-rank.
         palu_min_fit_tokens: tokens held exactly before the projections are fitted;
@@ -90,6 +97,7 @@ class KVCacheConfig:
     palu_group_size: int = 32
     palu_quantize_values: bool = True
     palu_bits: float | None = None
+    palu_calibration: str | None = None
     palu_min_fit_tokens: int | None = None
     palu_check_finite: bool = True
     palu_pre_rope: bool = True
@@ -135,6 +143,12 @@ class KVCacheConfig:
         b = self.palu_bits
         if b is not None and (not _is_real(b) or not math.isfinite(b) or not 0.0 < b <= 8.0):
             raise KVConfigError(f"palu_bits={b!r} must be None or a number in (0, 8] (code bits per element)")
+        if isinstance(self.palu_calibration, os.PathLike):
+            object.__setattr__(self, "palu_calibration", os.fspath(self.palu_calibration))
+        if self.palu_calibration is not None and (
+            not isinstance(self.palu_calibration, str) or not self.palu_calibration
+        ):
+            raise KVConfigError(f"palu_calibration={self.palu_calibration!r} must be None or a file path")
         if not isinstance(self.palu_quantize_values, bool):
             raise KVConfigError(f"palu_quantize_values={self.palu_quantize_values!r} must be True or False")
         if self.palu_min_fit_tokens is not None and (

@@ -1,0 +1,299 @@
+"""A palu cache layer driven by a calibration file: fixed projections and fixed quantizers.
+
+With a :class:`~palu_mlx.calibration.Calibration` nothing is fitted at run time and nothing is
+held exactly: from the first token, each KV head's keys (pre-RoPE where supported) and values
+are projected onto the head's calibrated basis, each latent channel is coded by a fixed uniform
+scalar quantizer, and the codes of one token and head are packed into a bitstream of whole
+bytes. There are no per-token scales: the side information is the calibration itself, a
+per-model constant reported apart from the per-sequence bytes (``constant_nbytes``), like the
+weights.
+
+**Widths.** One reverse water-filling level across every layer, keys and values
+(:func:`~palu_mlx.mixed_bit.water_fill` over the head-averaged latent variances) gives each
+channel an integer width 0-8 for a budget of ``palu_bits`` code bits per original element;
+0-bit channels are dropped, so each tensor's rank follows from the budget.
+
+**Quantizer.** A channel of variance ``σ²`` coded at ``b`` bits is a midrise uniform quantizer
+with ``2^b`` levels and step ``Δ_b σ``, where ``Δ_b`` is the step that minimises the
+mean-squared error of a unit Gaussian (Max, 1960); codes outside the range clip to the end
+levels.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import cached_property
+
+import mlx.core as mx
+import numpy as np
+from kvspec import KVConfigError, KVShapeError
+
+from .calibration import Calibration, TensorCalibration
+from .config import KVCacheConfig
+from .layer import CacheLayer, write_rows
+from .lowrank import GroupProjection, project, reconstruct
+from .mixed_bit import water_fill
+from .rope import Rotary
+
+__all__ = ["FixedQuantCoder", "CalibratedKVCache", "calibrated_caches", "GAUSSIAN_STEP"]
+
+#: MSE-optimal uniform quantizer step (in standard deviations) for a unit Gaussian, 2^b levels.
+GAUSSIAN_STEP: dict[int, float] = {
+    1: 1.596,
+    2: 0.9957,
+    3: 0.586,
+    4: 0.3352,
+    5: 0.1881,
+    6: 0.1041,
+    7: 0.0569,
+    8: 0.0308,
+}
+
+
+@dataclass(frozen=True)
+class FixedQuantCoder:
+    """Per-channel fixed uniform quantizers and a whole-byte bitstream per token and head.
+
+    Attributes:
+        widths: ``r`` ints in ``[1, 8]``, the bits of each latent channel (shared by the heads).
+        steps: ``[H, r]`` float32 quantizer steps per head and channel.
+    """
+
+    widths: tuple[int, ...]
+    steps: mx.array
+
+    def __post_init__(self) -> None:
+        if not self.widths or any(not 1 <= w <= 8 for w in self.widths):
+            raise KVConfigError(f"widths={self.widths!r} must be a non-empty list of ints in [1, 8]")
+
+    @property
+    def rank(self) -> int:
+        return len(self.widths)
+
+    @property
+    def bits_per_row(self) -> int:
+        return sum(self.widths)
+
+    @property
+    def bytes_per_row(self) -> int:
+        """Bytes of one token and head: ``ceil(sum(widths) / 8)``."""
+        return -(-self.bits_per_row // 8)
+
+    @cached_property
+    def _layout(self) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        """``(channel, bit)`` of each stream bit, the ``[bits, r]`` bits -> codes matrix, and the levels."""
+        channel = np.repeat(np.arange(self.rank), self.widths)
+        bit = np.concatenate([np.arange(w) for w in self.widths])
+        weights = np.zeros((self.bits_per_row, self.rank), dtype=np.float32)
+        weights[np.arange(self.bits_per_row), channel] = 2.0**bit
+        levels = mx.array([1 << w for w in self.widths], dtype=mx.float32)
+        return mx.array(channel.astype(np.int32)), mx.array(bit.astype(np.uint32)), mx.array(weights), levels
+
+    def encode(self, latents: mx.array) -> mx.array:
+        """Latents ``[B, H, S, r]`` -> packed codes ``[B, H, S, bytes_per_row]`` uint8."""
+        channel, bit, _, levels = self._layout
+        q = mx.floor(latents.astype(mx.float32) / self.steps[None, :, None, :] + levels / 2)
+        q = mx.clip(q, 0, levels - 1).astype(mx.uint32)
+        bits = (mx.take(q, channel, axis=-1) >> bit) & 1
+        pad = 8 * self.bytes_per_row - self.bits_per_row
+        if pad:
+            bits = mx.concatenate([bits, mx.zeros((*bits.shape[:-1], pad), dtype=bits.dtype)], axis=-1)
+        bits = bits.reshape(*bits.shape[:-1], self.bytes_per_row, 8)
+        return mx.sum(bits << mx.arange(8, dtype=mx.uint32), axis=-1).astype(mx.uint8)
+
+    def decode(self, packed: mx.array) -> mx.array:
+        """Packed codes ``[B, H, S, bytes_per_row]`` -> latents ``[B, H, S, r]`` float32."""
+        bits = (packed[..., None].astype(mx.uint32) >> mx.arange(8, dtype=mx.uint32)) & 1
+        bits = bits.reshape(*packed.shape[:-1], 8 * self.bytes_per_row)[..., : self.bits_per_row]
+        _, _, weights, levels = self._layout
+        codes = bits.astype(mx.float32) @ weights
+        return (codes + 0.5 - levels / 2) * self.steps[None, :, None, :]
+
+
+@dataclass(frozen=True)
+class _TensorCode:
+    projection: GroupProjection  # per KV head: n_groups = H
+    coder: FixedQuantCoder
+
+    def arrays(self) -> dict[str, mx.array]:
+        return {"basis": self.projection.basis, "mean": self.projection.mean, "steps": self.coder.steps}
+
+
+def _tensor_code(t: TensorCalibration, widths: np.ndarray) -> _TensorCode:
+    keep = int(np.count_nonzero(widths)) or 1
+    widths = tuple(int(w) for w in widths[:keep]) if widths[0] > 0 else (1,)
+    sigma = mx.sqrt(mx.maximum(t.variance[:, :keep], 1e-12))
+    steps = sigma * mx.array([GAUSSIAN_STEP[w] for w in widths], dtype=mx.float32)
+    basis = mx.contiguous(t.basis[:, :, :keep])
+    projection = GroupProjection(basis=basis, mean=t.mean, singular_values=t.variance[:, :keep])
+    return _TensorCode(projection, FixedQuantCoder(widths, steps))
+
+
+def allocate_widths(calibration: Calibration, bits: float) -> list[tuple[np.ndarray, np.ndarray] | None]:
+    """Per layer ``(key widths [D], value widths [Dv])`` from one water-filling level (None: not cached)."""
+    tensors, dims = [], 0
+    for k, v in zip(calibration.keys, calibration.values, strict=True):
+        if k is not None:
+            tensors += [np.array(k.variance).mean(axis=0), np.array(v.variance).mean(axis=0)]
+            dims += k.basis.shape[1] + v.basis.shape[1]
+    widths = iter(water_fill(tensors, int(round(bits * dims))))
+    return [None if k is None else (next(widths), next(widths)) for k in calibration.keys]
+
+
+class CalibratedKVCache(CacheLayer):
+    """One layer's palu cache from a calibration: fixed per-head projections and quantizers.
+
+    Args:
+        config: the :class:`KVCacheConfig` (its ``palu_calibration`` and ``palu_bits``).
+        key, value: the layer's coders (see :func:`calibrated_caches`).
+        rotary: the layer's RoPE when keys were calibrated before RoPE.
+    """
+
+    def __init__(self, config: KVCacheConfig, key: _TensorCode, value: _TensorCode, rotary: Rotary | None):
+        super().__init__()
+        self.config = config
+        self._key, self._value, self.rotary = key, value, rotary
+        self._key_codes: mx.array | None = None
+        self._value_codes: mx.array | None = None
+
+    def _check_dims(self, h: int, d: int, dv: int) -> None:
+        want = (self._key.projection.n_groups, self._key.projection.dim, self._value.projection.dim)
+        if (h, d, dv) != want:
+            raise KVShapeError(
+                f"keys/values with (heads, D, Dv)={(h, d, dv)} do not match the calibration's {want}"
+            )
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Append ``keys [B, H, S, D]`` / ``values [B, H, S, Dv]``; returns all ``offset`` tokens, input dtype."""
+        b, h, _, d, dv = self._validate(keys, values, self.config.palu_check_finite)
+        prev = self.offset
+        k = keys if self.rotary is None else self.rotary.unrotate(keys, prev)
+        kc = self._key.coder.encode(project(k, self._key.projection))
+        vc = self._value.coder.encode(project(values, self._value.projection))
+        self._key_codes = write_rows(self._key_codes, kc, prev, self.step)
+        self._value_codes = write_rows(self._value_codes, vc, prev, self.step)
+        self._shape, self._dtype = (b, h, d, dv), keys.dtype
+        self.offset = prev + keys.shape[2]
+        return self._fetch()
+
+    def _fetch(self) -> tuple[mx.array, mx.array]:
+        n = self.offset
+        kl = self._key.coder.decode(self._key_codes[..., :n, :])
+        vl = self._value.coder.decode(self._value_codes[..., :n, :])
+        if self.rotary is None:
+            keys = reconstruct(kl, self._key.projection, self._dtype)
+        else:
+            keys = self.rotary.rotate(reconstruct(kl, self._key.projection, mx.float32), 0).astype(
+                self._dtype
+            )
+        return keys, reconstruct(vl, self._value.projection, self._dtype)
+
+    # ---------------------------------------------------------------- state
+    @property
+    def state(self) -> dict[str, mx.array]:
+        """Codes cut to ``offset`` plus the calibration constants and RoPE frequencies (self-contained)."""
+        out = {f"key.{n}": a for n, a in self._key.arrays().items()}
+        out.update({f"value.{n}": a for n, a in self._value.arrays().items()})
+        if self.rotary is not None:
+            out["rope.inv_freq"] = self.rotary.inv_freq
+        if self._key_codes is not None:
+            out["key.codes"] = self._key_codes[..., : self.offset, :]
+            out["value.codes"] = self._value_codes[..., : self.offset, :]
+        return out
+
+    @property
+    def meta_state(self) -> tuple[str, str]:
+        runtime = {
+            **self._runtime(),
+            "key_widths": list(self._key.coder.widths),
+            "value_widths": list(self._value.coder.widths),
+            "rope": None if self.rotary is None else self.rotary.to_meta(),
+        }
+        return self.config.to_json(), json.dumps(runtime, sort_keys=True)
+
+    @classmethod
+    def from_state(cls, state: dict[str, mx.array], meta_state) -> CalibratedKVCache:
+        config_json, runtime = cls._split_meta_state(meta_state)
+        config = KVCacheConfig.from_json(config_json)
+        try:
+            codes = {}
+            for prefix in ("key", "value"):
+                proj = GroupProjection(
+                    basis=state[f"{prefix}.basis"],
+                    mean=state[f"{prefix}.mean"],
+                    singular_values=state[f"{prefix}.steps"],
+                )
+                codes[prefix] = _TensorCode(
+                    proj, FixedQuantCoder(tuple(runtime[f"{prefix}_widths"]), state[f"{prefix}.steps"])
+                )
+            rotary = (
+                None if runtime["rope"] is None else Rotary.from_meta(runtime["rope"], state["rope.inv_freq"])
+            )
+        except KeyError as missing:
+            raise KVConfigError(f"state is missing array {missing} needed by meta_state") from None
+        cache = cls(config, codes["key"], codes["value"], rotary)
+        if cache._restore_runtime(runtime):
+            cache._key_codes = write_rows(None, state["key.codes"], 0, cls.step)
+            cache._value_codes = write_rows(None, state["value.codes"], 0, cls.step)
+            cache.offset = int(runtime["offset"])
+        return cache
+
+    # ---------------------------------------------------------------- measured storage
+    def held_arrays(self) -> list[mx.array]:
+        """The per-sequence arrays: packed key and value codes (at their grown capacity)."""
+        return [a for a in (self._key_codes, self._value_codes) if a is not None]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the packed codes held (calibration constants are per model: ``constant_nbytes``)."""
+        return sum(a.nbytes for a in self.held_arrays())
+
+    @property
+    def constant_nbytes(self) -> int:
+        """Bytes of this layer's calibration constants (bases, means, steps), shared by every sequence."""
+        return sum(a.nbytes for t in (self._key, self._value) for a in t.arrays().values())
+
+    @property
+    def key_rank(self) -> int:
+        return self._key.coder.rank
+
+    @property
+    def value_rank(self) -> int:
+        return self._value.coder.rank
+
+    @property
+    def fitted(self) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        rope = ", pre-RoPE keys" if self.rotary is not None else ""
+        return (
+            f"CalibratedKVCache(offset={self.offset}, r_k={self.key_rank} ({self._key.coder.bits_per_row} bits), "
+            f"r_v={self.value_rank} ({self._value.coder.bits_per_row} bits){rope})"
+        )
+
+
+def calibrated_caches(
+    config: KVCacheConfig, calibration: Calibration, rotaries: list[Rotary | None] | None
+) -> list[CalibratedKVCache | None]:
+    """One :class:`CalibratedKVCache` per calibrated layer (None elsewhere) at ``config.palu_bits``.
+
+    ``rotaries`` must be given (one per layer) when the calibration was made on pre-RoPE keys.
+    """
+    if calibration.pre_rope and not rotaries:
+        raise KVConfigError(
+            "palu_calibration was fitted on pre-RoPE keys, but this model gets no pre-RoPE path "
+            "(palu_pre_rope=False or an unsupported architecture)"
+        )
+    bits = 2.0 if config.palu_bits is None else config.palu_bits
+    out: list[CalibratedKVCache | None] = []
+    for i, widths in enumerate(allocate_widths(calibration, bits)):
+        if widths is None:
+            out.append(None)
+            continue
+        key = _tensor_code(calibration.keys[i], widths[0])
+        value = _tensor_code(calibration.values[i], widths[1])
+        rotary = rotaries[i] if calibration.pre_rope else None
+        out.append(CalibratedKVCache(config, key, value, rotary))
+    return out

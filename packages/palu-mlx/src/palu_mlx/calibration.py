@@ -1,0 +1,258 @@
+"""Offline calibration: per-layer, per-KV-head projections fitted on calibration text.
+
+:func:`calibrate` runs a model over text (by default the text shipped in
+``palu_mlx/data/calibration.txt``, never kvbench's held-out evaluation text), records every
+layer's keys (before RoPE where the architecture supports it, see :mod:`palu_mlx.rope`) and
+values, and fits, per layer and per KV head, the eigenbasis of their covariance: ``basis
+[H, D, D]`` (columns by descending variance), ``mean [H, D]`` and the latent ``variance
+[H, D]``. :class:`Calibration` saves and loads them as safetensors whose metadata identifies the
+model (architecture, layer count, KV heads, head dims and a digest of the weights that make keys
+and values); :meth:`Calibration.check_model` rejects a file made for another model.
+
+``KVCacheConfig(palu_calibration=FILE)`` makes :meth:`KVCacheBuilder.for_model` build
+:class:`~palu_mlx.calibrated.CalibratedKVCache` layers from such a file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from kvspec import KVConfigError
+from mlx.utils import tree_flatten
+from mlx_lm.models import cache as mlx_cache
+
+from .rope import Rotary, model_rotaries
+
+__all__ = [
+    "Calibration",
+    "TensorCalibration",
+    "calibrate",
+    "default_calibration_text",
+    "kv_weights_digest",
+    "model_identity",
+    "CALIBRATION_FORMAT",
+]
+
+CALIBRATION_FORMAT = "palu-mlx.calibration.v1"
+_DATA = Path(__file__).parent / "data" / "calibration.txt"
+
+
+def default_calibration_text() -> str:
+    """The calibration text shipped with the package (Python stdlib docstrings; see ``data/README.md``)."""
+    return _DATA.read_text(encoding="utf-8")
+
+
+def kv_weights_digest(model: Any) -> str:
+    """sha256 over the names, shapes, dtypes and bytes of every parameter of the key / value path.
+
+    Those are the parameters whose path contains ``k_proj``, ``v_proj`` or ``k_norm`` (quantized
+    weights with their scales and biases): a model with other keys and values has another digest.
+    """
+    h = hashlib.sha256()
+    for name, arr in sorted(tree_flatten(model.parameters()), key=lambda kv: kv[0]):
+        if not any(part in name for part in ("k_proj", "v_proj", "k_norm")):
+            continue
+        a = np.array(arr.astype(mx.float32) if arr.dtype == mx.bfloat16 else arr)
+        h.update(f"{name}:{a.shape}:{arr.dtype}".encode())
+        h.update(a.tobytes())
+    return h.hexdigest()
+
+
+def model_identity(model: Any) -> dict[str, Any]:
+    """What a calibration file records about its model: architecture, shapes and the K/V weights digest."""
+    from .builder import model_kv_dims
+
+    head_dim, n_kv = model_kv_dims(model)
+    args = getattr(model, "args", None)
+    return {
+        "architecture": str(getattr(args, "model_type", None) or type(model).__module__),
+        "n_layers": len(model.layers),
+        "n_kv_heads": n_kv,
+        "head_dim": head_dim,
+        "kv_weights_sha256": kv_weights_digest(model),
+    }
+
+
+@dataclass(frozen=True)
+class TensorCalibration:
+    """Keys or values of one layer.
+
+    Attributes:
+        basis: ``[H, D, D]`` float32, per KV head, orthonormal columns by descending variance.
+        mean: ``[H, D]`` float32.
+        variance: ``[H, D]`` float32, variance of the latents along each basis column (descending).
+    """
+
+    basis: mx.array
+    mean: mx.array
+    variance: mx.array
+
+    def arrays(self) -> dict[str, mx.array]:
+        return {"basis": self.basis, "mean": self.mean, "variance": self.variance}
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Per-layer key and value calibrations of one model (None for layers palu does not cache).
+
+    Attributes:
+        model: :func:`model_identity` of the model it was fitted on.
+        keys, values: one :class:`TensorCalibration` (or None) per layer.
+        pre_rope: whether the keys were recorded before RoPE.
+        tokens: calibration tokens seen per layer.
+        text_sha256: sha256 of the calibration text.
+    """
+
+    model: dict[str, Any]
+    keys: list[TensorCalibration | None]
+    values: list[TensorCalibration | None]
+    pre_rope: bool
+    tokens: int
+    text_sha256: str
+
+    def save(self, path: str | Path) -> None:
+        """Write safetensors: ``<layer>.<key|value>.<basis|mean|variance>`` and a JSON header."""
+        arrays = {}
+        for i, (k, v) in enumerate(zip(self.keys, self.values, strict=True)):
+            for prefix, t in (("key", k), ("value", v)):
+                if t is not None:
+                    arrays.update({f"{i}.{prefix}.{n}": a for n, a in t.arrays().items()})
+        meta = {
+            "format": CALIBRATION_FORMAT,
+            "model": json.dumps(self.model, sort_keys=True),
+            "pre_rope": json.dumps(self.pre_rope),
+            "tokens": str(self.tokens),
+            "text_sha256": self.text_sha256,
+        }
+        mx.save_safetensors(str(path), arrays, meta)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Calibration:
+        """Read a file written by :meth:`save`; ``KVConfigError`` if it is not one."""
+        try:
+            arrays, meta = mx.load(str(path), return_metadata=True)
+        except (OSError, RuntimeError, ValueError) as exc:
+            raise KVConfigError(f"palu_calibration={str(path)!r} cannot be read: {exc}") from None
+        if meta.get("format") != CALIBRATION_FORMAT:
+            raise KVConfigError(
+                f"palu_calibration={str(path)!r} is not a palu-mlx calibration file "
+                f"(format {meta.get('format')!r}; expected {CALIBRATION_FORMAT!r})"
+            )
+        model = json.loads(meta["model"])
+        n = model["n_layers"]
+        tensors: dict[tuple[int, str], dict[str, mx.array]] = {}
+        for key, arr in arrays.items():
+            layer, prefix, name = key.split(".")
+            tensors.setdefault((int(layer), prefix), {})[name] = arr
+        keys = [TensorCalibration(**tensors[(i, "key")]) if (i, "key") in tensors else None for i in range(n)]
+        values = [
+            TensorCalibration(**tensors[(i, "value")]) if (i, "value") in tensors else None for i in range(n)
+        ]
+        return cls(
+            model, keys, values, json.loads(meta["pre_rope"]), int(meta["tokens"]), meta["text_sha256"]
+        )
+
+    def check_model(self, model: Any, source: str = "palu_calibration") -> None:
+        """Raise ``KVConfigError`` naming what differs if ``model`` is not the calibrated model."""
+        ours = model_identity(model)
+        diffs = [
+            f"{k} {self.model.get(k)!r} (file) != {ours[k]!r} (model)"
+            for k in ours
+            if self.model.get(k) != ours[k]
+        ]
+        if diffs:
+            raise KVConfigError(f"{source}: the calibration was made for another model: {'; '.join(diffs)}")
+
+
+class _Recorder(mlx_cache.KVCache):
+    """mlx-lm's KVCache that also accumulates per-head first and second moments of K (pre-RoPE) and V."""
+
+    def __init__(self, rotary: Rotary | None, stats: dict[str, list]):
+        super().__init__()
+        self._rotary = rotary
+        self._stats = stats
+
+    def update_and_fetch(self, keys, values):
+        k = keys if self._rotary is None else self._rotary.unrotate(keys, self.offset)
+        for name, x in (("key", k), ("value", values)):
+            x = np.array(x.astype(mx.float32), dtype=np.float64)  # [B, H, S, D]
+            x = x.transpose(1, 0, 2, 3).reshape(x.shape[1], -1, x.shape[3])  # [H, N, D]
+            entry = self._stats.setdefault(name, [0, 0.0, 0.0])
+            entry[0] += x.shape[1]
+            entry[1] = entry[1] + x.sum(axis=1)
+            entry[2] = entry[2] + x.transpose(0, 2, 1) @ x
+        return super().update_and_fetch(keys, values)
+
+
+def _fit(stats: list) -> TensorCalibration:
+    n, s1, s2 = stats
+    mean = s1 / n
+    cov = s2 / n - np.einsum("hd,he->hde", mean, mean)
+    eigenvalues, vectors = np.linalg.eigh(cov)
+    order = np.argsort(-eigenvalues, axis=-1, kind="stable")
+    variance = np.take_along_axis(np.maximum(eigenvalues, 0.0), order, axis=-1)
+    basis = np.take_along_axis(vectors, order[:, None, :], axis=-1)
+    return TensorCalibration(
+        basis=mx.array(basis.astype(np.float32)),
+        mean=mx.array(mean.astype(np.float32)),
+        variance=mx.array(variance.astype(np.float32)),
+    )
+
+
+def calibrate(
+    model: Any,
+    tokenizer: Any,
+    text: str | None = None,
+    window: int = 512,
+    max_tokens: int | None = None,
+    progress: bool = True,
+) -> Calibration:
+    """Fit a :class:`Calibration` for ``model`` on ``text`` (default: the shipped calibration text).
+
+    The text's tokens are cut into windows of ``window`` tokens (capped at the model's
+    positions), each run through the model from position 0 with fresh recording caches;
+    ``max_tokens`` caps the tokens used. Keys are recorded before RoPE when the architecture
+    supports it (else after, with a :class:`~palu_mlx.rope.PreRopeFallbackWarning`).
+    """
+    from tqdm import tqdm
+
+    from .builder import _default_caches, model_kv_dims
+
+    text = default_calibration_text() if text is None else text
+    if not isinstance(window, int) or window < 2:
+        raise KVConfigError(f"window={window!r} must be an integer >= 2")
+    head_dim, _ = model_kv_dims(model)
+    rotaries = model_rotaries(model, head_dim)
+    limit = getattr(getattr(model, "args", None), "max_position_embeddings", None)
+    if limit:
+        window = min(window, int(limit))
+    tokens = list(tokenizer.encode(text))[: max_tokens or None]
+    if len(tokens) < 2:
+        raise KVConfigError("the calibration text has fewer than 2 tokens")
+    defaults = _default_caches(model)
+    full = [type(c) is mlx_cache.KVCache for c in defaults]
+    stats: list[dict[str, list]] = [{} for _ in defaults]
+    starts = range(0, len(tokens), window)
+    for start in tqdm(starts, desc="palu-mlx calibrate", unit="window", disable=not progress):
+        chunk = tokens[start : start + window]
+        caches = [
+            _Recorder(None if rotaries is None else rotaries[i], stats[i]) if full[i] else c
+            for i, c in enumerate(_default_caches(model))
+        ]
+        mx.eval(model(mx.array(chunk)[None], cache=caches))
+    keys = [_fit(s["key"]) if s else None for s in stats]
+    values = [_fit(s["value"]) if s else None for s in stats]
+    return Calibration(
+        model=model_identity(model),
+        keys=keys,
+        values=values,
+        pre_rope=rotaries is not None,
+        tokens=len(tokens),
+        text_sha256=hashlib.sha256(text.encode("utf-8")).hexdigest(),
+    )
