@@ -35,6 +35,7 @@ __all__ = [
     "calibrate",
     "default_calibration_text",
     "kv_weights_digest",
+    "kv_weights_fingerprint",
     "model_identity",
     "CALIBRATION_FORMAT",
 ]
@@ -48,20 +49,54 @@ def default_calibration_text() -> str:
     return _DATA.read_text(encoding="utf-8")
 
 
-def kv_weights_digest(model: Any) -> str:
-    """sha256 over the names, shapes, dtypes and bytes of every parameter of the key / value path.
+def _kv_parameters(model: Any) -> list[tuple[str, mx.array]]:
+    # the parameters that make keys and values from a layer's input (quantized: with scales, biases)
+    params = tree_flatten(model.parameters())
+    kv = [(n, a) for n, a in params if any(p in n for p in ("k_proj", "v_proj", "k_norm"))]
+    return sorted(kv, key=lambda x: x[0])
 
-    Those are the parameters whose path contains ``k_proj``, ``v_proj`` or ``k_norm`` (quantized
-    weights with their scales and biases): a model with other keys and values has another digest.
+
+def kv_weights_digest(model: Any) -> str:
+    """sha256 over names, shapes and bytes of the key / value path's parameters, as the model holds them.
+
+    Informative (recorded in the file): it changes with the dtype the model was loaded in. The
+    check that a file fits a model uses :func:`kv_weights_fingerprint`, which does not.
     """
     h = hashlib.sha256()
-    for name, arr in sorted(tree_flatten(model.parameters()), key=lambda kv: kv[0]):
-        if not any(part in name for part in ("k_proj", "v_proj", "k_norm")):
-            continue
+    for name, arr in _kv_parameters(model):
         a = np.array(arr.astype(mx.float32) if arr.dtype == mx.bfloat16 else arr)
         h.update(f"{name}:{a.shape}:{arr.dtype}".encode())
         h.update(a.tobytes())
     return h.hexdigest()
+
+
+def kv_weights_fingerprint(model: Any) -> dict[str, list[float]]:
+    """Name -> ``[*shape, sum w^2, sum w*rho]`` per key / value path parameter (float64; rho seeded +-1).
+
+    Unchanged (to ~1e-3 relative) when the same weights are cast to another float dtype, so a
+    calibration made on a float32 model serves its bfloat16 / float16 copies; other weights
+    (another checkpoint, another seed) move these sums far more.
+    """
+    out = {}
+    for name, arr in _kv_parameters(model):
+        a = np.array(arr if arr.dtype == mx.uint32 else arr.astype(mx.float32), dtype=np.float64).reshape(-1)
+        rho = np.random.default_rng(a.size).choice((-1.0, 1.0), size=a.size)
+        out[name] = [*map(float, arr.shape), float(a @ a), float(a @ rho)]
+    return out
+
+
+def _same_fingerprint(a: dict[str, list[float]], b: dict[str, list[float]]) -> bool:
+    if a.keys() != b.keys():
+        return False
+    for name in a:
+        x, y = np.array(a[name]), np.array(b[name])
+        if x.shape != y.shape:
+            return False
+        # shapes exactly, sums of squares to 1e-2 relative, the signed sum to 1e-2 of the norm
+        norm = np.sqrt(max(x[-2], y[-2], 1e-30))
+        if not (np.allclose(x[:-1], y[:-1], rtol=1e-2, atol=0) and abs(x[-1] - y[-1]) <= 1e-2 * norm):
+            return False
+    return True
 
 
 def model_identity(model: Any) -> dict[str, Any]:
@@ -76,6 +111,7 @@ def model_identity(model: Any) -> dict[str, Any]:
         "n_kv_heads": n_kv,
         "head_dim": head_dim,
         "kv_weights_sha256": kv_weights_digest(model),
+        "kv_weights_fingerprint": kv_weights_fingerprint(model),
     }
 
 
@@ -161,11 +197,18 @@ class Calibration:
     def check_model(self, model: Any, source: str = "palu_calibration") -> None:
         """Raise ``KVConfigError`` naming what differs if ``model`` is not the calibrated model."""
         ours = model_identity(model)
+        exact = ("architecture", "n_layers", "n_kv_heads", "head_dim")
         diffs = [
             f"{k} {self.model.get(k)!r} (file) != {ours[k]!r} (model)"
-            for k in ours
+            for k in exact
             if self.model.get(k) != ours[k]
         ]
+        theirs = self.model.get("kv_weights_fingerprint", {})
+        if not diffs and not _same_fingerprint(theirs, ours["kv_weights_fingerprint"]):
+            diffs.append(
+                "kv_weights (the key / value projection weights) differ: file sha256 "
+                f"{self.model.get('kv_weights_sha256')}, model sha256 {ours['kv_weights_sha256']}"
+            )
         if diffs:
             raise KVConfigError(f"{source}: the calibration was made for another model: {'; '.join(diffs)}")
 
