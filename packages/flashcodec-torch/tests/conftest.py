@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from flashcodec import PNGCodec
+from flashcodec.codecs import MixedJPEGCodec
 from flashcodec.tiers import TIERS
 
 torch.set_num_threads(1)
@@ -28,6 +29,8 @@ def walk():
 
 
 #: the codec of every tier in flashcodec.tiers (a -mf tier shares its base tier's codec, so it is
-#: not repeated), plus png with half the deltas kept: Top-M pruning, which no tier uses
+#: not repeated), plus png with half the deltas kept (Top-M pruning) and a mixed-bit jpeg with
+#: both row formats and a dropped frequency (two row segments, int8 + packed int4), which no tier uses
 CODECS = {name: t.codec for name, t in TIERS.items() if not t.materialization_free}
 CODECS["png-keep0.5"] = PNGCodec(8, keep_ratio=0.5)
+CODECS["jpeg-mixed-84"] = MixedJPEGCodec(8, freq_bits=(8, 8, 4, 4, 4, 4, 4, 0))

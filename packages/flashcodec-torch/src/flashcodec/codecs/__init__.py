@@ -18,6 +18,7 @@ from kvspec import KVConfigError
 
 from .base import BlockCodec, PartSpec
 from .jpeg import JPEGCodec, dct_matrix
+from .jpeg_mixed import MixedJPEGCodec, allocate_freq_bits, frequency_variances
 from .png import PNGCodec, delta_variance_ratio
 from .quant import dequantize_int8, quantize_int8
 
@@ -25,8 +26,11 @@ __all__ = [
     "BlockCodec",
     "PartSpec",
     "JPEGCodec",
+    "MixedJPEGCodec",
     "PNGCodec",
     "CODECS",
+    "allocate_freq_bits",
+    "frequency_variances",
     "KEYWORD_DEFAULTS",
     "codec_class",
     "make_codec",
@@ -42,6 +46,7 @@ __all__ = [
 CODECS: dict[str, type[BlockCodec]] = {
     "jpeg": JPEGCodec,
     "png": PNGCodec,
+    "jpeg-mixed": MixedJPEGCodec,
 }
 
 

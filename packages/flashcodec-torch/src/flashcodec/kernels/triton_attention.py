@@ -69,7 +69,7 @@ def _codec_partial_kernel(
     RP: tl.constexpr,
     GP: tl.constexpr, DP: tl.constexpr, DVP: tl.constexpr, TILE: tl.constexpr,
     HAS_KS: tl.constexpr, HAS_VS: tl.constexpr, HAS_MASK: tl.constexpr,
-    PACKED_K: tl.constexpr, PACKED_V: tl.constexpr,
+    PACKED_K0: tl.constexpr, PACKED_K1: tl.constexpr, PACKED_V0: tl.constexpr, PACKED_V1: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -80,8 +80,10 @@ def _codec_partial_kernel(
     dv = tl.arange(0, DVP)
     p = tl.arange(0, RP)  # token row inside a block (r padded to a power of two)
     # packed int4 rows: element d sits in byte d // 2, low nibble for even d, high for odd
-    dk = d // 2 if PACKED_K else d
-    dvk = dv // 2 if PACKED_V else dv
+    dk0 = d // 2 if PACKED_K0 else d
+    dk1 = d // 2 if PACKED_K1 else d
+    dv0 = dv // 2 if PACKED_V0 else dv
+    dv1 = dv // 2 if PACKED_V1 else dv
     g_ok = g < groups
     d_ok = d < dim
     dv_ok = dv < dim_v
@@ -106,11 +108,15 @@ def _codec_partial_kernel(
             scores = tl.zeros([GP, TILE, RP], tl.float32)
             for j in tl.static_range(RK):
                 if j < RK0:  # a compile-time choice of segment
-                    ptr = K0 + b * sk0b + h * sk0h + n[:, None] * sk0n + j * sk0j + dk[None, :] * sk0d
+                    ptr = K0 + b * sk0b + h * sk0h + n[:, None] * sk0n + j * sk0j + dk0[None, :] * sk0d
+                    packed = PACKED_K0
                 else:
-                    ptr = K1 + b * sk1b + h * sk1h + n[:, None] * sk1n + (j - RK0) * sk1j + dk[None, :] * sk1d
+                    ptr = (
+                        K1 + b * sk1b + h * sk1h + n[:, None] * sk1n + (j - RK0) * sk1j + dk1[None, :] * sk1d
+                    )
+                    packed = PACKED_K1
                 row_ok = n_ok[:, None] & d_ok[None, :]
-                if PACKED_K:
+                if packed:
                     byte = tl.load(ptr, mask=row_ok, other=0).to(tl.int32)
                     code = ((byte >> ((d % 2) * 4)[None, :]) & 15) - 8
                     row = tl.where(row_ok, code.to(tl.float32), 0.0)  # [TILE, DP]
@@ -140,13 +146,15 @@ def _codec_partial_kernel(
                     vs = tl.load(VS + b * svsb + h * svsh + n * svsn + j * svsj, mask=n_ok, other=0.0)
                     w = w * vs[None, :]
                 if j < RV0:
-                    ptr = V0 + b * sv0b + h * sv0h + n[:, None] * sv0n + j * sv0j + dvk[None, :] * sv0d
+                    ptr = V0 + b * sv0b + h * sv0h + n[:, None] * sv0n + j * sv0j + dv0[None, :] * sv0d
+                    packed = PACKED_V0
                 else:
                     ptr = (
-                        V1 + b * sv1b + h * sv1h + n[:, None] * sv1n + (j - RV0) * sv1j + dvk[None, :] * sv1d
+                        V1 + b * sv1b + h * sv1h + n[:, None] * sv1n + (j - RV0) * sv1j + dv1[None, :] * sv1d
                     )
+                    packed = PACKED_V1
                 row_ok = n_ok[:, None] & dv_ok[None, :]
-                if PACKED_V:
+                if packed:
                     byte = tl.load(ptr, mask=row_ok, other=0).to(tl.int32)
                     code = ((byte >> ((dv % 2) * 4)[None, :]) & 15) - 8
                     row = tl.where(row_ok, code.to(tl.float32), 0.0)  # [TILE, DVP]
@@ -314,7 +322,8 @@ def decode_attention_partials_triton(
         RP=_pow2(r),
         GP=_pow2(groups), DP=_pow2(d), DVP=_pow2(dv), TILE=tile,
         HAS_KS=keys.scales is not None, HAS_VS=values.scales is not None, HAS_MASK=key_mask is not None,
-        PACKED_K=keys.segments[0].dtype == torch.uint8, PACKED_V=values.segments[0].dtype == torch.uint8,
+        PACKED_K0=keys.segments[0].dtype == torch.uint8, PACKED_K1=keys.segments[-1].dtype == torch.uint8,
+        PACKED_V0=values.segments[0].dtype == torch.uint8, PACKED_V1=values.segments[-1].dtype == torch.uint8,
     )  # fmt: skip
     return m, denom, acc
 
