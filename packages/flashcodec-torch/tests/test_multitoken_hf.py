@@ -175,3 +175,19 @@ def test_embedded_png_chunked_prefill_then_greedy_equals_the_unpatched_model(emb
     assert stats.chunked == 3 * layers and stats.coded == (new - 1) * layers
     assert torch.equal(torch.cat([ids, *tokens], dim=1), base)
     check_resident(cache)
+
+
+def test_a_cache_without_config_gets_its_layers_on_the_coded_path():
+    model = tiny()
+    ids = torch.randint(3, 128, (1, 30), generator=torch.Generator().manual_seed(3))
+    run = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False)
+    base = model.generate(ids, **run)
+    stats = apply_codec_attention(model, backend="torch")
+    try:
+        cache = FlashCodecCache(mode="png")  # no config: codec layers are created as they are reached
+        out = model.generate(ids, cache=cache, **run)
+    finally:
+        remove_codec_attention(model)
+    assert stats.chunked == 2 and stats.coded == 11 * 2 and stats.fallbacks == {}
+    assert cache.codec_layer_indices == [0, 1] and torch.equal(out, base)
+    check_resident(cache)

@@ -19,6 +19,7 @@ from .requirements import MIN_TRANSFORMERS, require_layer_api
 require_layer_api()
 
 from .cache import CODEC_LAYER_TYPES, FlashCodecCache, config_layer_types  # noqa: E402
+from .calibrate import Calibration, calibrate  # noqa: E402
 from .codec_attention import apply_codec_attention, remove_codec_attention  # noqa: E402
 from .layer import FlashCodecLayer  # noqa: E402
 from .patch import FlashCodecPatch, apply_flash_codec, get_flash_codec_patch, remove_flash_codec  # noqa: E402
@@ -27,6 +28,8 @@ __all__ = [
     "FlashCodecCache",
     "FlashCodecLayer",
     "FlashCodecPatch",
+    "Calibration",
+    "calibrate",
     "apply_flash_codec",
     "remove_flash_codec",
     "get_flash_codec_patch",
