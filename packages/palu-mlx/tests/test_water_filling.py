@@ -88,8 +88,11 @@ def test_cache_at_palu_bits_drops_channels_and_keeps_the_low_rank_signal():
     cache = PaluKVCache(KVCacheConfig(head_dim=32, palu_bits=0.75, palu_n_head_groups=1, palu_group_size=64))
     keys, values = cache.update_and_fetch(x, v)
     assert cache.fitted and cache.key_rank <= 6 and cache.value_rank <= 8
-    coder = cache._key_coder
-    assert sum(s.width * s.bits for s in coder.segments) == 24  # 0.75 bits x 32 channels
+    # one level over the layer's keys and values: 0.75 bits x (32 + 32) channels, codes only
+    spent = sum(s.width * s.bits for c in (cache._key_coder, cache._value_coder) for s in c.segments)
+    assert spent == 48
+    assert set(cache.state) >= {"key.steps", "key.codes", "value.steps", "value.codes"}
+    assert not any("scales" in name for name in cache.state)  # fixed quantizers: no per-token scales
     assert rel_err(keys, x) < 0.2 and rel_err(values, v) < 0.2
     restored = PaluKVCache.from_state(cache.state, cache.meta_state)
     k2, _ = restored.update_and_fetch(x[:, :, :1], v[:, :, :1])

@@ -36,6 +36,7 @@ import mlx.core as mx
 import numpy as np
 from kvspec import KVConfigError, KVShapeError
 
+from .calibrated import GAUSSIAN_STEP, FixedQuantCoder
 from .config import UNQUANTIZED_BITS, KVCacheConfig
 from .layer import CacheLayer, write_rows
 from .lowrank import GroupProjection, fit_group_projection, project, reconstruct
@@ -46,6 +47,7 @@ from .mixed_bit import (
     Segment,
     UniformPolicy,
     WaterFillingPolicy,
+    water_fill,
 )
 from .rope import Rotary
 
@@ -168,6 +170,8 @@ class PaluKVCache(CacheLayer):
     def _fit(self, keys: mx.array, values: mx.array, dtype: mx.Dtype) -> None:
         """Fit projections on every held token, code them all, and switch to the latent phase."""
         cfg = self.config
+        if _fixed_mode(cfg, self.allocation_policy):
+            return self._fit_fixed(keys, values, dtype)
         value_policy = self.allocation_policy if cfg.palu_quantize_values else UniformPolicy(UNQUANTIZED_BITS)
         key_proj, key_segments = _fit_and_allocate(keys, cfg, self.allocation_policy)
         value_proj, value_segments = _fit_and_allocate(values, cfg, value_policy)
@@ -183,6 +187,46 @@ class PaluKVCache(CacheLayer):
         self._value_codes = self._append_codes(None, value_coder, value_proj, values, 0)
         self._key_proj, self._value_proj = key_proj, value_proj
         self._key_coder, self._value_coder = key_coder, value_coder
+
+    def _fit_fixed(self, keys: mx.array, values: mx.array, dtype: mx.Dtype) -> None:
+        """``palu_bits`` without a calibration file: the calibration is made on the tokens at the fit.
+
+        Full-rank projections per head group; per head and channel, the latent variance of the
+        fit tokens sets a fixed Gaussian-step quantizer (no per-token scales); one water-filling
+        level across this layer's keys and values spends ``palu_bits`` code bits per element;
+        the codes of a token and head are packed into whole bytes.
+        """
+        cfg = self.config
+        fitted = []
+        for x in (keys, values):
+            rank = x.shape[-1] if cfg.palu_rank is None else min(cfg.palu_rank, x.shape[-1])
+            proj = fit_group_projection(x, cfg.palu_n_head_groups, rank)
+            latents = project(x, proj)
+            head_var = mx.mean(latents * latents, axis=(0, 2))  # [H, r]; latents are centred per group
+            fitted.append((proj, np.array(head_var, dtype=np.float64)))
+        dims = keys.shape[-1] + values.shape[-1]
+        widths = water_fill([v.mean(axis=0) for _, v in fitted], int(round(cfg.palu_bits * dims)))
+        coders, projs = [], []
+        for (proj, head_var), w in zip(fitted, widths, strict=True):
+            # channels by mean variance, so the widths are non-increasing and 0-bit ones trail
+            order = np.argsort(-head_var.mean(axis=0), kind="stable")
+            w = w[order]
+            keep = max(1, int(np.count_nonzero(w)))
+            cols = mx.array(order[:keep].astype(np.int32))
+            widths_kept = tuple(max(1, int(b)) for b in w[:keep])
+            sigma = np.sqrt(np.maximum(head_var[:, order[:keep]], 1e-12))
+            steps = mx.array((sigma * np.array([GAUSSIAN_STEP[b] for b in widths_kept])).astype(np.float32))
+            proj = GroupProjection(
+                basis=mx.contiguous(mx.take(proj.basis, cols, axis=2)),
+                mean=proj.mean,
+                singular_values=mx.contiguous(mx.take(proj.singular_values, cols, axis=1)),
+            )
+            projs.append(proj.astype(compact_dtype(dtype)))
+            coders.append(_FixedFields(FixedQuantCoder(widths_kept, steps)))
+        self._key_codes = self._append_codes(None, coders[0], projs[0], keys, 0)
+        self._value_codes = self._append_codes(None, coders[1], projs[1], values, 0)
+        self._key_proj, self._value_proj = projs
+        self._key_coder, self._value_coder = coders
 
     def _fetch(self) -> tuple[mx.array, mx.array]:
         n = self.offset
@@ -229,6 +273,9 @@ class PaluKVCache(CacheLayer):
         ):
             for name, arr in proj.arrays().items():
                 out[f"{prefix}.{name}"] = arr
+            coder = self._key_coder if prefix == "key" else self._value_coder
+            for name, arr in _coder_constants(coder).items():
+                out[f"{prefix}.{name}"] = arr
             for name, arr in codes.items():
                 out[f"{prefix}.{name}"] = arr[..., :n, :]
         return out
@@ -240,6 +287,8 @@ class PaluKVCache(CacheLayer):
             **self._runtime(),
             "key_segments": _segments_to_list(self._key_coder),
             "value_segments": _segments_to_list(self._value_coder),
+            "key_fixed_widths": _fixed_widths(self._key_coder),
+            "value_fixed_widths": _fixed_widths(self._value_coder),
             "rope": None if self.rotary is None else self.rotary.to_meta(),
         }
         return self.config.to_json(), json.dumps(runtime, sort_keys=True)
@@ -272,10 +321,14 @@ class PaluKVCache(CacheLayer):
                         mean=state[f"{prefix}.mean"],
                         singular_values=state[f"{prefix}.singular_values"],
                     )
-                    segments = tuple(Segment(*s) for s in runtime[f"{prefix}_segments"])
-                    coder = MixedBitCoder(
-                        segments, config.palu_group_size, cache._dtype, compact_dtype(cache._dtype)
-                    )
+                    fixed = runtime.get(f"{prefix}_fixed_widths")
+                    if fixed is not None:
+                        coder = _FixedFields(FixedQuantCoder(tuple(fixed), state[f"{prefix}.steps"]))
+                    else:
+                        segments = tuple(Segment(*s) for s in runtime[f"{prefix}_segments"])
+                        coder = MixedBitCoder(
+                            segments, config.palu_group_size, cache._dtype, compact_dtype(cache._dtype)
+                        )
                     codes = {
                         name: write_rows(None, state[f"{prefix}.{name}"], 0, cls.step)
                         for name in coder.field_widths()
@@ -300,6 +353,8 @@ class PaluKVCache(CacheLayer):
             out.append(self.rotary.inv_freq)
         if proj is not None:
             out += list(proj.arrays().values())
+            coder = self._key_coder if which == "key" else self._value_coder
+            out += list(_coder_constants(coder).values())
         out += list((codes or {}).values())
         return out
 
@@ -401,6 +456,58 @@ def _fit_and_allocate(
 
 def _projection_dtype(coder: MixedBitCoder, dtype: mx.Dtype) -> mx.Dtype:
     return compact_dtype(dtype) if coder.quantizes else dtype
+
+
+class _FixedFields:
+    """A :class:`FixedQuantCoder` behind :class:`MixedBitCoder`'s field interface (one packed field)."""
+
+    quantizes = True
+
+    def __init__(self, coder: FixedQuantCoder):
+        self.coder = coder
+
+    @property
+    def rank(self) -> int:
+        return self.coder.rank
+
+    @property
+    def assigned_avg_bits(self) -> float:
+        return self.coder.bits_per_row / self.coder.rank
+
+    @property
+    def segments(self) -> tuple[Segment, ...]:
+        runs: list[Segment] = []
+        for i, b in enumerate(self.coder.widths):
+            if runs and runs[-1].bits == b:
+                runs[-1] = Segment(runs[-1].start, i + 1, b)
+            else:
+                runs.append(Segment(i, i + 1, b))
+        return tuple(runs)
+
+    def field_widths(self) -> dict[str, tuple[int, mx.Dtype]]:
+        return {"codes": (self.coder.bytes_per_row, mx.uint8)}
+
+    def encode(self, latents: mx.array) -> dict[str, mx.array]:
+        return {"codes": self.coder.encode(latents)}
+
+    def decode(self, coded: dict[str, mx.array]) -> mx.array:
+        return self.coder.decode(coded["codes"])
+
+
+def _fixed_mode(config: KVCacheConfig, policy: BitAllocationPolicy) -> bool:
+    return (
+        config.palu_bits is not None
+        and config.palu_quantize_values
+        and isinstance(policy, WaterFillingPolicy)
+    )
+
+
+def _coder_constants(coder) -> dict[str, mx.array]:
+    return {"steps": coder.coder.steps} if isinstance(coder, _FixedFields) else {}
+
+
+def _fixed_widths(coder) -> list[int] | None:
+    return list(coder.coder.widths) if isinstance(coder, _FixedFields) else None
 
 
 def _segments_to_list(coder: MixedBitCoder | None) -> list[list[int]] | None:

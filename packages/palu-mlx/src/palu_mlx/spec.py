@@ -47,6 +47,12 @@ _PROMISES: dict[str, tuple[Capabilities, float, dict[str, float]]] = {
     "reference-default": (_COMPRESSING, 0.7, {"planted_lowrank": 0.27, "edge": 0.27, "random_walk": 0.75}),
     # gaussian 0.89, outlier keys 0.91: rank 8 of 64 keeps little
     "r8-4bit": (_COMPRESSING, 0.97, {"planted_lowrank": 0.1, "edge": 0.1, "random_walk": 0.88}),
+    # water-filling tiers: measured worst (streams and trims) over random walk, outlier keys and
+    # gaussian 0.38 / 0.43 / 0.52, real 0.18 / 0.27 / 0.34, planted low-rank and edge up to
+    # 0.085 (1.5 bits, after trimming everything: the projections fitted first are kept)
+    "palu-3bit": (_COMPRESSING, 0.48, {"planted_lowrank": 0.05, "edge": 0.05, "real": 0.22}),
+    "palu-2bit": (_COMPRESSING, 0.54, {"planted_lowrank": 0.08, "edge": 0.08, "real": 0.33}),
+    "palu-1.5bit": (_COMPRESSING, 0.65, {"planted_lowrank": 0.11, "edge": 0.11, "real": 0.43}),
 }
 
 

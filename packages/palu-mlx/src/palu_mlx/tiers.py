@@ -66,14 +66,32 @@ TIERS: dict[str, Tier] = {
         ),
         Tier(
             "reference-default",
-            "KVCacheConfig's defaults: rank keeping 90% of singular-value energy, "
+            "the reference's settings: keys after RoPE, rank keeping 90% of singular-value energy, "
             "top 25% of latent channels at 4 bits, the rest at 2 bits",
-            _palu(),
+            _palu(palu_pre_rope=False),
         ),
         Tier(
             "r8-4bit",
             "rank 8, every latent channel at 4 bits",
             _palu(palu_rank=8, palu_hi_bit=4, palu_lo_bit=4),
+        ),
+        Tier(
+            "palu-3bit",
+            "keys before RoPE where supported, 3 code bits per element by water-filling, "
+            "fixed quantizers fitted at the prefill",
+            _palu(palu_bits=3.0),
+        ),
+        Tier(
+            "palu-2bit",
+            "keys before RoPE where supported, 2 code bits per element by water-filling, "
+            "fixed quantizers fitted at the prefill",
+            _palu(palu_bits=2.0),
+        ),
+        Tier(
+            "palu-1.5bit",
+            "keys before RoPE where supported, 1.5 code bits per element by water-filling, "
+            "fixed quantizers fitted at the prefill",
+            _palu(palu_bits=1.5),
         ),
     )
 }
