@@ -55,7 +55,7 @@ def test_archived_rows_are_never_rewritten(tier):
                 [p.clone() for p in (*cache.keys.archived_parts(), *cache.values.archived_parts())]
             )
     final = [*cache.keys.archived_parts(), *cache.values.archived_parts()]
-    assert cache.keys.capacity == 64  # the archive was reallocated twice on the way
+    assert cache.keys.capacity == 49  # 37 blocks: the archive was reallocated twice on the way (16, 32, 49)
     for snap in snapshots:
         for old, now in zip(snap, final, strict=True):
             n = old.shape[2]

@@ -51,8 +51,8 @@ __all__ = [
 BACKENDS = ("auto", "torch", "triton")
 #: bytes of fp32 rows one torch chunk may cast at once: bounds the temporaries on long sequences
 TORCH_CHUNK_BYTES = 2 << 20
-#: archived blocks a multi-token step decodes at a time (also the archive's most spare blocks)
-CHUNK_BLOCKS = SPARE_BLOCKS
+#: archived blocks a multi-token step decodes at a time (at least the archive's most spare blocks)
+CHUNK_BLOCKS = max(64, SPARE_BLOCKS)
 
 
 def triton_available() -> bool:

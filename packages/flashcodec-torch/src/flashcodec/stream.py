@@ -9,9 +9,9 @@ A stream with batch ``B``, heads ``H``, head dimension ``D``, input dtype ``dt``
   first ``n_blocks`` slots along dim 2 are in use (``archived_parts()`` returns those slices).
   Block ``b`` covers tokens ``b*r .. b*r + r - 1``. ``capacity`` starts at ``initial_blocks``
   (16) on the first archived block and doubles on overflow, but never reserves more than
-  ``max_spare_blocks`` (:data:`SPARE_BLOCKS`, 64) blocks beyond those needed: spare capacity is
-  at most one attention chunk, so resident bytes stay within held bytes + one chunk + the tail
-  buffer. A block is written once, in place, and never rewritten (``crop`` only lowers
+  ``max_spare_blocks`` (:data:`SPARE_BLOCKS`, 16) blocks beyond those needed: spare capacity is
+  at most 128 tokens' worth of stored rows (r = 8), less than one attention chunk, so resident
+  bytes stay within held bytes + one chunk + the tail buffer. A block is written once, in place, and never rewritten (``crop`` only lowers
   ``n_blocks``; later appends reuse the freed slots).
 
   ==========================  =====================================  ====================
@@ -49,10 +49,12 @@ from .storage import CodecStorage
 
 __all__ = ["CodecStream", "SPARE_BLOCKS"]
 
-#: most archive blocks reserved beyond those in use (one attention chunk of
-#: :data:`flashcodec.attention.CHUNK_BLOCKS`): growth doubles while the archive is small, then
-#: grows by this many blocks, so spare capacity never exceeds one chunk of stored rows
-SPARE_BLOCKS = 64
+#: most archive blocks reserved beyond those in use (at most one attention chunk,
+#: :data:`flashcodec.attention.CHUNK_BLOCKS`): growth doubles while the archive is small, then by
+#: this many blocks. Each regrowth copies the archive, so a decode step pays one copy per
+#: ``SPARE_BLOCKS * r`` tokens (128 at r = 8); in exchange the reserve stays as small as the raw
+#: window transformers' quantized caches keep (their ``residual_length``, 128)
+SPARE_BLOCKS = 16
 
 
 class CodecStream:
