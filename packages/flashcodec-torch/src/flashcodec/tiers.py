@@ -1,8 +1,9 @@
 """The flashcodec tiers: the one place a tier is defined.
 
-A tier is a named codec (r = 8 tokens per block) with a one-line description, plus whether decode
-attention runs on the stored rows (``materialization_free``: the transformers backend's
-:func:`flashcodec.hf.apply_codec_attention`). :data:`TIERS` lists them easiest first; the
+A tier is a named codec (r = 8 tokens per block) with a one-line description, plus whether
+attention runs without the reconstructed view (``materialization_free``: the transformers
+backend's :func:`flashcodec.hf.apply_codec_attention`; decode on the stored rows, multi-token
+steps over the archive in chunks). :data:`TIERS` lists them easiest first; the
 conformance adapter (:mod:`flashcodec.spec`) adds capabilities and tolerances to them, and
 command lines, benchmarks and tests read them from here.
 
@@ -33,8 +34,9 @@ class Tier:
         name: the tier's name everywhere (results files, command lines, charts, tests).
         description: one line saying what is stored.
         codec: the codec every compressed layer uses.
-        materialization_free: decode steps attend on the stored rows instead of the
-            reconstructed K/V view (transformers backend only; storage is the codec's either way).
+        materialization_free: decode steps attend on the stored rows and multi-token steps on
+            the archive decoded a chunk at a time, instead of the reconstructed K/V view
+            (transformers backend only; storage is the codec's either way).
     """
 
     name: str

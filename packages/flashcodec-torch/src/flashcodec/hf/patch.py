@@ -141,7 +141,8 @@ def apply_flash_codec(
         mode, block_size, keep_freqs, keep_ratio, quant_bits, codec, per_layer, delta_dtype,
             check_finite, initial_blocks: as :class:`FlashCodecCache` (``codec=`` or the keyword form).
         materialization_free: also wrap the model's Llama / Qwen-style attention modules so decode
-            steps attend on the stored rows without building the K/V view
+            steps attend on the stored rows and prefill / multi-token steps on the archive a chunk
+            at a time, never building the K/V view
             (:func:`flashcodec.hf.codec_attention.apply_codec_attention`; undone by remove).
 
     Returns ``model`` (patched in place). Calls that pass their own cache, ``use_cache=False``,
