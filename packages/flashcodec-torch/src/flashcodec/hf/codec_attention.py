@@ -209,7 +209,8 @@ def _decode_on_rows(
     backend: str,
     stats: CodecAttentionStats,
 ) -> tuple[torch.Tensor, None] | None:
-    """The materialization-free decode step, or None (nothing changed) when it does not apply."""
+    """The materialization-free step (a decode on the stored rows, a multi-token step over the
+    archive in chunks), or None (nothing changed) when it does not apply."""
     hidden = found.get("hidden_states")
     cache = found.get("cache", found.get("past_key_values"))
     position_embeddings = found.get("position_embeddings")
@@ -248,9 +249,9 @@ def _decode_on_rows(
     cos, sin = position_embeddings
     query, key = rope(query, key, cos, sin)
 
+    codec_cache.append(key, value)  # validates first: a rejected input changes nothing
     if not layer.is_initialized:
         layer.lazy_initialization(key, value)
-    codec_cache.append(key, value)
     _release_view(layer)  # in case something rebuilt it since (a crop, a beam reorder)
 
     if decode:
