@@ -191,3 +191,25 @@ def test_a_cache_without_config_gets_its_layers_on_the_coded_path():
     assert stats.chunked == 2 and stats.coded == 11 * 2 and stats.fallbacks == {}
     assert cache.codec_layer_indices == [0, 1] and torch.equal(out, base)
     check_resident(cache)
+
+
+def test_a_rejected_step_leaves_the_layer_as_it_was():
+    from kvspec import KVValueError
+
+    model = tiny()
+    ids = torch.randint(3, 128, (1, 20), generator=torch.Generator().manual_seed(4))
+    cache = FlashCodecCache.from_config(model.config, mode="png")
+    attn = model.model.layers[0].self_attn
+    apply_codec_attention(model, backend="torch")
+    try:
+        with torch.no_grad():
+            hidden = torch.full((1, 5, 64), float("nan"))
+            cos, sin = model.model.rotary_emb(hidden, torch.arange(5)[None])
+            with pytest.raises(KVValueError, match="NaN"):
+                attn(hidden_states=hidden, position_embeddings=(cos, sin), attention_mask=None, cache=cache)
+            layer = cache.layers[0]
+            assert not layer.is_initialized and layer.get_seq_length() == 0
+            model(ids, cache=cache)  # the cache still works
+    finally:
+        remove_codec_attention(model)
+    assert cache.get_seq_length() == 20
