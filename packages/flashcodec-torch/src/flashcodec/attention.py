@@ -326,7 +326,7 @@ def codec_prefill_attention(
         ``[B, Hq, s, Dv]`` in ``query.dtype``; fp32 arithmetic on keys and values rounded to the
         stream dtype, i.e. on exactly the values the materialized view would hold. A query that sees
         no key gets zeros. Peak temporaries: one decoded chunk of keys and values (``chunk_blocks *
-        r`` tokens) and at most ``2**20`` scores; the streams are only read, no view is built.
+        r`` tokens) and at most ``2**18`` scores; the streams are only read, no view is built.
     """
     _check_prefill(query, key_stream, value_stream, scale, chunk_blocks)
     b, hq, s, d = query.shape

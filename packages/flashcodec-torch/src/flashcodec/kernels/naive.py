@@ -280,7 +280,7 @@ def prefill_attention_naive(
     scale: float | None = None,
     mask: torch.Tensor | None = None,
     chunk_blocks: int = 64,
-    score_elements: int = 1 << 20,
+    score_elements: int = 1 << 18,
 ) -> torch.Tensor:
     """Attention of ``s`` new query tokens over coded keys/values, chunk by chunk (never the whole view).
 
