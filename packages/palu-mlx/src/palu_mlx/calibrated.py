@@ -81,33 +81,46 @@ class FixedQuantCoder:
         return -(-self.bits_per_row // 8)
 
     @cached_property
-    def _layout(self) -> tuple[mx.array, mx.array, mx.array, mx.array]:
-        """``(channel, bit)`` of each stream bit, the ``[bits, r]`` bits -> codes matrix, and the levels."""
-        channel = np.repeat(np.arange(self.rank), self.widths)
-        bit = np.concatenate([np.arange(w) for w in self.widths])
-        weights = np.zeros((self.bits_per_row, self.rank), dtype=np.float32)
-        weights[np.arange(self.bits_per_row), channel] = 2.0**bit
-        levels = mx.array([1 << w for w in self.widths], dtype=mx.float32)
-        return mx.array(channel.astype(np.int32)), mx.array(bit.astype(np.uint32)), mx.array(weights), levels
+    def _layout(self) -> tuple[mx.array, mx.array, mx.array, mx.array, mx.array, mx.array]:
+        """Per channel: first byte, bit shift inside it, mask, levels; and the byte one-hots.
+
+        A code of at most 8 bits starting at stream bit ``o`` lies in bytes ``o // 8`` and
+        ``o // 8 + 1``, so encoding adds its low and high parts into those two bytes and
+        decoding reads those two bytes: work per channel, never per bit.
+        """
+        start = np.concatenate([[0], np.cumsum(self.widths)[:-1]])
+        first = start // 8
+        onehot_lo = np.zeros((self.rank, self.bytes_per_row + 1), dtype=np.float32)
+        onehot_lo[np.arange(self.rank), first] = 1.0
+        onehot_hi = np.zeros_like(onehot_lo)
+        onehot_hi[np.arange(self.rank), first + 1] = 1.0
+        return (
+            mx.array(first.astype(np.int32)),
+            mx.array((start % 8).astype(np.uint32)),
+            mx.array([(1 << w) - 1 for w in self.widths], dtype=mx.uint32),
+            mx.array([1 << w for w in self.widths], dtype=mx.float32),
+            mx.array(onehot_lo),
+            mx.array(onehot_hi),
+        )
 
     def encode(self, latents: mx.array) -> mx.array:
         """Latents ``[B, H, S, r]`` -> packed codes ``[B, H, S, bytes_per_row]`` uint8."""
-        channel, bit, _, levels = self._layout
+        _, shift, _, levels, onehot_lo, onehot_hi = self._layout
         q = mx.floor(latents.astype(mx.float32) / self.steps[None, :, None, :] + levels / 2)
-        q = mx.clip(q, 0, levels - 1).astype(mx.uint32)
-        bits = (mx.take(q, channel, axis=-1) >> bit) & 1
-        pad = 8 * self.bytes_per_row - self.bits_per_row
-        if pad:
-            bits = mx.concatenate([bits, mx.zeros((*bits.shape[:-1], pad), dtype=bits.dtype)], axis=-1)
-        bits = bits.reshape(*bits.shape[:-1], self.bytes_per_row, 8)
-        return mx.sum(bits << mx.arange(8, dtype=mx.uint32), axis=-1).astype(mx.uint8)
+        q = mx.clip(q, 0, levels - 1).astype(mx.uint32) << shift
+        # the fields of one byte are disjoint, so their float32 sum (< 256) is their bitwise OR
+        lo = (q & 0xFF).astype(mx.float32) @ onehot_lo
+        hi = (q >> 8).astype(mx.float32) @ onehot_hi
+        return (lo + hi)[..., : self.bytes_per_row].astype(mx.uint8)
 
     def decode(self, packed: mx.array) -> mx.array:
         """Packed codes ``[B, H, S, bytes_per_row]`` -> latents ``[B, H, S, r]`` float32."""
-        bits = (packed[..., None].astype(mx.uint32) >> mx.arange(8, dtype=mx.uint32)) & 1
-        bits = bits.reshape(*packed.shape[:-1], 8 * self.bytes_per_row)[..., : self.bits_per_row]
-        _, _, weights, levels = self._layout
-        codes = bits.astype(mx.float32) @ weights
+        first, shift, mask, levels, _, _ = self._layout
+        b = mx.concatenate([packed, mx.zeros((*packed.shape[:-1], 1), dtype=mx.uint8)], axis=-1).astype(
+            mx.uint32
+        )
+        pair = mx.take(b, first, axis=-1) | (mx.take(b, first + 1, axis=-1) << 8)
+        codes = ((pair >> shift) & mask).astype(mx.float32)
         return (codes + 0.5 - levels / 2) * self.steps[None, :, None, :]
 
 
