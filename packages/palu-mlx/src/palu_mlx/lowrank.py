@@ -158,8 +158,11 @@ def reconstruct(latents: mx.array, projection: GroupProjection, dtype: mx.Dtype)
     b, h, s, r = latents.shape
     g = projection.n_groups
     per_group = h // g
-    latents = latents.astype(mx.float32).reshape(b, g, per_group, s, r)
-    basis_t = projection.basis.astype(mx.float32).transpose(0, 2, 1)
-    mean = projection.mean.astype(mx.float32)
-    full = latents @ basis_t[None, :, None, :, :] + mean[None, :, None, None, :]
+    # one batched [G, rows, r] @ [G, r, D] product: about twice as fast on CPU as broadcasting
+    # the basis over a 5-D latent array (the transposes are free when B = 1)
+    rows = latents.astype(mx.float32).reshape(b, g, per_group * s, r).transpose(1, 0, 2, 3)
+    rows = rows.reshape(g, b * per_group * s, r)
+    basis_t = mx.contiguous(projection.basis.astype(mx.float32).transpose(0, 2, 1))
+    full = rows @ basis_t + projection.mean.astype(mx.float32)[:, None, :]
+    full = full.reshape(g, b, per_group * s, projection.dim).transpose(1, 0, 2, 3)
     return full.reshape(b, h, s, projection.dim).astype(dtype)
