@@ -108,6 +108,14 @@ def _flat_rows(segment: torch.Tensor, start: int, stop: int) -> torch.Tensor:
     return flat.reshape(b, h, (stop - start) * rows, flat.shape[-1])
 
 
+def _packed_halves(segment: torch.Tensor, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed int4 blocks ``start..stop-1`` as fp32 codes ``(even, odd)``, each ``[B, H, nb * R_i, D / 2]``
+    (elements ``0, 2, 4, ...`` and ``1, 3, 5, ...`` of every row)."""
+    b, h, _, rows, w = segment.shape
+    flat = segment[:, :, start:stop].reshape(b, h, (stop - start) * rows, w)
+    return (flat & 15).float().sub_(8), (flat >> 4).float().sub_(8)
+
+
 def _row_dots(q: torch.Tensor, rows: CodedRows, start: int, stop: int) -> torch.Tensor:
     """``q [B, Hkv, G, D]`` against the stored rows of blocks ``start..stop-1`` -> ``[B, Hkv, G, nb, R]``.
 
@@ -116,10 +124,16 @@ def _row_dots(q: torch.Tensor, rows: CodedRows, start: int, stop: int) -> torch.
     """
     b, h, g, _ = q.shape
     nb = stop - start
-    dots = [
-        (q @ _flat_rows(seg, start, stop).transpose(-1, -2)).reshape(b, h, g, nb, seg.shape[3])
-        for seg in rows.segments
-    ]
+    dots = []
+    for seg in rows.segments:
+        if seg.dtype == torch.uint8:
+            # packed int4: q . row = q_even . row_even + q_odd . row_odd, two half-width matmuls on
+            # the nibbles (no interleaved unpacked copy of the rows)
+            even, odd = _packed_halves(seg, start, stop)
+            dot = q[..., 0::2] @ even.transpose(-1, -2) + q[..., 1::2] @ odd.transpose(-1, -2)
+        else:
+            dot = q @ _flat_rows(seg, start, stop).transpose(-1, -2)
+        dots.append(dot.reshape(b, h, g, nb, seg.shape[3]))
     out = dots[0] if len(dots) == 1 else torch.cat(dots, dim=-1)
     if rows.scales is not None:
         out = out * rows.scales[:, :, None, start:stop]
@@ -135,7 +149,11 @@ def _weighted_rows(weights: torch.Tensor, rows: CodedRows, start: int, stop: int
     for seg in rows.segments:
         count = seg.shape[3]
         part = weights[..., offset : offset + count].reshape(b, h, g, nb * count)
-        term = part @ _flat_rows(seg, start, stop)
+        if seg.dtype == torch.uint8:  # packed int4: even and odd elements from the two nibbles
+            even, odd = _packed_halves(seg, start, stop)
+            term = torch.stack([part @ even, part @ odd], dim=-1).flatten(-2)
+        else:
+            term = part @ _flat_rows(seg, start, stop)
         out = term if out is None else out + term
         offset += count
     assert out is not None
