@@ -124,6 +124,7 @@ def test_calibrated_caches_generate_save_and_load(calibration_file, tmp_path):
         model, KVCacheConfig(head_dim=HEAD_DIM, palu_calibration=path, palu_bits=8)
     )
     assert all(isinstance(c, CalibratedKVCache) and c.rotary is not None for c in caches)
+    assert not hasattr(caches[0], "bits")  # mlx-lm would send it to its quantized attention
     prompt = list(range(3, 40))
     tokens = greedy(model, prompt, 8, caches)
     assert greedy(model, prompt, 8, [KVCache() for _ in model.layers]) == tokens  # 8 bits: near exact

@@ -96,6 +96,7 @@ def test_rejects_a_rotary_of_another_type():
 def test_for_model_gives_every_layer_its_rotary(tiny_model):
     caches = KVCacheBuilder.for_model(tiny_model, KVCacheConfig(head_dim=HEAD_DIM))
     assert all(isinstance(c.rotary, Rotary) for c in caches)
+    assert not hasattr(caches[0], "bits")  # mlx-lm would send it to its quantized attention
     assert "pre-RoPE" in repr(caches[0])
     off = KVCacheBuilder.for_model(tiny_model, KVCacheConfig(head_dim=HEAD_DIM, palu_pre_rope=False))
     assert all(c.rotary is None for c in off)
