@@ -181,3 +181,18 @@ def test_config_checks_palu_calibration():
 
     with pytest.raises(KVConfigError, match="for_model"):
         PaluKVCache(KVCacheConfig(palu_calibration="x.safetensors"))
+
+
+def test_compare_adds_a_calibrated_candidate_per_bit_budget_tier(calibration_file):
+    pytest.importorskip("kvbench")
+    from palu_mlx.compare import build_candidates
+
+    path, _ = calibration_file
+    model = make_tiny_qwen3()
+    candidates = build_candidates(model, ["reference-default", "palu-2bit"], [], calibration=path)
+    assert [c.name for c in candidates] == ["baseline", "reference-default", "palu-2bit", "palu-2bit+cal"]
+    assert all(isinstance(c, CalibratedKVCache) for c in candidates[-1].make_cache())
+    from kvbench.results import CompareError
+
+    with pytest.raises(CompareError, match="--calibration: .*another model"):
+        build_candidates(make_tiny_qwen3(seed=4), ["palu-2bit"], [], calibration=path)

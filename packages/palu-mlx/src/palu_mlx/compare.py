@@ -182,9 +182,13 @@ def _default_caches(model: Any) -> list[Any]:
     return make_prompt_cache(model)
 
 
-def build_candidates(model: Any, tiers: Sequence[str], peers: Sequence[str]) -> list[Candidate]:
+def build_candidates(
+    model: Any, tiers: Sequence[str], peers: Sequence[str], calibration: str | None = None
+) -> list[Candidate]:
     """Baseline, then the chosen tiers, then the chosen peers, each checked against the model.
 
+    With ``calibration`` (a ``palu-mlx calibrate`` file for this model) every tier with a bit
+    budget (``palu_bits``) also runs calibrated, as ``<tier>+cal``, right after it.
     Raises CompareError (one line) when palu cannot serve the model.
     """
     from mlx_lm.models.cache import KVCache, QuantizedKVCache
@@ -217,6 +221,21 @@ def build_candidates(model: Any, tiers: Sequence[str], peers: Sequence[str]) -> 
                 dataclasses.asdict(config),
             )
         )
+        if calibration is not None and config.palu_bits is not None:
+            cal = dataclasses.replace(config, palu_calibration=calibration)
+            try:
+                KVCacheBuilder.for_model(model, cal)
+            except KVConfigError as err:
+                raise CompareError(f"--calibration: {err}") from None
+            out.append(
+                Candidate(
+                    f"{name}+cal",
+                    "tier",
+                    f"{TIERS[name].description}; calibrated ({calibration}): fixed projections and quantizers",
+                    lambda cal=cal: KVCacheBuilder.for_model(model, cal),
+                    dataclasses.asdict(cal),
+                )
+            )
     group = 64 if head_dim % 64 == 0 else 32
     for name in peers:
         bits = PEER_BITS[name]
@@ -257,10 +276,20 @@ class PaluHarness:
     def peers(self) -> Mapping[str, str]:
         return {name: f"mlx-lm QuantizedKVCache, {bits}-bit" for name, bits in PEER_BITS.items()}
 
+    def __init__(self) -> None:
+        self._calibration: str | None = None
+
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
-        pass
+        parser.add_argument(
+            "--calibration",
+            default=None,
+            metavar="FILE",
+            help="a `palu-mlx calibrate` file for --model: every tier with a bit budget also runs "
+            "calibrated, as <tier>+cal",
+        )
 
     def load(self, args: argparse.Namespace) -> Loaded:
+        self._calibration = args.calibration
         model, tokenizer, info = load_model(args.model, args.dtype)
         return Loaded(
             runner=MLXRunner(model, tokenizer),
@@ -272,7 +301,7 @@ class PaluHarness:
         )
 
     def candidates(self, loaded: Loaded, tiers: Sequence[str], peers: Sequence[str]):
-        return build_candidates(loaded.handle, tiers, peers), []
+        return build_candidates(loaded.handle, tiers, peers, self._calibration), []
 
 
 def main(argv: Sequence[str] | None = None) -> int:
