@@ -8,9 +8,11 @@ For each model (the embedded one, and ``--baseline`` when given) on the committe
 
 * perplexity over non-overlapping 256-token windows (the protocol of the first training record,
   so the two models are compared on exactly the same targets);
-* perplexity over non-overlapping 2,048-token windows, per bucket of target position
-  (0-256, 256-512, 512-1,024, 1,024-2,048): a model that uses its context predicts later
-  positions better, so the buckets fall.
+* perplexity over 2,048-token windows, per bucket of target position (0-256, 256-512,
+  512-1,024, 1,024-2,048): a model that uses its context predicts later positions better, so the
+  buckets fall. The windows are laid at 8 offsets (0, 256, ..., 1,792 tokens), so every target
+  lands in every bucket once and the buckets score the same text: they differ only in how much
+  context precedes each target.
 
 Writes ``benchmarks/results/tiny_model_eval.json``. float32, CPU, deterministic.
 """
@@ -32,6 +34,32 @@ from train import DEFAULT_OUT, encode_documents, heldout_nll, heldout_nll_by_pos
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 
+#: the offsets between the window layouts: the narrowest position bucket
+BUCKET = 256
+
+
+def by_position_all_offsets(model, tokens, seq_len: int, step: int) -> dict:
+    """Per-position-bucket loss over windows laid at offsets 0, step, 2 step, ... < seq_len."""
+    runs = [heldout_nll_by_position(model, tokens[offset:], seq_len) for offset in range(0, seq_len, step)]
+    windows = sum(r["windows"] for r in runs)
+    buckets = []
+    for i, bucket in enumerate(runs[0]["buckets"]):
+        loss = sum(r["buckets"][i]["loss_nats"] * r["windows"] for r in runs) / windows
+        buckets.append(
+            {
+                "positions": bucket["positions"],
+                "loss_nats": round(loss, 4),
+                "perplexity": round(math.exp(loss), 3),
+            }
+        )
+    return {
+        "windows": windows,
+        "seq_len": seq_len,
+        "offsets": list(range(0, seq_len, step)),
+        "buckets": buckets,
+    }
+
+
 def evaluate(path: Path, threads: int) -> dict:
     """Held-out figures of the model in ``path`` (an HF checkpoint directory)."""
     from tokenizers import Tokenizer
@@ -42,7 +70,7 @@ def evaluate(path: Path, threads: int) -> dict:
     tokens = encode_documents(tok, load_corpus("heldout").rstrip("\n").split(DOC_SEPARATOR))
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     nll_256, targets_256 = heldout_nll(model, tokens, 256)
-    by_position = heldout_nll_by_position(model, tokens, 2048)
+    by_position = by_position_all_offsets(model, tokens, 2048, BUCKET)
     return {
         "path": str(path),
         "weights_sha256": weights_digest(path),

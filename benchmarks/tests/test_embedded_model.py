@@ -61,8 +61,9 @@ def test_training_record_beats_unigram_widely(training_record, model_path):
 
 
 def test_the_model_uses_its_context(model_path):
-    """Held-out perplexity falls with the position in a 2,048-token window, and the model beats the
-    earlier 256-token model on the same targets (``benchmarks/model/evaluate.py``'s results)."""
+    """Held-out perplexity falls with the position in a 2,048-token window (the same targets in every
+    bucket; a plateau within 0.5% counts as not rising), ends clearly below where it starts, and the
+    model beats the earlier 256-token model on the same targets (``benchmarks/model/evaluate.py``)."""
     from kvbench.results import weights_digest
 
     evaluation = json.loads((model_path.parents[1] / "results" / "tiny_model_eval.json").read_text())
@@ -75,7 +76,10 @@ def test_the_model_uses_its_context(model_path):
         [512, 1024],
         [1024, 2048],
     ]
-    assert buckets == sorted(buckets, reverse=True) and buckets[-1] < buckets[0]
+    assert all(later <= earlier * 1.005 for earlier, later in zip(buckets, buckets[1:])), buckets
+    assert buckets[-1] < 0.97 * buckets[0], buckets
+    earlier_model = [b["perplexity"] for b in before["by_position_2048_windows"]["buckets"]]
+    assert all(o < e for o, e in zip(buckets, earlier_model, strict=True))
     assert ours["perplexity_256_windows"] < before["perplexity_256_windows"]
     assert ours["targets_256_windows"] == before["targets_256_windows"]
 
