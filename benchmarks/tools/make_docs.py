@@ -364,14 +364,14 @@ def _mean(xs: list[float]) -> str:
 def render_model_block(training: dict[str, Any], evaluation: dict[str, Any], stats: dict[str, Any]) -> str:
     """The measured part of docs/embedded-model.md: training run, context use, K/V statistics."""
     args, tokens = training["args"], training["tokens"]
-    seen = training["tokens_seen"]
+    seen = training["steps_done"] * args["batch"] * args["seq_len"]
     lines = [
         MODEL_START,
         "",
         f"**Training run** (`benchmarks/results/tiny_model_training.json`, {training['date'][:10]}): "
         f"`{training['command']}`; {training['steps_done']} of {training['steps_planned']} steps "
-        f"(resumed at step {training.get('resumed_at_step', 0)}), batch {args['batch']} x {args['seq_len']} tokens, "
-        f"{seen:,} tokens in this run, {training['train_seconds'] / 3600:.2f} h of training on "
+        f"(the last invocation resumed at step {training.get('resumed_at_step', 0)}), batch {args['batch']} x "
+        f"{args['seq_len']} tokens, {seen:,} tokens, {training['train_seconds'] / 3600:.2f} h of training on "
         f"{training['machine']['cpu_count']} CPU cores shared with other work. Training tokens per stream: "
         + ", ".join(f"{name} {n:,}" for name, n in tokens["train"].items())
         + ".",
@@ -393,9 +393,10 @@ def render_model_block(training: dict[str, Any], evaluation: dict[str, Any], sta
         f"the add-one unigram model: {held['unigram_add_one_perplexity']:.1f}.",
         "",
         "**Does it use its context?** (`benchmarks/results/tiny_model_eval.json`, written by "
-        "`benchmarks/model/evaluate.py`): held-out perplexity per position of the target in non-overlapping "
-        "2,048-token windows, and over the 256-token windows of the first model's record (same targets), "
-        "for this model and the earlier one trained at 256 tokens:",
+        "`benchmarks/model/evaluate.py`): held-out perplexity per position of the target in 2,048-token "
+        "windows laid at 8 offsets (every target lands in every bucket once), and over the 256-token "
+        "windows of the first model's record (same targets), for this model and the earlier one trained "
+        "at 256 tokens:",
         "",
         "| model | 0-256 | 256-512 | 512-1,024 | 1,024-2,048 | 256-token windows |",
         "|---|---:|---:|---:|---:|---:|",
