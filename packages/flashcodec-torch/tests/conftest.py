@@ -34,3 +34,18 @@ def walk():
 CODECS = {name: t.codec for name, t in TIERS.items() if not t.materialization_free}
 CODECS["png-keep0.5"] = PNGCodec(8, keep_ratio=0.5)
 CODECS["jpeg-mixed-84"] = MixedJPEGCodec(8, freq_bits=(8, 8, 4, 4, 4, 4, 4, 0))
+
+
+@pytest.fixture(scope="session")
+def embedded_model():
+    """The embedded tiny qwen3 (float32, eval) and its tokenizer, loaded once; skipped without kvbench."""
+    from kvbench.models import embedded_model_path
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        path = embedded_model_path()
+    except FileNotFoundError as err:
+        pytest.skip(str(err))
+    return AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32
+    ).eval(), AutoTokenizer.from_pretrained(path)

@@ -27,8 +27,6 @@ from flashcodec.peak_memory import PeakMemory
 from flashcodec.tiers import TIERS  # noqa: E402
 from kvspec import KVConfigError  # noqa: E402
 from transformers import (  # noqa: E402
-    AutoModelForCausalLM,
-    AutoTokenizer,
     DynamicCache,
     LlamaConfig,
     LlamaForCausalLM,
@@ -48,16 +46,9 @@ PROMPT = (
 
 
 @pytest.fixture(scope="module")
-def embedded():
-    from kvbench.models import embedded_model_path
-
-    try:
-        path = embedded_model_path()
-    except FileNotFoundError as err:
-        pytest.skip(str(err))
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    ids = AutoTokenizer.from_pretrained(path)(PROMPT, return_tensors="pt").input_ids
-    return model, ids
+def embedded(embedded_model):
+    model, tokenizer = embedded_model
+    return model, tokenizer(PROMPT, return_tensors="pt").input_ids
 
 
 def tiny(kind="qwen3", seed=0, kv_heads=2):

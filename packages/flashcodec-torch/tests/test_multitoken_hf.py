@@ -25,7 +25,7 @@ from flashcodec.hf import (  # noqa: E402
     remove_flash_codec,
 )
 from flashcodec.stream import SPARE_BLOCKS  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
+from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 
 PROMPT = (
     "The os module provides a portable way of using operating system dependent functionality. "
@@ -130,16 +130,9 @@ def test_chunked_prefill_equals_one_prefill_on_the_lossless_tier():
 
 
 @pytest.fixture(scope="module")
-def embedded():
-    from kvbench.models import embedded_model_path
-
-    try:
-        path = embedded_model_path()
-    except FileNotFoundError as err:
-        pytest.skip(str(err))
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    ids = AutoTokenizer.from_pretrained(path)(PROMPT, return_tensors="pt").input_ids
-    return model, ids
+def embedded(embedded_model):
+    model, tokenizer = embedded_model
+    return model, tokenizer(PROMPT, return_tensors="pt").input_ids
 
 
 def test_embedded_png_beam_search_equals_the_unpatched_model(embedded):
