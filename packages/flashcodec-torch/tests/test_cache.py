@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import CODECS, gaussian, random_walk
 from flashcodec import CodecKVCache
-from kvspec import KVCacheLayer, KVConfigError, KVDtypeError, KVShapeError, KVTrimError, KVValueError
+from kvspec import KVCacheLayer, KVConfigError, KVDataError, KVDtypeError, KVShapeError, KVTrimError, KVValueError
 
 
 def test_meets_the_kvspec_protocol():
@@ -127,11 +127,11 @@ def test_from_state_rejects_bad_meta_and_arrays():
     a.forward(x, x)
     with pytest.raises(KVConfigError, match="meta_state"):
         CodecKVCache.from_state(a.state, ("mode=jpeg",))
-    with pytest.raises(KVShapeError, match="state must hold"):
+    with pytest.raises(KVDataError, match="state must hold"):
         CodecKVCache.from_state(a.state[:2], a.meta_state)
     bad = list(a.state)
     bad[0] = bad[0][:, :, :, :1]  # wrong K
-    with pytest.raises(KVShapeError, match="coeffs"):
+    with pytest.raises(KVDataError, match="coeffs"):
         CodecKVCache.from_state(bad, a.meta_state)
 
 

@@ -13,12 +13,12 @@ backend and the conformance adapter wrap the same object.
 from __future__ import annotations
 
 import ast
-import numbers
 from collections.abc import Sequence
 
 import torch
 from kvspec import (
     KVConfigError,
+    KVDataError,
     KVDtypeError,
     KVShapeError,
     KVTrimError,
@@ -29,15 +29,20 @@ from kvspec import (
 
 from .codecs import KEYWORD_DEFAULTS as _KW
 from .codecs import BlockCodec, make_codec, resolve_codec
+from .state_check import check_state
 from .storage import CodecStorage
 from .stream import CodecStream
+from .validate import all_finite, batch_index, check_bool, check_int
 
 __all__ = ["CodecKVCache", "SUPPORTED_DTYPES"]
 
 #: input dtypes a cache accepts
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _DTYPE_BY_NAME = {str(dt).split(".")[-1]: dt for dt in SUPPORTED_DTYPES}
-_META_VERSION = "flashcodec-cache-1"
+#: meta_state format: version 2 records the offset, which from_state checks against the arrays
+_META_VERSION = "flashcodec-cache-2"
+#: the earlier format (no offset), still read
+_META_VERSIONS = ("flashcodec-cache-1", _META_VERSION)
 
 
 class CodecKVCache:
@@ -91,16 +96,8 @@ class CodecKVCache:
             quant_bits=quant_bits,
             delta_dtype=delta_dtype,
         )
-        if not isinstance(check_finite, bool):
-            raise KVConfigError(f"check_finite must be a bool; got {check_finite!r}")
-        if (
-            isinstance(initial_blocks, bool)
-            or not isinstance(initial_blocks, numbers.Integral)
-            or initial_blocks < 1
-        ):
-            raise KVConfigError(f"initial_blocks must be an integer >= 1; got {initial_blocks!r}")
-        self.check_finite = check_finite
-        self.initial_blocks = int(initial_blocks)
+        self.check_finite = check_bool("check_finite", check_finite)
+        self.initial_blocks = check_int("initial_blocks", initial_blocks, low=1)
         self.keys: CodecStream | None = None
         self.values: CodecStream | None = None
 
@@ -108,8 +105,17 @@ class CodecKVCache:
         return f"CodecKVCache({self.codec!r}, offset={self.offset})"
 
     # ------------------------------------------------------------------ validation
-    def _check_input(self, keys: object, values: object, *, fresh: bool) -> None:
-        """Raise the kvspec error for a bad (keys, values) pair; never mutates."""
+    def check_input(
+        self, keys: object, values: object, *, fresh: bool | None = None, allow_empty: bool = False
+    ) -> None:
+        """Raise the kvspec error :meth:`append` would raise for ``(keys, values)``; never mutates.
+
+        ``fresh``: check as for an empty cache (``forward``); default: as the next append would.
+        ``allow_empty``: accept ``S = 0`` (both), checking everything else (the transformers layer
+        passes empty steps through).
+        """
+        if fresh is None:
+            fresh = self.keys is None
         for name, t in (("keys", keys), ("values", values)):
             if not isinstance(t, torch.Tensor):
                 raise KVDtypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
@@ -117,7 +123,10 @@ class CodecKVCache:
         expected = None
         if not fresh and self.keys is not None and self.values is not None:
             expected = (self.keys.batch, self.keys.heads, self.keys.dim, self.values.dim)
-        check_kv_pair(tuple(keys.shape), tuple(values.shape), keys.dtype, values.dtype, expected)
+        k_shape, v_shape = tuple(keys.shape), tuple(values.shape)
+        if allow_empty and len(k_shape) == len(v_shape) == 4 and k_shape[2] == v_shape[2] == 0:
+            k_shape, v_shape = (*k_shape[:2], 1, k_shape[3]), (*v_shape[:2], 1, v_shape[3])
+        check_kv_pair(k_shape, v_shape, keys.dtype, values.dtype, expected)
         if keys.dtype not in SUPPORTED_DTYPES:
             allowed = ", ".join(_DTYPE_BY_NAME)
             raise KVDtypeError(f"keys/values dtype must be one of {allowed}; got {keys.dtype}")
@@ -138,7 +147,7 @@ class CodecKVCache:
                 )
         if self.check_finite:
             for name, t in (("keys", keys), ("values", values)):
-                if not _all_finite(t):
+                if not all_finite(t):
                     raise KVValueError(
                         f"{name} contain NaN or infinity (pass check_finite=False to skip this check)"
                     )
@@ -160,12 +169,28 @@ class CodecKVCache:
 
         For consumers that attend on the stored rows (:func:`flashcodec.attention.codec_decode_attention`).
         """
-        self._check_input(keys, values, fresh=self.keys is None)
-        if self.keys is None:
-            self._start(keys, values)
-        assert self.keys is not None and self.values is not None
-        self.keys.append(keys.detach())
-        self.values.append(values.detach())
+        self.check_input(keys, values)
+        if self.keys is None or self.values is None:
+            streams = self._new_streams(keys, values)
+        else:
+            streams = (self.keys, self.values)
+        self._append_to(streams, keys, values)
+
+    def _append_to(
+        self, streams: tuple[CodecStream, CodecStream], keys: torch.Tensor, values: torch.Tensor
+    ) -> None:
+        """Encode and allocate for both streams first, then commit both: an error (a coefficient
+        overflowing its storage dtype, out of memory) leaves the cache as it was, never one stream
+        a block ahead of the other."""
+        plans = []
+        for name, stream, x in (("keys", streams[0], keys), ("values", streams[1], values)):
+            plan = stream.prepare_append(x.detach())
+            if self.check_finite:
+                _check_stored(name, self.codec, plan.parts, x.dtype)
+            plans.append(plan)
+        self.keys, self.values = streams
+        for stream, plan in zip(streams, plans, strict=True):
+            stream.commit_append(plan)
 
     def forward(self, k_seq: torch.Tensor, v_seq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Full-sequence fill: start over (as after :meth:`reset`) and store ``k_seq`` / ``v_seq``.
@@ -173,9 +198,9 @@ class CodecKVCache:
         Complete blocks are archived directly, so attention over the returned view sees block-level
         reconstructions of the prompt (exact on the lossless tiers). Shapes as :meth:`update_and_fetch`.
         """
-        self._check_input(k_seq, v_seq, fresh=True)
-        self.reset()
-        return self.update_and_fetch(k_seq, v_seq)
+        self.check_input(k_seq, v_seq, fresh=True)
+        self._append_to(self._new_streams(k_seq, v_seq), k_seq, v_seq)  # replaces the streams on success
+        return self.read()
 
     def decode_step(self, new_k: torch.Tensor, new_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Incremental decode: append ``new_k [B, H, s, D]`` / ``new_v [B, H, s, Dv]`` (usually ``s = 1``).
@@ -184,11 +209,14 @@ class CodecKVCache:
         """
         return self.update_and_fetch(new_k, new_v)
 
-    def _start(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def _new_streams(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[CodecStream, CodecStream]:
+        """Empty key and value streams for the shapes of ``keys`` / ``values`` (not installed yet)."""
         b, h, _, d = keys.shape
         common = dict(dtype=keys.dtype, device=keys.device, initial_blocks=self.initial_blocks)
-        self.keys = CodecStream(self.codec, b, h, d, **common)
-        self.values = CodecStream(self.codec, b, h, values.shape[-1], **common)
+        return (
+            CodecStream(self.codec, b, h, d, **common),
+            CodecStream(self.codec, b, h, values.shape[-1], **common),
+        )
 
     # ------------------------------------------------------------------ reads
     def read(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -228,15 +256,15 @@ class CodecKVCache:
         for bit. A cut inside an archived block turns that block's kept tokens (reconstructed) back
         into raw tail tokens; blocks before it are never touched.
         """
-        if isinstance(max_length, bool) or not isinstance(max_length, numbers.Integral):
-            raise KVTrimError(f"max_length must be an integer; got {max_length!r}")
-        n = int(max_length)
+        n = check_int("max_length", max_length, error=KVTrimError)
         if n < 0:
             n = max(0, self.offset + n)
         if n >= self.offset:
             return
-        for stream in self._streams():
-            stream.crop(n)
+        streams = self._streams()
+        heads = [stream.prepare_crop(n) for stream in streams]  # may decode (allocate): before any change
+        for stream, head in zip(streams, heads, strict=True):
+            stream.commit_crop(n, head)
 
     def is_trimmable(self) -> bool:
         """Always True: :meth:`trim` / :meth:`crop` are supported."""
@@ -249,26 +277,23 @@ class CodecKVCache:
             self.crop(self.offset - dropped)
         return dropped
 
-    def reorder(self, beam_idx: torch.Tensor | Sequence[int]) -> None:
+    def reorder(
+        self, beam_idx: torch.Tensor | Sequence[int], *, name: str = "beam_idx", allow_mask: bool = False
+    ) -> None:
         """Gather every buffer (archive, tail, view) along the batch axis, e.g. for beam search.
 
-        ``beam_idx``: 1-D integer indices into the current batch (any length; the batch becomes it).
+        ``beam_idx``: 1-D integer indices into the current batch (any length >= 1; the batch becomes
+        it), negative ones counted from the end as in tensor indexing; with ``allow_mask``, also a
+        boolean mask over the batch. ``name`` is the argument the caller's error message names.
+        An empty cache accepts any indices and stays empty (its batch is not fixed yet).
         """
-        if self.keys is None:
+        if self.keys is None or self.values is None:
             return
-        idx = torch.as_tensor(beam_idx)
-        if idx.dim() != 1 or idx.dtype in (torch.bool,) or idx.is_floating_point() or idx.is_complex():
-            raise KVShapeError(
-                f"beam_idx must be a 1-D integer tensor; got shape {tuple(idx.shape)}, {idx.dtype}"
-            )
-        batch = self.keys.batch
-        if idx.numel() == 0 or int(idx.min()) < 0 or int(idx.max()) >= batch:
-            raise KVShapeError(
-                f"beam_idx values must lie in 0..{batch - 1} and be non-empty; got {idx.tolist()}"
-            )
-        idx = idx.to(device=self.keys.device, dtype=torch.long)
-        for stream in self._streams():
-            stream.reorder(idx)
+        idx = batch_index(name, beam_idx, self.keys.batch, allow_mask=allow_mask, device=self.keys.device)
+        streams = self._streams()
+        plans = [stream.prepare_reorder(idx) for stream in streams]  # allocates: before any change
+        for stream, plan in zip(streams, plans, strict=True):
+            stream.commit_reorder(plan)
 
     # ------------------------------------------------------------------ bytes
     def storage_bytes(self) -> CodecStorage:
@@ -303,6 +328,7 @@ class CodecKVCache:
         """``(*key_parts, key_tail, *value_parts, value_tail)``: the used archive slices and raw tails.
 
         Part order and shapes follow ``codec.part_specs`` (see :mod:`flashcodec.stream`). Empty cache: ``()``.
+        Copies: writing into them never changes the cache.
         """
         if self.keys is None or self.values is None:
             return ()
@@ -310,62 +336,91 @@ class CodecKVCache:
 
     @property
     def meta_state(self) -> tuple[str, ...]:
-        """Plain ``key=value`` strings: format version, codec config, check_finite, initial_blocks."""
+        """Plain ``key=value`` strings: format version, codec config, check_finite, initial_blocks, offset.
+
+        :meth:`from_state` checks the arrays against all of it (the offset included), so a state
+        paired with another cache's meta_state is refused instead of rebuilt wrong.
+        """
         items = {"format": _META_VERSION, **self.codec.config()}
-        items.update(check_finite=self.check_finite, initial_blocks=self.initial_blocks)
+        items.update(check_finite=self.check_finite, initial_blocks=self.initial_blocks, offset=self.offset)
         return tuple(f"{k}={v}" for k, v in items.items())
 
     @classmethod
     def from_state(cls, state: Sequence[torch.Tensor], meta_state: Sequence[str]) -> CodecKVCache:
-        """Rebuild a cache from :attr:`state` and :attr:`meta_state` (the arrays are copied)."""
-        cache = cls(**_parse_meta(meta_state))
+        """Rebuild a cache from :attr:`state` and :attr:`meta_state` (the arrays are copied).
+
+        ``KVConfigError`` for a meta_state that does not parse or names a bad codec; ``KVDataError``
+        naming the array for a state that does not fit it (count, shapes, dtypes, devices, the
+        recorded offset, non-finite values, scales or codes no codec writes).
+        """
+        options, offset = _parse_meta(meta_state)
+        cache = cls(**options)
+        if isinstance(state, (str, bytes, torch.Tensor)) or not isinstance(state, Sequence):
+            raise KVDataError(
+                f"state must be a sequence of tensors (a cache's .state); got {type(state).__name__}"
+            )
         arrays = tuple(state)
+        check_state(
+            cache.codec,
+            arrays,
+            supported_dtypes=SUPPORTED_DTYPES,
+            offset=offset,
+            check_finite=cache.check_finite,
+        )
         if not arrays:
             return cache
         n_parts = len(cache.codec.part_specs(1)) + 1
-        if len(arrays) != 2 * n_parts:
-            raise KVShapeError(
-                f"state must hold {2 * n_parts} tensors for {cache.codec!r}; got {len(arrays)}"
-            )
-        for t in arrays:
-            if not isinstance(t, torch.Tensor):
-                raise KVDtypeError(f"state entries must be torch tensors; got {type(t).__name__}")
         k_arrays, v_arrays = arrays[:n_parts], arrays[n_parts:]
-        _check_stream_state(cache.codec, k_arrays, "keys")
-        _check_stream_state(cache.codec, v_arrays, "values")
-        k_tail, v_tail = k_arrays[-1], v_arrays[-1]
-        if k_tail.shape[:3] != v_tail.shape[:3] or k_arrays[0].shape[2] != v_arrays[0].shape[2]:
-            raise KVShapeError("keys and values state disagree on B, H or length")
-        if k_tail.dtype != v_tail.dtype or k_tail.device != v_tail.device:
-            raise KVDtypeError("keys and values state disagree on dtype or device")
         cache.keys = CodecStream.from_state(cache.codec, k_arrays, initial_blocks=cache.initial_blocks)
         cache.values = CodecStream.from_state(cache.codec, v_arrays, initial_blocks=cache.initial_blocks)
         return cache
 
 
-def _all_finite(t: torch.Tensor) -> bool:
-    """Whether ``t`` holds no NaN / inf. ``aminmax`` propagates NaN and exposes +-inf in one pass;
-    on the CPU it is ~8x faster than ``isfinite(t).all()`` (which materializes a bool tensor)."""
-    lo, hi = torch.aminmax(t)
-    return bool(torch.isfinite(lo) & torch.isfinite(hi))
+def _check_stored(name: str, codec: BlockCodec, parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> None:
+    """``KVValueError`` when a part about to be stored holds inf / NaN although the input was finite:
+    the storage dtype cannot hold the value (jpeg in fp16: a constant block of ``c`` has the DC
+    coefficient ``c * sqrt(r)``, which overflows fp16 for ``|c|`` above ~23,170 at ``r = 8``)."""
+    for part in parts:
+        if not all_finite(part):
+            raise KVValueError(
+                f"{name}: the {codec.mode} codec's stored {part.dtype} values overflow (a coefficient exceeds "
+                f"the largest {part.dtype} value) for this {dtype} input; nothing was stored. Inputs must stay "
+                "well inside the dtype's range (jpeg: |x| * sqrt(block_size) <= the largest value), or use "
+                "bf16 / fp32 input, quant_bits=8 (fp32 scales) or png"
+            )
 
 
-def _parse_meta(meta_state: Sequence[str]) -> dict:
-    """:attr:`CodecKVCache.meta_state` -> the constructor's ``codec``, ``check_finite`` and ``initial_blocks``."""
+def _parse_meta(meta_state: Sequence[str]) -> tuple[dict, int | None]:
+    """:attr:`CodecKVCache.meta_state` -> (the constructor's ``codec``, ``check_finite`` and
+    ``initial_blocks``; the recorded offset, None in the format without one)."""
+    if isinstance(meta_state, (str, bytes)) or not isinstance(meta_state, Sequence):
+        raise KVConfigError(f"meta_state must be a sequence of 'key=value' strings; got {meta_state!r:.200}")
     try:
-        items = dict(s.split("=", 1) for s in meta_state)
+        pairs = [s.split("=", 1) for s in meta_state]
+        items = dict(pairs)
     except (TypeError, ValueError, AttributeError) as err:
-        raise KVConfigError(f"meta_state must be 'key=value' strings; got {meta_state!r}") from err
-    if items.pop("format", None) != _META_VERSION:
-        raise KVConfigError(f"meta_state format must be {_META_VERSION!r}; got {meta_state!r}")
+        raise KVConfigError(f"meta_state must be 'key=value' strings; got {meta_state!r:.200}") from err
+    if len(items) != len(pairs):
+        raise KVConfigError(f"meta_state names a key twice; got {meta_state!r:.200}")
+    version = items.pop("format", None)
+    if version not in _META_VERSIONS:
+        raise KVConfigError(f"meta_state format must be one of {_META_VERSIONS}; got {version!r}")
     try:
-        check_finite = items.pop("check_finite") == "True"
-        initial_blocks = int(items.pop("initial_blocks"))
+        flags = {"True": True, "False": False}
+        if items.get("check_finite") not in flags:
+            raise KVConfigError(f"check_finite must be True or False; got {items.get('check_finite')!r}")
+        check_finite = flags[items.pop("check_finite")]
+        initial_blocks = check_int("initial_blocks", _literal(items.pop("initial_blocks")), low=1)
+        offset = None
+        if version == _META_VERSION:
+            offset = check_int("offset", _literal(items.pop("offset")), low=0)
         mode = items.pop("mode")
         codec = make_codec(mode, **{k: _literal(v) for k, v in items.items()})
-    except (KeyError, ValueError) as err:  # KVConfigError is a ValueError
-        raise KVConfigError(f"meta_state is missing or has a bad entry ({err}); got {meta_state!r}") from err
-    return {"codec": codec, "check_finite": check_finite, "initial_blocks": initial_blocks}
+    except KeyError as err:
+        raise KVConfigError(f"meta_state is missing the entry {err}; got {meta_state!r:.200}") from err
+    except KVConfigError as err:
+        raise KVConfigError(f"meta_state has a bad entry: {err}") from err
+    return {"codec": codec, "check_finite": check_finite, "initial_blocks": initial_blocks}, offset
 
 
 def _literal(text: str) -> object:
@@ -375,23 +430,3 @@ def _literal(text: str) -> object:
         return ast.literal_eval(text)
     except (ValueError, SyntaxError):
         return text
-
-
-def _check_stream_state(codec: BlockCodec, arrays: tuple[torch.Tensor, ...], name: str) -> None:
-    *parts, tail = arrays
-    if tail.dim() != 4 or tail.shape[2] >= codec.block_size:
-        raise KVShapeError(
-            f"{name} tail must be [B, H, t, D] with t < block_size={codec.block_size}; got {tuple(tail.shape)}"
-        )
-    if tail.dtype not in SUPPORTED_DTYPES:
-        raise KVDtypeError(f"{name} tail dtype must be one of {list(_DTYPE_BY_NAME)}; got {tail.dtype}")
-    b, h, _, d = tail.shape
-    n = parts[0].shape[2] if parts[0].dim() >= 3 else -1
-    for spec, part in zip(codec.part_specs(d), parts, strict=True):
-        want_shape = (b, h, n, *spec.shape)
-        want_dtype = spec.dtype or tail.dtype
-        if tuple(part.shape) != want_shape or part.dtype != want_dtype or part.device != tail.device:
-            raise KVShapeError(
-                f"{name} part {spec.name!r} must be {want_shape} {want_dtype} on {tail.device}; "
-                f"got {tuple(part.shape)} {part.dtype} on {part.device}"
-            )

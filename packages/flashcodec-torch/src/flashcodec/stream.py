@@ -42,12 +42,14 @@ The stream trusts its inputs: :class:`flashcodec.CodecKVCache` validates every c
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .codecs.base import BlockCodec
 from .storage import CodecStorage
 
-__all__ = ["CodecStream", "SPARE_BLOCKS"]
+__all__ = ["AppendPlan", "CodecStream", "ReorderPlan", "SPARE_BLOCKS"]
 
 #: most archive blocks reserved beyond those in use (at most one attention chunk,
 #: :data:`flashcodec.attention.CHUNK_BLOCKS`): growth doubles while the archive is small, then by
@@ -55,6 +57,34 @@ __all__ = ["CodecStream", "SPARE_BLOCKS"]
 #: ``SPARE_BLOCKS * r`` tokens (128 at r = 8); in exchange the reserve stays as small as the raw
 #: window transformers' quantized caches keep (their ``residual_length``, 128)
 SPARE_BLOCKS = 16
+
+
+@dataclass(frozen=True)
+class AppendPlan:
+    """What :meth:`CodecStream.prepare_append` computed: the input (canonical), how many of its tokens
+    complete blocks, their encoded parts, and the grown archive (None when the old one has room)."""
+
+    x: torch.Tensor
+    taken: int
+    parts: tuple[torch.Tensor, ...]
+    archive: tuple[torch.Tensor, ...] | None
+
+
+@dataclass(frozen=True)
+class ReorderPlan:
+    """The buffers :meth:`CodecStream.prepare_reorder` gathered (view None: rebuilt on the next read)."""
+
+    archive: tuple[torch.Tensor, ...]
+    tail: torch.Tensor
+    view: torch.Tensor | None
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """``t``'s in-place write counter; None for inference-mode tensors, which keep none."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
 
 
 class CodecStream:
@@ -92,6 +122,7 @@ class CodecStream:
         self._tail = torch.zeros(batch, heads, codec.block_size, dim, dtype=dtype, device=self.device)
         self.tail_len = 0
         self._view: torch.Tensor | None = None
+        self._view_version: int | None = None  # the view's version counter after this stream's last write
         self.view_blocks = 0
 
     # ------------------------------------------------------------------ read-only description
@@ -139,32 +170,49 @@ class CodecStream:
         return self._tail[:, :, : self.tail_len]
 
     # ------------------------------------------------------------------ writes
+    # Every edit is two steps, so a cache can change its key and value streams together: ``prepare_*``
+    # computes and allocates everything (it may raise, e.g. out of memory) without changing the
+    # stream; ``commit_*`` only assigns and copies into buffers that already exist.
     @torch.no_grad()
-    def append(self, x: torch.Tensor) -> None:
-        """Append ``x [B, H, s, D]`` (validated by the caller): complete blocks are archived in one encode."""
+    def prepare_append(self, x: torch.Tensor) -> AppendPlan:
+        """Encode the blocks ``x [B, H, s, D]`` completes and allocate any archive growth; changes nothing."""
         x = self.codec.canonical(x)  # png: -0.0 -> +0.0, so the raw tail equals what the archive returns
         r, t, s = self.codec.block_size, self.tail_len, x.shape[2]
         n_new = (t + s) // r
         if n_new == 0:
-            self._tail[:, :, t : t + s].copy_(x)
-            self.tail_len = t + s
-            return
+            return AppendPlan(x=x, taken=0, parts=(), archive=None)
         taken = n_new * r - t  # tokens of x that complete blocks
         seq = torch.cat([self._tail[:, :, :t], x[:, :, :taken]], dim=2) if t else x[:, :, :taken]
         parts = self.codec.encode(seq)
-        self._ensure_capacity(self.n_blocks + n_new)
-        start = self.n_blocks
-        for buf, part in zip(self._archive, parts, strict=True):
+        return AppendPlan(x=x, taken=taken, parts=parts, archive=self._grown_archive(self.n_blocks + n_new))
+
+    @torch.no_grad()
+    def commit_append(self, plan: AppendPlan) -> None:
+        """Apply :meth:`prepare_append`'s plan (made on this stream, unchanged since)."""
+        x, t = plan.x, self.tail_len
+        if not plan.parts:
+            self._tail[:, :, t : t + x.shape[2]].copy_(x)
+            self.tail_len = t + x.shape[2]
+            return
+        if plan.archive is not None:
+            self._archive = plan.archive
+        start, n_new = self.n_blocks, plan.parts[0].shape[2]
+        for buf, part in zip(self._archive, plan.parts, strict=True):
             buf[:, :, start : start + n_new].copy_(part)
         self.n_blocks = start + n_new
-        rest = s - taken
-        self._tail[:, :, :rest].copy_(x[:, :, taken:])
+        rest = x.shape[2] - plan.taken
+        self._tail[:, :, :rest].copy_(x[:, :, plan.taken :])
         self.tail_len = rest
 
-    def _ensure_capacity(self, blocks: int) -> None:
+    def append(self, x: torch.Tensor) -> None:
+        """Append ``x [B, H, s, D]`` (validated by the caller): complete blocks are archived in one encode."""
+        self.commit_append(self.prepare_append(x))
+
+    def _grown_archive(self, blocks: int) -> tuple[torch.Tensor, ...] | None:
+        """New archive buffers holding the used blocks, with room for ``blocks``; None when they fit."""
         cap = self.capacity
         if blocks <= cap:
-            return
+            return None
         new_cap = max(cap, self.initial_blocks)
         while new_cap < blocks:
             new_cap *= 2
@@ -182,18 +230,36 @@ class CodecStream:
             if self.n_blocks:
                 buf[:, :, : self.n_blocks].copy_(self._archive[i][:, :, : self.n_blocks])
             new.append(buf)
-        self._archive = tuple(new)
+        return tuple(new)
+
+    def _ensure_capacity(self, blocks: int) -> None:
+        grown = self._grown_archive(blocks)
+        if grown is not None:
+            self._archive = grown
 
     # ------------------------------------------------------------------ reads
+    def _view_is_trusted(self) -> bool:
+        """Whether the memoized view still holds what this stream wrote into it.
+
+        :meth:`read` hands out a view of the buffer; an in-place write through it (or any view of
+        it) bumps the tensor's version counter, and the stream then rebuilds the decoded part from
+        the archive instead of serving the caller's edit as cache content. Writes that bypass the
+        version counter (``.numpy()``, ``.data``) cannot be seen: clone before editing that way.
+        """
+        return self._view is not None and _version(self._view) == self._view_version
+
     @torch.no_grad()
     def read(self) -> torch.Tensor:
         """The reconstructed sequence ``[B, H, seq_len, D]`` in the input dtype.
 
         Decodes only the blocks archived since the previous read (one batched decode), then
-        copies the raw tail behind them. Returns a view into the memoized buffer: valid until
-        the next call that changes the stream (clone it to keep it).
+        copies the raw tail behind them. Returns a view into the memoized buffer, valid until the
+        next call that changes the stream (clone it to keep it). Writing into it never changes the
+        cache: the next read notices the write and decodes the archive again.
         """
         r, total = self.codec.block_size, self.seq_len
+        if self._view is not None and not self._view_is_trusted():
+            self.view_blocks = 0  # a caller wrote into a returned view: decode everything again
         self._ensure_view(total)
         assert self._view is not None
         a, b = self.view_blocks, self.n_blocks
@@ -203,6 +269,7 @@ class CodecStream:
             self.view_blocks = b
         if self.tail_len:
             self._view[:, :, b * r : total].copy_(self.tail())
+        self._view_version = _version(self._view)
         return self._view[:, :, :total]
 
     def _ensure_view(self, tokens: int) -> None:
@@ -225,6 +292,33 @@ class CodecStream:
 
     # ------------------------------------------------------------------ edits
     @torch.no_grad()
+    def prepare_crop(self, n: int) -> torch.Tensor | None:
+        """The reconstructed first ``n % r`` tokens of the block ``crop(n)`` cuts into (None when the
+        cut falls on a block boundary or inside the tail); changes nothing."""
+        r = self.codec.block_size
+        keep_blocks, rem = divmod(n, r)
+        if keep_blocks >= self.n_blocks or not rem:
+            return None
+        if self._view_is_trusted() and self.view_blocks > keep_blocks:
+            assert self._view is not None
+            return self._view[:, :, keep_blocks * r : keep_blocks * r + rem].clone()
+        block = tuple(buf[:, :, keep_blocks : keep_blocks + 1] for buf in self._archive)
+        return self.codec.decode(block, self.dtype)[:, :, :rem]
+
+    @torch.no_grad()
+    def commit_crop(self, n: int, head: torch.Tensor | None) -> None:
+        """Keep the first ``n`` tokens, ``head`` being :meth:`prepare_crop`'s result for the same ``n``."""
+        r = self.codec.block_size
+        keep_blocks, rem = divmod(n, r)
+        if keep_blocks >= self.n_blocks:
+            self.tail_len = n - self.n_blocks * r
+            return
+        if head is not None:
+            self._tail[:, :, :rem].copy_(head)
+        self.tail_len = rem
+        self.n_blocks = keep_blocks
+        self.view_blocks = min(self.view_blocks, keep_blocks)
+
     def crop(self, n: int) -> None:
         """Keep the first ``n`` tokens (``0 <= n <= seq_len``, validated by the caller).
 
@@ -232,30 +326,29 @@ class CodecStream:
         (taken from the memoized view when it has them, so the result equals the previous read's
         prefix bit for bit) back to the raw tail and forgets the block. Blocks before it are untouched.
         """
-        r = self.codec.block_size
-        keep_blocks, rem = divmod(n, r)
-        if keep_blocks >= self.n_blocks:
-            self.tail_len = n - self.n_blocks * r
-            return
-        if rem:
-            if self._view is not None and self.view_blocks > keep_blocks:
-                head = self._view[:, :, keep_blocks * r : keep_blocks * r + rem]
-            else:
-                block = tuple(buf[:, :, keep_blocks : keep_blocks + 1] for buf in self._archive)
-                head = self.codec.decode(block, self.dtype)[:, :, :rem]
-            self._tail[:, :, :rem].copy_(head)
-        self.tail_len = rem
-        self.n_blocks = keep_blocks
-        self.view_blocks = min(self.view_blocks, keep_blocks)
+        self.commit_crop(n, self.prepare_crop(n))
 
     @torch.no_grad()
+    def prepare_reorder(self, index: torch.Tensor) -> ReorderPlan:
+        """Every buffer gathered along the batch axis by ``index`` (int64 ``[B_new]`` on ``device``)."""
+        view = self._view.index_select(0, index) if self._view_is_trusted() else None
+        return ReorderPlan(
+            archive=tuple(buf.index_select(0, index) for buf in self._archive),
+            tail=self._tail.index_select(0, index),
+            view=view,
+        )
+
+    def commit_reorder(self, plan: ReorderPlan) -> None:
+        """Install :meth:`prepare_reorder`'s buffers."""
+        self._archive, self._tail = plan.archive, plan.tail
+        self._view = plan.view
+        self.view_blocks = self.view_blocks if plan.view is not None else 0
+        self._view_version = None if plan.view is None else _version(plan.view)
+        self.batch = plan.tail.shape[0]
+
     def reorder(self, index: torch.Tensor) -> None:
         """Gather every buffer along the batch axis (beam search); ``index`` int64 ``[B_new]`` on ``device``."""
-        self._archive = tuple(buf.index_select(0, index) for buf in self._archive)
-        self._tail = self._tail.index_select(0, index)
-        if self._view is not None:
-            self._view = self._view.index_select(0, index)
-        self.batch = index.shape[0]
+        self.commit_reorder(self.prepare_reorder(index))
 
     # ------------------------------------------------------------------ bytes and serialization
     def storage_bytes(self) -> CodecStorage:
@@ -270,8 +363,11 @@ class CodecStream:
         )
 
     def state(self) -> tuple[torch.Tensor, ...]:
-        """``(*archived_parts(), tail())``: exactly the bytes of :meth:`storage_bytes` ``.held``."""
-        return (*self.archived_parts(), self.tail())
+        """``(*archived_parts(), tail())`` as copies: exactly the bytes of :meth:`storage_bytes` ``.held``.
+
+        Copies, so that writing into them never changes the stream (a serialization path, not a hot one).
+        """
+        return tuple(t.clone() for t in (*self.archived_parts(), self.tail()))
 
     @classmethod
     def from_state(

@@ -28,7 +28,7 @@ from typing import ClassVar
 import torch
 from kvspec import KVConfigError, KVShapeError
 
-__all__ = ["PartSpec", "BlockCodec", "check_block_size", "to_blocks", "from_blocks"]
+__all__ = ["PartSpec", "BlockCodec", "check_block_size", "to_blocks", "from_blocks", "to_output"]
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,20 @@ def from_blocks(blocks: torch.Tensor) -> torch.Tensor:
     """``[..., n, r, D]`` -> ``[..., n * r, D]``."""
     *lead, n, r, d = blocks.shape
     return blocks.reshape(*lead, n * r, d)
+
+
+def to_output(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` (codec arithmetic, fp32 / fp64) cast to the output ``dtype``, saturating at its largest
+    finite values: a lossy reconstruction can overshoot the input's range (truncation ringing, a
+    rounded int8 / int4 coefficient), and an fp16 output must then read 65504, never inf."""
+    if (
+        dtype.is_floating_point
+        and x.is_floating_point()
+        and torch.finfo(dtype).max < torch.finfo(x.dtype).max
+    ):
+        info = torch.finfo(dtype)
+        x = x.clamp(info.min, info.max)
+    return x.to(dtype)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

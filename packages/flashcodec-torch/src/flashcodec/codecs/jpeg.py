@@ -25,7 +25,8 @@ from typing import ClassVar
 import torch
 from kvspec import KVConfigError, KVShapeError
 
-from .base import BlockCodec, PartSpec, check_block_size, compute_dtype, from_blocks, to_blocks
+from ..validate import check_int
+from .base import BlockCodec, PartSpec, check_block_size, compute_dtype, from_blocks, to_blocks, to_output
 from .quant import dequantize_int4, dequantize_int8, packed_width, quantize_int4, quantize_int8
 
 __all__ = ["JPEGCodec", "dct_matrix"]
@@ -49,10 +50,13 @@ def dct_matrix(
 ) -> torch.Tensor:
     """The DCT-II analysis matrix ``M [K, r]`` (lowest ``K`` rows of the orthonormal ``r x r`` one).
 
-    Built in float64 and cast, so every dtype gets correctly rounded entries.
+    Built in float64 and cast, so every dtype gets correctly rounded entries. ``keep_freqs``: ``K``
+    in ``1..block_size`` (None: ``block_size``); ``dtype``: a floating dtype.
     """
     r = check_block_size(block_size)
-    k = r if keep_freqs is None else keep_freqs
+    k = r if keep_freqs is None else check_int("keep_freqs", keep_freqs, low=1, high=r)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise KVConfigError(f"dtype must be a floating torch.dtype; got {dtype!r}")
     return _dct_matrix_f64(r, k).to(dtype=dtype, device=device)
 
 
@@ -184,4 +188,4 @@ class JPEGCodec(BlockCodec):
         cdt = compute_dtype(dtype)
         coeffs = self.stored_rows(parts, cdt)
         blocks = torch.matmul(self.synthesis_matrix(cdt, coeffs.device), coeffs)
-        return from_blocks(blocks).to(dtype)
+        return to_output(from_blocks(blocks), dtype)

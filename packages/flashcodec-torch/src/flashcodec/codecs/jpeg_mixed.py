@@ -24,7 +24,7 @@ from typing import ClassVar
 import torch
 from kvspec import KVConfigError, KVShapeError
 
-from .base import BlockCodec, PartSpec, check_block_size, compute_dtype, from_blocks, to_blocks
+from .base import BlockCodec, PartSpec, check_block_size, compute_dtype, from_blocks, to_blocks, to_output
 from .jpeg import JPEGCodec
 from .quant import QMAX, QMAX4, pack_int4, packed_width, unpack_int4
 
@@ -168,7 +168,7 @@ class MixedJPEGCodec(BlockCodec):
         cdt = compute_dtype(dtype)
         coeffs = self.stored_rows(parts, cdt)
         blocks = torch.matmul(self.synthesis_matrix(cdt, coeffs.device), coeffs)
-        return from_blocks(blocks).to(dtype)
+        return to_output(from_blocks(blocks), dtype)
 
     # ------------------------------------------------------------------ bit allocation
     @classmethod

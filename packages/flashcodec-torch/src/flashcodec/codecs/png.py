@@ -44,7 +44,7 @@ from typing import ClassVar
 import torch
 from kvspec import KVConfigError
 
-from .base import BlockCodec, PartSpec, check_block_size, from_blocks, to_blocks
+from .base import BlockCodec, PartSpec, check_block_size, from_blocks, to_blocks, to_output
 
 __all__ = ["PNGCodec", "delta_variance_ratio", "DELTA_DTYPES"]
 
@@ -166,7 +166,7 @@ class PNGCodec(BlockCodec):
     def decode(self, parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
         """Parts for ``n`` blocks -> ``[..., n*r, D]`` in ``dtype``: ``cumsum`` in the delta dtype, then cast."""
         rows = self.stored_rows(parts, self.delta_dtype)
-        return from_blocks(torch.cumsum(rows, dim=-2)).to(dtype)
+        return to_output(from_blocks(torch.cumsum(rows, dim=-2)), dtype)
 
 
 def delta_variance_ratio(x: torch.Tensor) -> float:

@@ -16,12 +16,13 @@ import warnings
 from typing import Any
 
 import torch
-from kvspec import KVConfigError, KVTrimError
+from kvspec import KVConfigError, KVShapeError, KVTrimError
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, LinearAttentionCacheLayerMixin
 
 from ..codecs import KEYWORD_DEFAULTS as _KW
 from ..codecs import BlockCodec, keyword_values, resolve_codec
 from ..storage import CodecStorage
+from ..validate import batch_index, check_int
 from .layer import FlashCodecLayer
 from .options import check_per_layer, layer_options
 
@@ -167,14 +168,28 @@ class FlashCodecCache(Cache):
         """Store ``key_states [B, H, s, D]`` / ``value_states [B, H, s, Dv]`` of layer ``layer_idx``.
 
         Returns that layer's full ``keys [B, H, S, D]`` and ``values [B, H, S, Dv]`` in the input
-        dtype. Without a config, codec layers up to ``layer_idx`` are created here.
+        dtype. Without a config, codec layers up to ``layer_idx`` are created here, and dropped
+        again when the update raises: a rejected call leaves the cache as it was.
+        ``layer_idx``: an integer >= 0 (below the layer count when built from a config); a negative
+        index is refused instead of counting from the end, which would store a layer's states in another.
         """
+        self._check_layer_idx(layer_idx)
+        before = len(self.layers)
         self.ensure_layers(layer_idx)
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        try:
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        except BaseException:
+            del self.layers[before:]  # only layers this call created, still empty
+            raise
+
+    def _check_layer_idx(self, layer_idx: object) -> int:
+        high = None if self.layer_types is None else len(self.layers) - 1
+        return check_int("layer_idx", layer_idx, low=0, high=high)
 
     def ensure_layers(self, layer_idx: int) -> None:
         """Without a config, create the codec layers up to ``layer_idx`` (as :meth:`update` does);
         with one, every layer exists already and nothing changes."""
+        layer_idx = self._check_layer_idx(layer_idx)
         if self.layer_types is None:
             while len(self.layers) <= layer_idx:
                 self.layers.append(FlashCodecLayer(**self._options_for(len(self.layers))))
@@ -208,7 +223,7 @@ class FlashCodecCache(Cache):
             return total
         if isinstance(layer_idx, bool) or not isinstance(layer_idx, numbers.Integral):
             raise KVConfigError(f"layer_idx must be an integer or None; got {layer_idx!r}")
-        if layer_idx not in self.codec_layer_indices:
+        if layer_idx < 0 or layer_idx not in self.codec_layer_indices:
             raise KVConfigError(
                 f"layer_idx={layer_idx} is not a codec layer; codec layers: {self.codec_layer_indices}"
             )
@@ -234,9 +249,7 @@ class FlashCodecCache(Cache):
         the first ``tokens_to_remove`` tokens. Checked before any layer changes: a native layer
         that cannot roll back (past recording off) raises ``KVTrimError`` and nothing is cropped.
         """
-        if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, numbers.Integral):
-            raise KVTrimError(f"crop takes an integer token count; got {tokens_to_remove!r}")
-        n = int(tokens_to_remove)
+        n = check_int("tokens_to_remove", tokens_to_remove, error=KVTrimError)
         if n > 0:  # absolute length -> a count to remove, so native layers get the form they accept
             n = -max(0, self.get_seq_length() - n)
         for i in self.native_layer_indices:
@@ -252,3 +265,29 @@ class FlashCodecCache(Cache):
                 )
         for layer in self.layers:
             layer.crop(n)
+
+    # ------------------------------------------------------------------ batch edits
+    # Checked once against the batch before any layer changes, so a bad argument never leaves some
+    # layers reordered and others not; negative indices are resolved here, because transformers'
+    # own layers take them in batch_select_indices (tensor indexing) but not in reorder_cache
+    # (index_select).
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Gather the batch rows ``beam_idx`` of every layer (beam search); see :meth:`FlashCodecLayer.reorder_cache`."""
+        super().reorder_cache(self._batch_index(beam_idx, "beam_idx", allow_mask=False))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep the batch rows ``indices`` in every layer: integers (negative from the end) or a boolean mask."""
+        super().batch_select_indices(self._batch_index(indices, "indices", allow_mask=True))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat each batch row ``repeats`` times (an integer >= 1) in every layer."""
+        super().batch_repeat_interleave(check_int("repeats", repeats, low=1, error=KVShapeError))
+
+    def _batch_index(self, indices: object, name: str, *, allow_mask: bool) -> object:
+        """``indices`` checked and resolved against the batch of the first filled codec layer
+        (as given when none is filled: there is no batch to check against yet)."""
+        for i in self.codec_layer_indices:
+            stream = self.layers[i].codec_cache.keys
+            if stream is not None and self.layers[i].get_seq_length():
+                return batch_index(name, indices, stream.batch, allow_mask=allow_mask, device=stream.device)
+        return indices

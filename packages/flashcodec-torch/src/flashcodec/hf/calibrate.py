@@ -25,6 +25,7 @@ come from a cache afterwards (``cache.storage_bytes()``).
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import json
 import math
@@ -35,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from kvspec import KVConfigError
+from kvspec import KVConfigError, KVDataError
 
 from ..codecs import BlockCodec, PNGCodec, make_codec
 from ..tiers import TIERS
@@ -44,6 +45,8 @@ from .cache import FlashCodecCache
 __all__ = ["Calibration", "calibrate", "default_candidates"]
 
 _FORMAT = "flashcodec-calibration-1"
+#: the file written by :meth:`Calibration.save`: the data plus a sha256 of it, checked by :meth:`Calibration.load`
+_FILE_FORMAT = "flashcodec-calibration-file-1"
 
 
 def default_candidates() -> dict[str, BlockCodec]:
@@ -121,17 +124,45 @@ class Calibration:
                 measured_kl=float(data["measured_kl"]),
                 tokens=int(data["tokens"]),
             )
-        except (KeyError, TypeError, ValueError) as err:  # KVConfigError is a ValueError
+        except (KeyError, TypeError, ValueError, AttributeError) as err:  # KVConfigError is a ValueError
             raise KVConfigError(f"calibration data is missing or has a bad entry: {err}") from err
 
     def save(self, path: str | Path) -> None:
-        """Write :meth:`to_dict` as JSON to ``path``."""
-        Path(path).write_text(json.dumps(self.to_dict(), indent=1, allow_nan=True) + "\n")
+        """Write :meth:`to_dict` as JSON to ``path``, with a sha256 of the data that :meth:`load` checks."""
+        data = self.to_dict()
+        doc = {"format": _FILE_FORMAT, "sha256": _digest(data), "calibration": data}
+        Path(path).write_text(json.dumps(doc, indent=1, allow_nan=True) + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> Calibration:
-        """Read a file written by :meth:`save`."""
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        """Read a file written by :meth:`save` (or a bare :meth:`to_dict` JSON, the earlier format).
+
+        ``KVDataError`` naming the file when it cannot be read, is not JSON, fails its checksum
+        (edited or damaged since it was saved) or does not hold a calibration.
+        """
+        try:
+            doc = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError) as err:  # JSONDecodeError is a ValueError
+            raise KVDataError(f"calibration file {str(path)!r} cannot be read as JSON: {err}") from err
+        if isinstance(doc, dict) and doc.get("format") == _FILE_FORMAT:
+            data = doc.get("calibration")
+            if not isinstance(data, dict) or doc.get("sha256") != _digest(data):
+                raise KVDataError(
+                    f"calibration file {str(path)!r} fails its sha256 check: it was changed or damaged "
+                    "after Calibration.save wrote it"
+                )
+        else:
+            data = doc  # the earlier format: to_dict() itself, no checksum
+        try:
+            return cls.from_dict(data)
+        except KVConfigError as err:
+            raise KVDataError(f"calibration file {str(path)!r}: {err}") from err
+
+
+def _digest(data: Mapping[str, Any]) -> str:
+    """sha256 of ``data`` as canonical JSON (sorted keys), so the digest does not depend on layout."""
+    text = json.dumps(data, sort_keys=True, allow_nan=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 # --------------------------------------------------------------------------- measuring

@@ -94,8 +94,15 @@ def _is_supported(module: torch.nn.Module) -> bool:
     return callable(rope)
 
 
+def _check_module(model: object, what: str) -> None:
+    """``KVConfigError`` unless ``model`` is a ``torch.nn.Module`` (the wrappers live in its modules)."""
+    if not isinstance(model, torch.nn.Module):
+        raise KVConfigError(f"{what}: model must be a torch.nn.Module; got {type(model).__name__}")
+
+
 def codec_attention_modules(model: torch.nn.Module) -> list[str]:
     """Names of the modules of ``model`` that currently carry the codec-attention wrapper."""
+    _check_module(model, "codec_attention_modules")
     return [name for name, m in model.named_modules() if hasattr(vars(m).get("forward"), _WRAPPER_ATTR)]
 
 
@@ -280,10 +287,9 @@ def apply_codec_attention(model: torch.nn.Module, *, backend: str = "auto") -> C
     when no module is supported (nothing is wrapped then). Decode steps only take the new path with
     a :class:`~flashcodec.hf.FlashCodecCache` (explicit, or from ``apply_flash_codec``).
     """
-    if backend not in BACKENDS:
+    _check_module(model, "apply_codec_attention")
+    if not isinstance(backend, str) or backend not in BACKENDS:
         raise KVConfigError(f"backend must be one of {BACKENDS}; got {backend!r}")
-    if not isinstance(model, torch.nn.Module):
-        raise KVConfigError(f"model must be a torch.nn.Module; got {type(model).__name__}")
     remove_codec_attention(model)
     stats = CodecAttentionStats()
     wrapped = 0
@@ -327,6 +333,7 @@ def remove_codec_attention(model: torch.nn.Module) -> int:
 
     Returns the number of modules restored (0 when the model was not wrapped).
     """
+    _check_module(model, "remove_codec_attention")
     restored = 0
     for module in model.modules():
         current = vars(module).get("forward")

@@ -8,7 +8,6 @@ so the write and the read meet at ``update`` and the model itself is not touched
 
 from __future__ import annotations
 
-import numbers
 from typing import Any
 
 import torch
@@ -17,6 +16,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from ..cache import CodecKVCache
 from ..storage import CodecStorage
+from ..validate import check_int
 
 __all__ = ["FlashCodecLayer"]
 
@@ -66,13 +66,20 @@ class FlashCodecLayer(CacheLayerMixin):
         """Append ``key_states [B, H, s, D]`` / ``value_states [B, H, s, Dv]``; return the full views.
 
         Complete blocks are encoded once and archived; reads decode only blocks not decoded before.
-        A rejected input (kvspec error) leaves the layer as it was.
+        A rejected input (kvspec error) leaves the layer as it was, a fresh layer uninitialized.
         """
+        if isinstance(key_states, torch.Tensor) and key_states.dim() == 4 and key_states.shape[-2] == 0:
+            # nothing to store; still checked, so a fresh layer never records a bad dtype or shape
+            self.codec_cache.check_input(
+                key_states, value_states, fresh=self.codec_cache.keys is None, allow_empty=True
+            )
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            return self.keys, self.values
+        keys, values = self.codec_cache.update_and_fetch(key_states, value_states)  # validates first
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if key_states.shape[-2] == 0:
-            return self.keys, self.values
-        self.keys, self.values = self.codec_cache.update_and_fetch(key_states, value_states)
+        self.keys, self.values = keys, values
         return self.keys, self.values
 
     def _refresh(self) -> None:
@@ -118,38 +125,33 @@ class FlashCodecLayer(CacheLayerMixin):
         A positive value is the older absolute form: keep the first ``tokens_to_remove`` tokens.
         Exact: the kept prefix reads back bit for bit as before.
         """
-        if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, numbers.Integral):
-            raise KVTrimError(f"crop takes an integer token count; got {tokens_to_remove!r}")
-        n = int(tokens_to_remove)
+        n = check_int("tokens_to_remove", tokens_to_remove, error=KVTrimError)
         if n == 0:
             return
         self.codec_cache.crop(n if n > 0 else max(0, self.codec_cache.offset + n))
         self._refresh()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Gather the batch rows ``beam_idx`` (1-D int64 ``[B_new]``) of every buffer, for beam search."""
-        if self.codec_cache.offset:
-            self.codec_cache.reorder(beam_idx)
-            self._refresh()
+        """Gather the batch rows ``beam_idx`` (1-D integers ``[B_new]``, negative ones counted from
+        the end) of every buffer, for beam search."""
+        self._gather(beam_idx, "beam_idx", allow_mask=False)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        """Repeat each batch row ``repeats`` times, in place (``[B, ...]`` -> ``[B * repeats, ...]``)."""
-        if self.codec_cache.offset:
+        """Repeat each batch row ``repeats`` times (an integer >= 1), in place (``[B, ...]`` -> ``[B * repeats, ...]``)."""
+        repeats = check_int("repeats", repeats, low=1, error=KVShapeError)
+        if self.codec_cache.offset and repeats != 1:
             batch = self.codec_cache.keys.batch
-            self.reorder_cache(torch.arange(batch).repeat_interleave(int(repeats)))
+            self._gather(torch.arange(batch).repeat_interleave(repeats), "repeats", allow_mask=False)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        """Keep only the batch rows ``indices`` (integer indices or a boolean mask over ``B``)."""
-        if not self.codec_cache.offset:
-            return
-        idx = torch.as_tensor(indices)
-        if idx.dtype == torch.bool:
-            if idx.dim() != 1 or idx.numel() != self.codec_cache.keys.batch:
-                raise KVShapeError(
-                    f"a boolean indices mask must have shape [{self.codec_cache.keys.batch}]; got {tuple(idx.shape)}"
-                )
-            idx = idx.nonzero().flatten()
-        self.reorder_cache(idx)
+        """Keep only the batch rows ``indices``: integer indices (negative ones counted from the
+        end, as ``DynamicCache`` indexes) or a boolean mask over ``B``."""
+        self._gather(indices, "indices", allow_mask=True)
+
+    def _gather(self, indices: object, name: str, *, allow_mask: bool) -> None:
+        if self.codec_cache.offset:
+            self.codec_cache.reorder(indices, name=name, allow_mask=allow_mask)  # validates first
+            self._refresh()
 
     # Offloading would move views of the memoized reconstruction, not the archive: unsupported.
     def offload(self) -> None:

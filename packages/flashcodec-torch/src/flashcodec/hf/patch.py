@@ -88,8 +88,19 @@ class FlashCodecPatch:
             self._undo.pop()()
 
 
+def _check_model(model: object, what: str, *, needs_generate: bool = False) -> None:
+    """``KVConfigError`` unless ``model`` is an object with an instance ``__dict__`` (where the
+    patch lives) and, for ``needs_generate``, a callable ``generate``: a transformers model, or a
+    stand-in for one. Checked up front so a wrong object never fails inside ``vars()``."""
+    if not hasattr(model, "__dict__") or needs_generate and not callable(getattr(model, "generate", None)):
+        raise KVConfigError(
+            f"{what}: model must be a transformers model with generate(); got {type(model).__name__}"
+        )
+
+
 def get_flash_codec_patch(model: torch.nn.Module) -> FlashCodecPatch | None:
     """The patch applied to ``model`` by :func:`apply_flash_codec`, or None."""
+    _check_model(model, "get_flash_codec_patch")
     return getattr(vars(model).get("generate"), _PATCH_ATTR, None)
 
 
@@ -163,9 +174,8 @@ def apply_flash_codec(
         options["codec"] = codec
     options.update(per_layer=per_layer, check_finite=check_finite, initial_blocks=initial_blocks)
     if not isinstance(materialization_free, bool):
-        raise KVConfigError(f"materialization_free must be a bool; got {materialization_free!r}")
-    if not callable(getattr(model, "generate", None)):
-        raise KVConfigError(f"model must be a transformers model with generate(); got {type(model).__name__}")
+        raise KVConfigError(f"materialization_free must be True or False; got {materialization_free!r}")
+    _check_model(model, "apply_flash_codec", needs_generate=True)
     config = getattr(model, "config", None)
     if getattr(config, "is_encoder_decoder", False):
         raise KVConfigError(
@@ -230,6 +240,7 @@ def remove_flash_codec(model: torch.nn.Module) -> bool:
 
     Returns True when a patch was removed, False when the model was not patched.
     """
+    _check_model(model, "remove_flash_codec")
     patch = get_flash_codec_patch(model)
     if patch is None:
         return False

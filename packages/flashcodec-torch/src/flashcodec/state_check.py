@@ -1,0 +1,125 @@
+"""Checks of a saved cache state against its metadata, before anything is rebuilt from it.
+
+:meth:`flashcodec.CodecKVCache.from_state` trusts nothing it is given: a state from another codec,
+a truncated or edited array, or a ``meta_state`` whose ``block_size`` was changed would otherwise
+rebuild a cache that returns other values, or fails deep inside a later call. Every array is checked
+against what the codec in ``meta_state`` stores (count, shape, dtype, device), the keys against the
+values, the token count against the ``offset`` recorded in ``meta_state``, and the contents against
+what the codec can have written (finite floats, non-negative scales, quantized codes in range).
+"""
+
+from __future__ import annotations
+
+import torch
+from kvspec import KVDataError
+
+from .codecs.base import BlockCodec
+from .codecs.quant import QMAX
+from .validate import all_finite
+
+__all__ = ["check_state"]
+
+
+def check_state(
+    codec: BlockCodec,
+    arrays: tuple[object, ...],
+    *,
+    supported_dtypes: tuple[torch.dtype, ...],
+    offset: int | None,
+    check_finite: bool,
+) -> None:
+    """Raise ``KVDataError`` naming the array and what is wrong unless ``arrays`` is a state of
+    ``codec`` holding ``offset`` tokens (``offset=None``: not recorded, any length)."""
+    n_parts = len(codec.part_specs(1)) + 1
+    if not arrays:
+        if offset:
+            raise KVDataError(f"state is empty but meta_state records offset={offset}")
+        return
+    if len(arrays) != 2 * n_parts:
+        raise KVDataError(
+            f"state must hold {2 * n_parts} tensors for {codec!r} ({n_parts} for the keys: "
+            f"{_names(codec)}, then the same for the values); got {len(arrays)}"
+        )
+    for i, t in enumerate(arrays):
+        if not isinstance(t, torch.Tensor):
+            raise KVDataError(f"state[{i}] must be a torch.Tensor; got {type(t).__name__}")
+    k_arrays, v_arrays = arrays[:n_parts], arrays[n_parts:]
+    _check_stream(codec, k_arrays, "keys", supported_dtypes, check_finite)  # type: ignore[arg-type]
+    _check_stream(codec, v_arrays, "values", supported_dtypes, check_finite)  # type: ignore[arg-type]
+    k_tail, v_tail = k_arrays[-1], v_arrays[-1]
+    assert isinstance(k_tail, torch.Tensor) and isinstance(v_tail, torch.Tensor)
+    k_blocks, v_blocks = k_arrays[0].shape[2], v_arrays[0].shape[2]  # type: ignore[union-attr]
+    if k_tail.shape[:3] != v_tail.shape[:3] or k_blocks != v_blocks:
+        raise KVDataError(
+            f"keys and values state must agree on B, H, blocks and tail length; got keys tail "
+            f"{tuple(k_tail.shape)} with {k_blocks} blocks, values tail {tuple(v_tail.shape)} with {v_blocks} blocks"
+        )
+    if k_tail.dtype != v_tail.dtype or k_tail.device != v_tail.device:
+        raise KVDataError(
+            f"keys and values state must share dtype and device; got {k_tail.dtype} on {k_tail.device} "
+            f"and {v_tail.dtype} on {v_tail.device}"
+        )
+    tokens = k_blocks * codec.block_size + k_tail.shape[2]
+    if offset is not None and tokens != offset:
+        raise KVDataError(
+            f"state holds {k_blocks} blocks of block_size={codec.block_size} + {k_tail.shape[2]} tail tokens "
+            f"= {tokens} tokens, but meta_state records offset={offset} (a meta_state of another cache, "
+            "or an edited block_size?)"
+        )
+
+
+def _names(codec: BlockCodec) -> str:
+    return ", ".join([*(spec.name for spec in codec.part_specs(1)), "tail"])
+
+
+def _check_stream(
+    codec: BlockCodec,
+    arrays: tuple[torch.Tensor, ...],
+    name: str,
+    supported_dtypes: tuple[torch.dtype, ...],
+    check_finite: bool,
+) -> None:
+    *parts, tail = arrays
+    r = codec.block_size
+    if tail.dim() != 4 or tail.shape[2] >= r or 0 in (tail.shape[0], tail.shape[1], tail.shape[3]):
+        raise KVDataError(
+            f"{name} tail must be [B, H, t, D] with B, H, D >= 1 and t < block_size={r}; got {tuple(tail.shape)}"
+        )
+    if tail.dtype not in supported_dtypes:
+        allowed = ", ".join(str(dt).removeprefix("torch.") for dt in supported_dtypes)
+        raise KVDataError(f"{name} tail dtype must be one of {allowed}; got {tail.dtype}")
+    b, h, _, d = tail.shape
+    try:
+        codec.check_dim(d)
+    except ValueError as err:
+        raise KVDataError(f"{name} tail: {err}") from err
+    n = parts[0].shape[2] if parts[0].dim() >= 3 else -1
+    for spec, part in zip(codec.part_specs(d), parts, strict=True):
+        want_shape = (b, h, n, *spec.shape)
+        want_dtype = spec.dtype or tail.dtype
+        if n < 0 or tuple(part.shape) != want_shape or part.dtype != want_dtype or part.device != tail.device:
+            raise KVDataError(
+                f"{name} part {spec.name!r} must be {want_shape} {want_dtype} on {tail.device} for {codec!r}; "
+                f"got {tuple(part.shape)} {part.dtype} on {part.device}"
+            )
+        _check_contents(f"{name} part {spec.name!r}", spec.name, part, check_finite)
+    if check_finite and not all_finite(tail):
+        raise KVDataError(f"{name} tail holds NaN or infinity (the cache was built with check_finite=True)")
+
+
+def _check_contents(where: str, part_name: str, part: torch.Tensor, check_finite: bool) -> None:
+    """What the codecs write: finite floats, scales >= 0, int8 codes in -127..127, int4 nibbles 1..15."""
+    if part.numel() == 0:
+        return
+    if part.is_floating_point():
+        if (check_finite or part_name == "scales") and not all_finite(part):
+            raise KVDataError(f"{where} holds NaN or infinity")
+        if part_name == "scales" and bool((part < 0).any()):
+            raise KVDataError(f"{where} holds a negative scale (scales are max |coefficient| / levels, >= 0)")
+    elif part.dtype == torch.int8:
+        if int(part.min()) < -QMAX:
+            raise KVDataError(f"{where} holds the int8 code -128; codes lie in -{QMAX}..{QMAX}")
+    elif part.dtype == torch.uint8:
+        # int4 codes q in -7..7 are stored as q + 8 (1..15); an odd D pads with 8, so 0 never occurs
+        if bool(((part & 15) == 0).any()) or bool(((part >> 4) == 0).any()):
+            raise KVDataError(f"{where} holds a 0 nibble; packed int4 codes are stored as 1..15")
