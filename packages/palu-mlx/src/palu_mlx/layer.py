@@ -13,10 +13,10 @@ import json
 from typing import Any
 
 import mlx.core as mx
-from kvspec import KVConfigError, KVDtypeError, KVValueError, StorageStats, check_kv_pair, trim_count
+from kvspec import KVDtypeError, KVValueError, StorageStats, check_kv_pair, trim_count
 from mlx_lm.models.cache import create_attention_mask
 
-__all__ = ["CacheLayer", "SUPPORTED_DTYPES", "dtype_name", "dtype_from_name", "write_rows"]
+__all__ = ["CacheLayer", "SUPPORTED_DTYPES", "dtype_name", "dtype_from_name", "write_rows", "detached"]
 
 SUPPORTED_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 
@@ -28,10 +28,17 @@ def dtype_name(dtype: mx.Dtype) -> str:
 
 def dtype_from_name(name: str) -> mx.Dtype:
     """Inverse of :func:`dtype_name` for the supported dtypes; raises ``KVDtypeError`` otherwise."""
-    dtype = getattr(mx, name, None)
+    dtype = getattr(mx, name, None) if isinstance(name, str) else None
     if dtype not in SUPPORTED_DTYPES:
         raise KVDtypeError(f"dtype {name!r} is not one of float16, bfloat16, float32")
     return dtype
+
+
+def detached(arr: mx.array) -> mx.array:
+    """A copy with its own memory, for ``state``: mx.array exposes its buffer to numpy
+    (``np.asarray(a)`` is a writable view), so handing out a slice of a cache buffer would let
+    a caller rewrite the cache. The copy costs one pass over the state's bytes."""
+    return mx.array(arr)
 
 
 def write_rows(buffer: mx.array | None, new: mx.array, prev: int, step: int) -> mx.array:
@@ -125,23 +132,45 @@ class CacheLayer:
 
     @staticmethod
     def _split_meta_state(meta_state: tuple[str, str] | list[str]) -> tuple[str, dict[str, Any]]:
-        """``(settings JSON, runtime JSON)`` -> ``(settings JSON, runtime dict)``."""
-        if len(meta_state) != 2:
-            raise KVConfigError(
-                f"meta_state must be (settings JSON, runtime JSON); got {len(meta_state)} items"
-            )
+        """``(settings JSON, runtime JSON)`` -> ``(settings JSON, runtime dict)``, both checked.
+
+        Raises ``KVDataError`` when meta_state is not two JSON-object strings.
+        """
+        from .state_checks import parse_meta_state  # state_checks imports this module
+
+        parse_meta_state(meta_state, "from_state")
         return meta_state[0], json.loads(meta_state[1])
 
     def _restore_runtime(self, runtime: dict[str, Any]) -> bool:
-        """Set shape and dtype from :meth:`_runtime`'s dict; False when the saved cache was empty.
+        """Set shape and dtype from :meth:`_runtime`'s dict (checked); False when the saved cache was empty.
 
         ``offset`` is left for the caller to set once its buffers are restored.
         """
-        if runtime["shape"] is None:
+        from .state_checks import read_runtime
+
+        _, shape, dtype = read_runtime(runtime, type(self).__name__, f"{type(self).__name__}.from_state")
+        if shape is None:
             return False
-        self._shape = tuple(runtime["shape"])
-        self._dtype = dtype_from_name(runtime["dtype"])
+        self._shape, self._dtype = shape, dtype
         return True
+
+    # ------------------------------------------------------------------ copy and pickle
+    # mlx-lm's server and BatchGenerator deep-copy prompt caches, and its distributed server
+    # pickles them. mx.array does both, mx.Dtype neither: the dtype travels by name. Copies share
+    # array memory with the original until either writes, and every write the cache makes is an
+    # mx operation that gives the written array new memory, so the two never see each other's
+    # updates (tests/test_reliability_copy.py checks this).
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        if state.get("_dtype") is not None:
+            state["_dtype"] = dtype_name(state["_dtype"])
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        if state.get("_dtype") is not None:
+            state["_dtype"] = dtype_from_name(state["_dtype"])
+        self.__dict__.update(state)
 
     # ------------------------------------------------------------------ measured storage
     @property

@@ -11,8 +11,10 @@ Storage of a segment of ``n`` channels at ``b`` bits, per token and head:
 
 * groups of ``group_size`` consecutive channels share one affine scale and
   bias (``x ≈ q * scale + bias``, ``q`` in ``[0, 2^b - 1]``), stored at 16 bits
-  (``scale_dtype``: float16, or bfloat16 for bfloat16 models; so latents must
-  stay below float16's 65504 in magnitude for float32 and float16 inputs). When ``n`` is not a multiple of
+  (``scale_dtype``: float16, or bfloat16 for bfloat16 models). A float16 scale or bias
+  cannot hold a magnitude above 65504, so :meth:`MixedBitCoder.encode` refuses latents
+  whose scales, biases or unquantized values would not fit (``KVValueError``) instead of
+  storing infinity. When ``n`` is not a multiple of
   ``group_size`` the last group is smaller: its min/max are taken over its own
   channels only (the padding replicates its last channel and is never stored).
 * codes are really packed: ``8 // b`` per ``uint8`` for b in {1, 2, 4, 8} and
@@ -28,13 +30,13 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import mlx.core as mx
 import numpy as np
-from kvspec import KVConfigError
+from kvspec import KVConfigError, KVDataError, KVDtypeError, KVShapeError, KVValueError
 
 from .config import UNQUANTIZED_BITS
 
@@ -49,7 +51,23 @@ __all__ = [
     "MixedBitCoder",
     "pack_codes",
     "unpack_codes",
+    "validate_segments",
+    "check_storable",
 ]
+
+_FLOAT_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
+#: largest finite float16; what a float16 scale, bias or stored latent can hold
+FLOAT16_MAX = 65504.0
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(
+        value, (bool, np.bool_)
+    )
 
 
 #: widths a coder segment can have: 1..8 bits packed (7 as 4 codes per uint32), 16 = unquantized.
@@ -65,6 +83,18 @@ class Segment:
     stop: int
     bits: int
 
+    def __post_init__(self) -> None:
+        # width 0 is allowed here (policies build empty segments and drop them); coders refuse it
+        if not all(_is_int(v) for v in (self.start, self.stop, self.bits)):
+            raise KVConfigError(
+                f"Segment{(self.start, self.stop, self.bits)!r}: start, stop and bits must be ints"
+            )
+        if self.start < 0 or self.stop < self.start or self.bits < 0:
+            raise KVConfigError(
+                f"Segment(start={self.start}, stop={self.stop}, bits={self.bits}): needs 0 <= start <= stop "
+                "and bits >= 0"
+            )
+
     @property
     def width(self) -> int:
         return self.stop - self.start
@@ -77,6 +107,21 @@ class BitAllocationPolicy(Protocol):
     def allocate(self, singular_values: np.ndarray) -> tuple[Segment, ...]:
         """``singular_values [G, r]`` (descending per group) -> segments covering ``[0, r)``."""
         ...
+
+
+def _singular_values(singular_values) -> np.ndarray:
+    """A policy's input as float64 ``[..., r]`` (1-D or 2-D, r >= 1, finite); KVConfigError otherwise."""
+    try:
+        sv = np.asarray(singular_values, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise KVConfigError(
+            f"singular_values must be a numeric array [G, r] or [r]; got {type(singular_values).__name__}"
+        ) from None
+    if sv.ndim not in (1, 2) or sv.shape[-1] < 1 or sv.size == 0:
+        raise KVConfigError(f"singular_values must be [G, r] or [r] with r >= 1; got shape {sv.shape}")
+    if not np.all(np.isfinite(sv)):
+        raise KVConfigError("singular_values contain NaN or infinity")
+    return sv
 
 
 def _merge(segments: list[Segment]) -> tuple[Segment, ...]:
@@ -99,8 +144,19 @@ class FixedSplitPolicy:
     lo_bit: int
     hi_fraction: float
 
+    def __post_init__(self) -> None:
+        if not _is_int(self.hi_bit) or self.hi_bit not in CODER_BITS:
+            raise KVConfigError(f"hi_bit={self.hi_bit!r} is not a coder width; allowed: {CODER_BITS}")
+        if not _is_int(self.lo_bit) or self.lo_bit not in (0, *CODER_BITS):
+            raise KVConfigError(
+                f"lo_bit={self.lo_bit!r} is not a coder width; allowed: 0 (drop), {CODER_BITS}"
+            )
+        f = self.hi_fraction
+        if not _is_real(f) or not math.isfinite(f) or not 0.0 <= f <= 1.0:
+            raise KVConfigError(f"hi_fraction={f!r} must be a number in [0, 1]")
+
     def allocate(self, singular_values: np.ndarray) -> tuple[Segment, ...]:
-        rank = int(np.shape(singular_values)[-1])
+        rank = int(_singular_values(singular_values).shape[-1])
         # The small epsilon keeps 0.25 * 16 = 4 from becoming 5 through float error.
         n_hi = min(rank, math.ceil(self.hi_fraction * rank - 1e-9))
         return _merge([Segment(0, n_hi, self.hi_bit), Segment(n_hi, rank, self.lo_bit)])
@@ -112,8 +168,12 @@ class UniformPolicy:
 
     bits: int
 
+    def __post_init__(self) -> None:
+        if not _is_int(self.bits) or self.bits not in CODER_BITS:
+            raise KVConfigError(f"bits={self.bits!r} is not a coder width; allowed: {CODER_BITS}")
+
     def allocate(self, singular_values: np.ndarray) -> tuple[Segment, ...]:
-        return _merge([Segment(0, int(np.shape(singular_values)[-1]), self.bits)])
+        return _merge([Segment(0, int(_singular_values(singular_values).shape[-1]), self.bits)])
 
 
 def water_fill(variances: Sequence[np.ndarray], budget_bits: int, max_bits: int = 8) -> list[np.ndarray]:
@@ -131,11 +191,23 @@ def water_fill(variances: Sequence[np.ndarray], budget_bits: int, max_bits: int 
     zero-variance channel never gets a bit. Ties go to the earlier tensor and channel, so for
     variances sorted in descending order the widths are non-increasing.
     """
-    if not isinstance(budget_bits, (int, np.integer)) or budget_bits < 0:
+    if not _is_int(budget_bits) or budget_bits < 0:
         raise KVConfigError(f"budget_bits={budget_bits!r} must be a non-negative integer")
-    if not isinstance(max_bits, int) or not 1 <= max_bits <= 8:
+    if not _is_int(max_bits) or not 1 <= max_bits <= 8:
         raise KVConfigError(f"max_bits={max_bits!r} must be an integer in [1, 8]")
-    lams = [np.maximum(np.asarray(v, dtype=np.float64).reshape(-1), 0.0) for v in variances]
+    if isinstance(variances, (str, bytes, np.ndarray)) or not isinstance(variances, Sequence):
+        raise KVConfigError(
+            f"variances must be a sequence of 1-D arrays (one per tensor); got {type(variances).__name__}"
+        )
+    lams = []
+    for i, v in enumerate(variances):
+        try:
+            lam = np.asarray(v, dtype=np.float64).reshape(-1)
+        except (TypeError, ValueError):
+            raise KVConfigError(f"variances[{i}] must be a numeric array; got {type(v).__name__}") from None
+        if not np.all(np.isfinite(lam)):
+            raise KVConfigError(f"variances[{i}] contains NaN or infinity")
+        lams.append(np.maximum(lam, 0.0))
     widths = [np.zeros(lam.shape, dtype=np.int64) for lam in lams]
     # max-heap on the error the next bit removes; (tensor, channel) breaks ties deterministically
     heap = [(-0.75 * lam[c], t, c) for t, lam in enumerate(lams) for c in range(lam.size) if lam[c] > 0]
@@ -153,6 +225,8 @@ def water_fill(variances: Sequence[np.ndarray], budget_bits: int, max_bits: int 
 def segments_from_widths(widths: np.ndarray) -> tuple[Segment, ...]:
     """Per-channel widths ``[r]`` -> contiguous :class:`Segment`\\ s (runs of one width; 0 kept)."""
     widths = np.asarray(widths).reshape(-1)
+    if widths.dtype.kind not in "iu":
+        raise KVConfigError(f"widths must be integers; got dtype {widths.dtype}")
     return _merge([Segment(i, i + 1, int(w)) for i, w in enumerate(widths)])
 
 
@@ -175,11 +249,13 @@ class WaterFillingPolicy:
     chooses_rank = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.bits, (int, float)) or isinstance(self.bits, bool) or not 0 < self.bits <= 8:
+        if not _is_real(self.bits) or not math.isfinite(self.bits) or not 0 < self.bits <= 8:
             raise KVConfigError(f"palu_bits={self.bits!r} must be a number in (0, 8]")
+        if not _is_int(self.max_bits) or not 1 <= self.max_bits <= 8:
+            raise KVConfigError(f"max_bits={self.max_bits!r} must be an integer in [1, 8]")
 
     def allocate(self, singular_values: np.ndarray) -> tuple[Segment, ...]:
-        sv = np.atleast_2d(np.asarray(singular_values, dtype=np.float64))
+        sv = np.atleast_2d(_singular_values(singular_values))
         variances = (sv**2).mean(axis=0)
         budget = int(round(self.bits * sv.shape[-1]))
         return segments_from_widths(water_fill([variances], budget, self.max_bits)[0])
@@ -193,8 +269,13 @@ def _word(bits: int) -> tuple[mx.Dtype, int]:
     return mx.uint32, 32 // bits
 
 
-def pack_codes(codes: mx.array, bits: int) -> mx.array:
-    """Pack integer codes ``[..., n]`` (each ``< 2**bits``) into words ``[..., ceil(n / per_word)]``."""
+def _check_pack_bits(bits) -> None:
+    if not _is_int(bits) or not 1 <= bits <= 8:
+        raise KVConfigError(f"bits={bits!r} cannot be packed; allowed: an int in [1, 8]")
+
+
+def _pack(codes: mx.array, bits: int) -> mx.array:
+    # the coder's own codes are clipped to [0, 2**bits - 1], so it skips pack_codes' checks
     dtype, per_word = _word(bits)
     n = codes.shape[-1]
     n_words = -(-n // per_word)
@@ -208,8 +289,46 @@ def pack_codes(codes: mx.array, bits: int) -> mx.array:
     return mx.sum(codes << shifts, axis=-1).astype(dtype)
 
 
+def pack_codes(codes: mx.array, bits: int) -> mx.array:
+    """Pack integer codes ``[..., n]`` (each in ``[0, 2**bits)``) into words ``[..., ceil(n / per_word)]``.
+
+    A code outside that range would spill into its neighbour's field, so it raises
+    ``KVValueError`` instead (this check syncs the device once).
+    """
+    _check_pack_bits(bits)
+    if not isinstance(codes, mx.array):
+        raise KVDtypeError(f"codes must be an mlx.core.array of integers; got {type(codes).__name__}")
+    if codes.ndim < 1 or not mx.issubdtype(codes.dtype, mx.integer):
+        raise KVDtypeError(
+            f"codes must be an integer array with at least one axis; got {codes.dtype}, shape {codes.shape}"
+        )
+    if codes.size:
+        lo, hi = mx.min(codes).item(), mx.max(codes).item()
+        if lo < 0 or hi >= 1 << bits:
+            raise KVValueError(
+                f"codes span [{lo}, {hi}] but {bits}-bit codes must lie in [0, {(1 << bits) - 1}] "
+                "(a wider code would overwrite its neighbour)"
+            )
+    return _pack(codes, bits)
+
+
 def unpack_codes(words: mx.array, bits: int, n: int) -> mx.array:
     """Inverse of :func:`pack_codes`: words ``[..., W]`` -> codes ``[..., n]`` (same word dtype)."""
+    _check_pack_bits(bits)
+    dtype, per_word = _word(bits)
+    if not isinstance(words, mx.array) or words.ndim < 1 or words.dtype != dtype:
+        got = f"{words.dtype}, shape {words.shape}" if isinstance(words, mx.array) else type(words).__name__
+        raise KVDtypeError(
+            f"words of {bits}-bit codes must be an mlx {dtype} array with at least one axis; got {got}"
+        )
+    if not _is_int(n) or not 0 <= n <= words.shape[-1] * per_word:
+        raise KVShapeError(
+            f"n={n!r} must be an int in [0, {words.shape[-1] * per_word}] (codes the words hold)"
+        )
+    return _unpack(words, bits, int(n))
+
+
+def _unpack(words: mx.array, bits: int, n: int) -> mx.array:
     dtype, per_word = _word(bits)
     shifts = (mx.arange(per_word) * bits).astype(dtype)
     mask = mx.array((1 << bits) - 1, dtype=dtype)
@@ -217,7 +336,44 @@ def unpack_codes(words: mx.array, bits: int, n: int) -> mx.array:
     return codes.reshape(*words.shape[:-1], words.shape[-1] * per_word)[..., :n]
 
 
+# --------------------------------------------------------------------------- range
+def check_storable(arrays: list[mx.array], what: str) -> None:
+    """Raise ``KVValueError`` unless every array (already cast to its storage dtype) is finite.
+
+    The coder casts scales, biases and unquantized latents to their 16-bit storage dtype;
+    a float16 cast turns magnitudes above 65504 into infinity, and non-finite latents (an
+    overflow upstream) stay so. Checking the cast values catches both, exactly: one device sync.
+    """
+    if not arrays:
+        return
+    ok = mx.all(mx.stack([mx.all(mx.isfinite(a)) for a in arrays]))
+    if not ok.item():
+        raise KVValueError(
+            f"{what}: the latents do not fit the coder's storage (float16 scales, biases or latents hold "
+            f"magnitudes up to {FLOAT16_MAX:g}; or the latents are not finite); the cache is unchanged. "
+            "Scale the inputs down, or use bfloat16 inputs (bfloat16 scales have float32's range)"
+        )
+
+
 # --------------------------------------------------------------------------- coder
+def validate_segments(segments) -> None:
+    """Raise ``KVConfigError`` unless ``segments`` is a non-empty tuple/list of :class:`Segment`
+    contiguous from channel 0, each of width >= 1 and bits in :data:`CODER_BITS`."""
+    if not isinstance(segments, (tuple, list)) or not segments:
+        raise KVConfigError(f"segments={segments!r} must be a non-empty tuple of Segment")
+    for seg in segments:
+        if not isinstance(seg, Segment):
+            raise KVConfigError(f"segments must hold Segment objects; got {type(seg).__name__}")
+    if segments[0].start != 0:
+        raise KVConfigError(f"segments={tuple(segments)!r} must start at channel 0")
+    for prev, seg in zip(segments[:-1], segments[1:], strict=True):
+        if seg.start != prev.stop:
+            raise KVConfigError(f"segments={tuple(segments)!r} must be contiguous")
+    for seg in segments:
+        if seg.width < 1 or seg.bits not in CODER_BITS:
+            raise KVConfigError(f"segment {seg!r}: width must be >= 1 and bits one of {CODER_BITS}")
+
+
 class MixedBitCoder:
     """Codes latents ``[..., r]`` float32 into packed per-segment arrays and back.
 
@@ -235,20 +391,28 @@ class MixedBitCoder:
         store_dtype: mx.Dtype,
         scale_dtype: mx.Dtype | None = None,
     ):
-        if not segments or segments[0].start != 0:
-            raise KVConfigError(f"segments={segments!r} must be non-empty and start at channel 0")
-        for prev, seg in zip(segments[:-1], segments[1:], strict=True):
-            if seg.start != prev.stop:
-                raise KVConfigError(f"segments={segments!r} must be contiguous")
-        for seg in segments:
-            if seg.width < 1 or seg.bits not in CODER_BITS:
-                raise KVConfigError(f"segment {seg!r}: width must be >= 1 and bits one of {CODER_BITS}")
-        if not isinstance(group_size, int) or group_size < 1:
+        validate_segments(segments)
+        if not _is_int(group_size) or group_size < 1:
             raise KVConfigError(f"group_size={group_size!r} must be a positive integer")
+        for name, dtype in (("store_dtype", store_dtype), ("scale_dtype", scale_dtype)):
+            if not (dtype is None and name == "scale_dtype") and dtype not in _FLOAT_DTYPES:
+                raise KVDtypeError(f"{name}={dtype!r} must be mlx float16, bfloat16 or float32")
         self.segments = tuple(segments)
-        self.group_size = group_size
+        self.group_size = int(group_size)
         self.store_dtype = store_dtype
         self.scale_dtype = scale_dtype or store_dtype
+
+    # mx.Dtype does not pickle: store the names (caches are copied and pickled by mlx-lm's server)
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        for name in ("store_dtype", "scale_dtype"):
+            state[name] = str(state[name]).split(".")[-1]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        for name in ("store_dtype", "scale_dtype"):
+            state[name] = getattr(mx, state[name])
+        self.__dict__.update(state)
 
     @property
     def rank(self) -> int:
@@ -281,30 +445,54 @@ class MixedBitCoder:
         return out
 
     def encode(self, latents: mx.array) -> dict[str, mx.array]:
-        """Latents ``[..., r]`` (float) -> ``{field: array [..., width]}``."""
+        """Latents ``[..., r]`` (float) -> ``{field: array [..., width]}``.
+
+        Raises ``KVValueError`` (before returning anything) when a float16 scale, bias or
+        unquantized latent would overflow, or the latents are not finite.
+        """
+        if not isinstance(latents, mx.array) or latents.ndim < 1:
+            raise KVDtypeError(f"latents must be an mlx.core.array [..., r]; got {type(latents).__name__}")
+        if latents.dtype not in _FLOAT_DTYPES:
+            raise KVDtypeError(f"latents dtype {latents.dtype} is not float16, bfloat16 or float32")
         if latents.shape[-1] != self.rank:
-            raise ValueError(f"latents have {latents.shape[-1]} channels; coder rank is {self.rank}")
+            raise KVShapeError(f"latents have {latents.shape[-1]} channels; coder rank is {self.rank}")
         latents = latents.astype(mx.float32)
         out: dict[str, mx.array] = {}
+        stored: list[mx.array] = []  # what was cast to a narrower dtype: checked before returning
         for i, seg in enumerate(self.segments):
             x = latents[..., seg.start : seg.stop]
             if seg.bits == UNQUANTIZED_BITS:
                 out[f"seg{i}.values"] = x.astype(self.store_dtype)
+                stored.append(out[f"seg{i}.values"])
                 continue
             codes, scales, biases = self._quantize(x, seg.bits)
-            out[f"seg{i}.codes"] = pack_codes(codes, seg.bits)
+            out[f"seg{i}.codes"] = _pack(codes, seg.bits)
             out[f"seg{i}.scales"] = scales
             out[f"seg{i}.biases"] = biases
+            stored += [scales, biases]
+        # Only float16 storage can overflow from finite float32 latents: other coders skip the sync.
+        if any(a.dtype == mx.float16 for a in stored):
+            check_storable(stored, "MixedBitCoder.encode")
         return out
 
     def decode(self, coded: dict[str, mx.array]) -> mx.array:
         """``{field: array [..., width]}`` -> latents ``[..., r]`` float32."""
+        widths = self.field_widths()
+        if not isinstance(coded, Mapping) or set(coded) != set(widths):
+            got = sorted(coded) if isinstance(coded, Mapping) else type(coded).__name__
+            raise KVDataError(f"coded must hold exactly the fields {sorted(widths)}; got {got}")
+        for name, (width, dtype) in widths.items():
+            arr = coded[name]
+            if not isinstance(arr, mx.array) or arr.dtype != dtype or arr.ndim < 1 or arr.shape[-1] != width:
+                raise KVDataError(
+                    f"coded field {name!r} must be {dtype} [..., {width}]; got {_describe(arr)}"
+                )
         parts = []
         for i, seg in enumerate(self.segments):
             if seg.bits == UNQUANTIZED_BITS:
                 parts.append(coded[f"seg{i}.values"].astype(mx.float32))
                 continue
-            codes = unpack_codes(coded[f"seg{i}.codes"], seg.bits, seg.width).astype(mx.float32)
+            codes = _unpack(coded[f"seg{i}.codes"], seg.bits, seg.width).astype(mx.float32)
             parts.append(self._dequantize(codes, coded[f"seg{i}.scales"], coded[f"seg{i}.biases"], seg.width))
         return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
 
@@ -344,3 +532,7 @@ class MixedBitCoder:
         groups = self._grouped(codes, fill_edge=False)
         x = groups * scales.astype(mx.float32)[..., None] + biases.astype(mx.float32)[..., None]
         return x.reshape(*x.shape[:-2], -1)[..., :n]
+
+
+def _describe(arr) -> str:
+    return f"{arr.dtype} {tuple(arr.shape)}" if isinstance(arr, mx.array) else type(arr).__name__

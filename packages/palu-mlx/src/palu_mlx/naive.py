@@ -15,20 +15,26 @@ from __future__ import annotations
 import json
 
 import mlx.core as mx
-from kvspec import KVConfigError, KVShapeError
+from kvspec import KVConfigError, KVDataError, KVDtypeError, KVShapeError
 
 from .config import PACKABLE_BITS
-from .layer import CacheLayer, write_rows
+from .layer import SUPPORTED_DTYPES, CacheLayer, detached, write_rows
+from .state_checks import StateArrays, parse_meta_state, read_runtime
 
 __all__ = ["NaiveQuantKVCache", "naive_roundtrip"]
 
 _FIELDS = ("codes", "scales", "biases")
 
 
+def _is_int(value) -> bool:
+    # 2.0 == 2 and True == 1: a float or bool width is a caller's mistake, not a width
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _check_quant(bits: int, group_size: int, bits_name: str = "bits") -> None:
-    if bits not in PACKABLE_BITS or isinstance(bits, bool):
+    if not _is_int(bits) or bits not in PACKABLE_BITS:
         raise KVConfigError(f"{bits_name}={bits!r} cannot be packed; allowed: {PACKABLE_BITS}")
-    if group_size not in (32, 64, 128) or isinstance(group_size, bool):
+    if not _is_int(group_size) or group_size not in (32, 64, 128):
         raise KVConfigError(f"group_size={group_size!r} must be 32, 64 or 128 (mx.quantize group sizes)")
 
 
@@ -39,8 +45,11 @@ def naive_roundtrip(x: mx.array, bits: int = 2, group_size: int = 64) -> tuple[m
     ``D`` must be a multiple of ``group_size``.
     """
     _check_quant(bits, group_size)
-    if x.shape[-1] % group_size:
-        raise KVShapeError(f"last dim {x.shape[-1]} must be a multiple of group_size={group_size}")
+    if not isinstance(x, mx.array) or x.dtype not in SUPPORTED_DTYPES:
+        got = x.dtype if isinstance(x, mx.array) else type(x).__name__
+        raise KVDtypeError(f"x must be an mlx float16, bfloat16 or float32 array; got {got}")
+    if x.ndim < 1 or x.shape[-1] % group_size:
+        raise KVShapeError(f"x's last dim must be a multiple of group_size={group_size}; got shape {x.shape}")
     codes, scales, biases = mx.quantize(x, group_size=group_size, bits=bits)
     x_hat = mx.dequantize(codes, scales, biases, group_size=group_size, bits=bits).astype(x.dtype)
     mx.eval(x_hat, codes, scales, biases)
@@ -97,12 +106,15 @@ class NaiveQuantKVCache(CacheLayer):
 
     @property
     def state(self) -> dict[str, mx.array]:
-        """``key.<field>`` and ``value.<field>`` (codes, scales, biases), cut to ``offset`` tokens."""
+        """``key.<field>`` and ``value.<field>`` (codes, scales, biases), cut to ``offset`` tokens.
+
+        Copies: writing into them (or into numpy views of them) cannot change the cache.
+        """
         if self._shape is None:
             return {}
         n = self.offset
-        out = {f"key.{k}": v[..., :n, :] for k, v in self._keys.items()}
-        out.update({f"value.{k}": v[..., :n, :] for k, v in self._values.items()})
+        out = {f"key.{k}": detached(v[..., :n, :]) for k, v in self._keys.items()}
+        out.update({f"value.{k}": detached(v[..., :n, :]) for k, v in self._values.items()})
         return out
 
     @property
@@ -119,17 +131,49 @@ class NaiveQuantKVCache(CacheLayer):
     def from_state(
         cls, state: dict[str, mx.array], meta_state: tuple[str, str] | list[str]
     ) -> NaiveQuantKVCache:
-        """Rebuild a cache from :attr:`state` and :attr:`meta_state`."""
-        settings, runtime = cls._split_meta_state(meta_state)
-        cache = cls(**json.loads(settings))
-        if not cache._restore_runtime(runtime):
-            return cache
+        """Rebuild a cache from :attr:`state` and :attr:`meta_state`.
+
+        Every array is checked against the metadata (names, shapes, dtypes, finite scales and
+        biases) before anything is built: a mismatch raises ``KVDataError`` naming it.
+        """
+        owner = f"{cls.__name__}.from_state"
+        settings, runtime = parse_meta_state(meta_state, owner)
+        if set(settings) != {"quant_bits", "group_size", "check_finite"}:
+            raise KVDataError(
+                f"{owner}: meta_state settings must have exactly quant_bits, group_size, check_finite; "
+                f"got {sorted(settings)}"
+            )
         try:
-            cache._keys = {f: write_rows(None, state[f"key.{f}"], 0, cls.step) for f in _FIELDS}
-            cache._values = {f: write_rows(None, state[f"value.{f}"], 0, cls.step) for f in _FIELDS}
-        except KeyError as missing:
-            raise KVConfigError(f"state is missing array {missing}") from None
-        cache.offset = int(runtime["offset"])
+            cache = cls(**settings)
+        except KVConfigError as exc:
+            raise KVDataError(f"{owner}: meta_state settings: {exc}") from None
+        offset, shape, dtype = read_runtime(runtime, cls.__name__, owner)
+        arrays = StateArrays(state, owner)
+        if shape is None:
+            arrays.finish()
+            return cache
+        b, h, d, dv = shape
+        try:
+            cache._check_dims(h, d, dv)
+        except KVShapeError as exc:
+            raise KVDataError(f"{owner}: meta_state shape {list(shape)}: {exc}") from None
+        held = []
+        for prefix, dim in (("key", d), ("value", dv)):
+            # mx.quantize's own output on one row gives each field's width and dtype
+            probe = mx.quantize(
+                mx.zeros((1, dim), dtype=dtype), group_size=cache.group_size, bits=cache.quant_bits
+            )
+            held.append(
+                {
+                    f: arrays.take(f"{prefix}.{f}", (b, h, offset, p.shape[-1]), p.dtype)
+                    for f, p in zip(_FIELDS, probe, strict=True)
+                }
+            )
+        arrays.finish()
+        cache._keys, cache._values = (
+            {f: write_rows(None, a, 0, cls.step) for f, a in x.items()} for x in held
+        )
+        cache._shape, cache._dtype, cache.offset = shape, dtype, offset
         return cache
 
     @property

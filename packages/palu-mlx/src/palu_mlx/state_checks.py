@@ -1,0 +1,235 @@
+"""Checks of a saved cache (``from_state``'s arrays and ``meta_state``) before anything is built.
+
+A state may come from a file, another process or a hand-edited dict. ``from_state`` reads it
+through these helpers: every metadata field is checked against its allowed range and every
+array against the name, shape, dtype and finiteness the metadata implies, and arrays nobody
+asked for are refused. A tampered or truncated state therefore raises :class:`kvspec.KVDataError`
+naming the field or array, what it holds and what was expected, instead of failing deep inside
+the next ``update_and_fetch`` or silently returning other values.
+"""
+
+from __future__ import annotations
+
+import json
+import numbers
+from collections.abc import Mapping
+from typing import Any
+
+import mlx.core as mx
+from kvspec import KVDataError, KVSpecError
+
+from .config import KVCacheConfig
+from .layer import SUPPORTED_DTYPES, dtype_from_name
+from .mixed_bit import Segment, validate_segments
+
+__all__ = [
+    "StateArrays",
+    "parse_meta_state",
+    "read_config",
+    "read_field",
+    "read_runtime",
+    "read_segments",
+    "read_widths",
+    "read_rope",
+]
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def parse_meta_state(meta_state: Any, owner: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(settings JSON, runtime JSON)`` -> two dicts; KVDataError naming what is malformed."""
+    if not isinstance(meta_state, (tuple, list)) or len(meta_state) != 2:
+        got = (
+            f"{len(meta_state)} items" if isinstance(meta_state, (tuple, list)) else type(meta_state).__name__
+        )
+        raise KVDataError(
+            f"{owner}: meta_state must be (settings JSON, runtime JSON), two strings; got {got}"
+        )
+    out = []
+    for i, what in enumerate(("settings", "runtime")):
+        text = meta_state[i]
+        if not isinstance(text, str):
+            raise KVDataError(
+                f"{owner}: meta_state[{i}] ({what}) must be a JSON string; got {type(text).__name__}"
+            )
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise KVDataError(f"{owner}: meta_state[{i}] ({what}) is not valid JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise KVDataError(
+                f"{owner}: meta_state[{i}] ({what}) must be a JSON object; got {type(value).__name__}"
+            )
+        out.append(value)
+    return out[0], out[1]
+
+
+def read_config(settings: dict[str, Any], owner: str) -> KVCacheConfig:
+    """The :class:`KVCacheConfig` saved in meta_state (missing fields take their defaults)."""
+    try:
+        return KVCacheConfig.from_json(json.dumps(settings))
+    except KVSpecError as exc:
+        raise KVDataError(f"{owner}: meta_state config: {exc}") from None
+
+
+def read_field(runtime: dict[str, Any], name: str, owner: str) -> Any:
+    """``runtime[name]``; KVDataError when the field is missing."""
+    if name not in runtime:
+        raise KVDataError(f"{owner}: meta_state runtime is missing field {name!r}")
+    return runtime[name]
+
+
+def read_runtime(
+    runtime: dict[str, Any], cls_name: str, owner: str
+) -> tuple[int, tuple[int, int, int, int] | None, mx.Dtype | None]:
+    """The fields every cache layer writes: class, offset, shape ``(B, H, D, Dv)`` and dtype.
+
+    An empty cache has shape and dtype None and offset 0; a used one a shape of four positive
+    ints and one of the supported dtypes. The offset is an int >= 0 (not a bool or float).
+    """
+    saved_class = read_field(runtime, "class", owner)
+    if saved_class != cls_name:
+        raise KVDataError(f"{owner}: meta_state was written by class {saved_class!r}; expected {cls_name!r}")
+    offset = read_field(runtime, "offset", owner)
+    if not _is_int(offset) or offset < 0:
+        raise KVDataError(f"{owner}: meta_state offset={offset!r} must be an int >= 0 (the token count)")
+    shape, dtype_name = read_field(runtime, "shape", owner), read_field(runtime, "dtype", owner)
+    if shape is None or dtype_name is None:
+        if shape is not None or dtype_name is not None or offset != 0:
+            raise KVDataError(
+                f"{owner}: meta_state of an empty cache needs shape=None, dtype=None and offset=0; "
+                f"got shape={shape!r}, dtype={dtype_name!r}, offset={offset!r}"
+            )
+        return 0, None, None
+    if not isinstance(shape, list) or len(shape) != 4 or not all(_is_int(x) and x >= 1 for x in shape):
+        raise KVDataError(f"{owner}: meta_state shape={shape!r} must be four positive ints (B, H, D, Dv)")
+    if not isinstance(dtype_name, str):
+        raise KVDataError(f"{owner}: meta_state dtype={dtype_name!r} must be float16, bfloat16 or float32")
+    try:
+        dtype = dtype_from_name(dtype_name)
+    except KVSpecError:
+        raise KVDataError(
+            f"{owner}: meta_state dtype={dtype_name!r} is not one of float16, bfloat16, float32"
+        ) from None
+    return int(offset), tuple(int(x) for x in shape), dtype
+
+
+def read_segments(value: Any, name: str, owner: str) -> tuple[Segment, ...]:
+    """A segment layout ``[[start, stop, bits], ...]``: contiguous from 0, widths >= 1, coder bits."""
+    if not isinstance(value, list) or not value:
+        raise KVDataError(
+            f"{owner}: meta_state {name}={value!r} must be a non-empty list of [start, stop, bits]"
+        )
+    segments = []
+    for s in value:
+        if not isinstance(s, list) or len(s) != 3 or not all(_is_int(x) for x in s):
+            raise KVDataError(
+                f"{owner}: meta_state {name} entry {s!r} must be [start, stop, bits] (three ints)"
+            )
+        segments.append(Segment(*(int(x) for x in s)))
+    try:
+        validate_segments(tuple(segments))
+    except KVSpecError as exc:
+        raise KVDataError(f"{owner}: meta_state {name}: {exc}") from None
+    return tuple(segments)
+
+
+def read_widths(value: Any, name: str, owner: str) -> tuple[int, ...]:
+    """Fixed-quantizer widths: a non-empty list of ints in [1, 8]."""
+    if not isinstance(value, list) or not value or not all(_is_int(w) and 1 <= w <= 8 for w in value):
+        raise KVDataError(f"{owner}: meta_state {name}={value!r} must be a non-empty list of ints in [1, 8]")
+    return tuple(int(w) for w in value)
+
+
+def read_rope(value: Any, head_dim: int | None, owner: str) -> tuple[int, bool] | None:
+    """The rotary's JSON half: None, or ``{"dims": even int in [2, D], "traditional": bool}``."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) != {"dims", "traditional"}:
+        raise KVDataError(
+            f"{owner}: meta_state rope={value!r} must be null or {{'dims': int, 'traditional': bool}}"
+        )
+    dims, traditional = value["dims"], value["traditional"]
+    limit = "" if head_dim is None else f" and <= the key head dim {head_dim}"
+    if not _is_int(dims) or dims < 2 or dims % 2 or (head_dim is not None and dims > head_dim):
+        raise KVDataError(f"{owner}: meta_state rope dims={dims!r} must be an even int >= 2{limit}")
+    if not isinstance(traditional, bool):
+        raise KVDataError(f"{owner}: meta_state rope traditional={traditional!r} must be true or false")
+    return int(dims), traditional
+
+
+class StateArrays:
+    """The arrays of one ``from_state`` call, read by name against an expected shape and dtype.
+
+    :meth:`take` checks one array; :meth:`finish` refuses arrays nobody took and checks that
+    every floating array taken is finite (one device sync for all of them).
+    """
+
+    def __init__(self, state: Any, owner: str):
+        if not isinstance(state, Mapping):
+            raise KVDataError(
+                f"{owner}: state must be a dict of name -> mlx.core.array; got {type(state).__name__}"
+            )
+        for key, arr in state.items():
+            if not isinstance(key, str) or not isinstance(arr, mx.array):
+                raise KVDataError(
+                    f"{owner}: state entry {key!r} must map a str name to an mlx.core.array; "
+                    f"got {type(arr).__name__}"
+                )
+        self._state = state
+        self._owner = owner
+        self._taken: dict[str, mx.array] = {}
+        self._positive: list[str] = []
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._state
+
+    def take(
+        self,
+        name: str,
+        shape: tuple[int, ...],
+        dtype: mx.Dtype | tuple[mx.Dtype, ...],
+        positive: bool = False,
+    ) -> mx.array:
+        """The array ``name`` after checking its shape and dtype (``dtype`` may list several).
+
+        ``positive``: :meth:`finish` also requires every element > 0 (quantizer steps).
+        """
+        if name not in self._state:
+            raise KVDataError(f"{self._owner}: state is missing array {name!r} needed by meta_state")
+        arr = self._state[name]
+        allowed = dtype if isinstance(dtype, tuple) else (dtype,)
+        if tuple(arr.shape) != tuple(shape):
+            raise KVDataError(
+                f"{self._owner}: state array {name!r} has shape {tuple(arr.shape)}; meta_state needs {tuple(shape)}"
+            )
+        if arr.dtype not in allowed:
+            names = " or ".join(str(d) for d in allowed)
+            raise KVDataError(
+                f"{self._owner}: state array {name!r} has dtype {arr.dtype}; meta_state needs {names}"
+            )
+        self._taken[name] = arr
+        if positive:
+            self._positive.append(name)
+        return arr
+
+    def finish(self) -> None:
+        """Refuse unexpected arrays; refuse NaN / infinity in any floating array taken."""
+        extra = sorted(set(self._state) - set(self._taken))
+        if extra:
+            raise KVDataError(
+                f"{self._owner}: state holds arrays {extra} that meta_state does not describe; "
+                f"expected exactly {sorted(self._taken)}"
+            )
+        floats = [(n, a) for n, a in self._taken.items() if a.dtype in SUPPORTED_DTYPES and a.size]
+        if not floats:
+            return
+        flags = mx.stack([mx.all(mx.isfinite(a)) for _, a in floats])
+        if mx.all(flags).item():
+            return
+        bad = [n for (n, _), ok in zip(floats, flags.tolist(), strict=True) if not ok]
+        raise KVDataError(
+            f"{self._owner}: state arrays {bad} contain NaN or infinity; a saved cache holds finite values"
+        )
