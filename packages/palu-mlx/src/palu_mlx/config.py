@@ -179,8 +179,15 @@ class KVCacheConfig:
 
     @classmethod
     def from_json(cls, text: str) -> KVCacheConfig:
-        """Inverse of :meth:`to_json`; unknown keys raise ``KVConfigError``."""
-        data = json.loads(text)
+        """Inverse of :meth:`to_json`; unknown keys, invalid JSON or values raise ``KVConfigError``."""
+        if not isinstance(text, str):
+            raise KVConfigError(f"KVCacheConfig.from_json needs a JSON string; got {type(text).__name__}")
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise KVConfigError(f"KVCacheConfig.from_json: the text is not valid JSON ({exc})") from None
+        if not isinstance(data, dict):
+            raise KVConfigError(f"KVCacheConfig.from_json needs a JSON object; got {type(data).__name__}")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
-from kvspec import KVConfigError
+from kvspec import KVConfigError, KVDtypeError, KVShapeError, KVValueError
 
 __all__ = [
     "GroupProjection",
@@ -45,6 +45,23 @@ class GroupProjection:
     mean: mx.array
     singular_values: mx.array
 
+    def __post_init__(self) -> None:
+        # shapes only (no device sync): a projection whose arrays disagree fails here, not in a matmul
+        for name, arr in self.arrays().items():
+            if not isinstance(arr, mx.array) or arr.dtype not in _FLOATS:
+                got = arr.dtype if isinstance(arr, mx.array) else type(arr).__name__
+                raise KVDtypeError(f"GroupProjection.{name} must be an mlx float array; got {got}")
+        if self.basis.ndim != 3 or min(self.basis.shape) < 1:
+            raise KVShapeError(
+                f"GroupProjection.basis must be [G, D, r] with every dim >= 1; got {self.basis.shape}"
+            )
+        g, d, r = self.basis.shape
+        if tuple(self.mean.shape) != (g, d) or tuple(self.singular_values.shape) != (g, r):
+            raise KVShapeError(
+                f"GroupProjection: basis {self.basis.shape} needs mean [{g}, {d}] and singular_values "
+                f"[{g}, {r}]; got {self.mean.shape} and {self.singular_values.shape}"
+            )
+
     @property
     def n_groups(self) -> int:
         return self.basis.shape[0]
@@ -59,8 +76,16 @@ class GroupProjection:
 
     def astype(self, dtype: mx.Dtype) -> GroupProjection:
         """The same projection stored in ``dtype`` (math stays float32: arrays are upcast at use)."""
+        if dtype not in _FLOATS:
+            raise KVDtypeError(f"dtype={dtype!r} must be mlx float16, bfloat16 or float32")
         arrays = {k: v.astype(dtype) for k, v in self.arrays().items()}
         mx.eval(list(arrays.values()))
+        # float16 holds magnitudes up to 65504: a larger mean would become infinity
+        if dtype == mx.float16 and not all(mx.all(mx.isfinite(a)).item() for a in arrays.values()):
+            raise KVValueError(
+                "the projection (mean, basis or singular values) exceeds float16's range (65504); "
+                "scale the inputs down or use bfloat16 inputs"
+            )
         return GroupProjection(**arrays)
 
     def arrays(self) -> dict[str, mx.array]:
@@ -68,7 +93,29 @@ class GroupProjection:
         return {"basis": self.basis, "mean": self.mean, "singular_values": self.singular_values}
 
 
+_FLOATS = (mx.float16, mx.bfloat16, mx.float32)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _check_x(x, name: str = "x") -> None:
+    if not isinstance(x, mx.array) or x.dtype not in _FLOATS:
+        got = x.dtype if isinstance(x, mx.array) else type(x).__name__
+        raise KVDtypeError(f"{name} must be an mlx float16, bfloat16 or float32 array; got {got}")
+    if x.ndim != 4 or min(x.shape) < 1:
+        raise KVShapeError(f"{name} must be [B, H, S, D] with every dim >= 1; got shape {x.shape}")
+
+
+def _check_projection(projection) -> None:
+    if not isinstance(projection, GroupProjection):
+        raise KVConfigError(f"projection must be a GroupProjection; got {type(projection).__name__}")
+
+
 def _check_groups(n_heads: int, n_groups: int) -> int:
+    if not _is_int(n_groups) or n_groups < 1:
+        raise KVConfigError(f"palu_n_head_groups={n_groups!r} must be a positive integer")
     if n_heads % n_groups != 0:
         raise KVConfigError(
             f"palu_n_head_groups={n_groups} must divide the layer's key/value head count {n_heads}; "
@@ -91,6 +138,7 @@ def group_spectrum(x: mx.array, n_groups: int) -> tuple[mx.array, mx.array, mx.a
     Returns ``(vectors [G, D, D], singular_values [G, D], mean [G, D])``, all
     float32, columns of ``vectors`` ordered by descending singular value.
     """
+    _check_x(x)
     rows = _grouped_rows(x, n_groups)
     mean = mx.mean(rows, axis=1)
     centred = rows - mean[:, None, :]
@@ -109,7 +157,20 @@ def select_rank(singular_values: mx.array | np.ndarray, energy_threshold: float)
     ``singular_values`` is ``[G, D]`` (descending per row). A group with zero
     energy (constant data) needs rank 1. Returns an int in ``[1, D]``.
     """
-    sv = np.asarray(singular_values, dtype=np.float64)
+    if not isinstance(energy_threshold, (int, float)) or isinstance(energy_threshold, bool):
+        raise KVConfigError(f"energy_threshold={energy_threshold!r} must be a number in (0, 1]")
+    if not 0.0 < energy_threshold <= 1.0:
+        raise KVConfigError(f"energy_threshold={energy_threshold!r} must be a number in (0, 1]")
+    try:
+        sv = np.asarray(singular_values, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise KVConfigError(
+            f"singular_values must be a numeric [G, D] array; got {type(singular_values).__name__}"
+        ) from None
+    if sv.ndim != 2 or sv.size == 0:
+        raise KVShapeError(f"singular_values must be [G, D] with G, D >= 1; got shape {sv.shape}")
+    if not np.all(np.isfinite(sv)):
+        raise KVValueError("singular_values contain NaN or infinity")
     energy = sv**2
     total = energy.sum(axis=1, keepdims=True)
     cumulative = np.cumsum(energy, axis=1) / np.where(total > 0, total, 1.0)
@@ -130,6 +191,13 @@ def fit_group_projection(
     ``rank`` fixes ``r``; None selects it with :func:`select_rank`. One ``r`` is
     used for every group so the latent buffers share one shape.
     """
+    _check_x(x)
+    if rank is not None and not _is_int(rank):
+        raise KVConfigError(f"palu_rank={rank!r} must be None or an integer in [1, {x.shape[-1]}]")
+    if rank is not None and not 1 <= rank <= x.shape[-1]:
+        raise KVConfigError(
+            f"palu_rank={rank} must be in [1, {x.shape[-1]}] (the head dimension of this tensor)"
+        )
     vectors, singular_values, mean = group_spectrum(x, n_groups)
     d = x.shape[-1]
     if rank is None:
@@ -144,6 +212,10 @@ def fit_group_projection(
 
 def project(x: mx.array, projection: GroupProjection) -> mx.array:
     """Latents ``L = (x - μ_g) V_g``: ``[B, H, S, D]`` -> ``[B, H, S, r]`` float32."""
+    _check_projection(projection)
+    _check_x(x)
+    if x.shape[-1] != projection.dim:
+        raise KVShapeError(f"x has head dim {x.shape[-1]}; the projection's is {projection.dim}")
     b, h, s, d = x.shape
     g = projection.n_groups
     per_group = _check_groups(h, g)
@@ -155,9 +227,15 @@ def project(x: mx.array, projection: GroupProjection) -> mx.array:
 
 def reconstruct(latents: mx.array, projection: GroupProjection, dtype: mx.Dtype) -> mx.array:
     """``L V_gᵀ + μ_g``: ``[B, H, S, r]`` float32 -> ``[B, H, S, D]`` in ``dtype``."""
+    _check_projection(projection)
+    if not isinstance(latents, mx.array) or latents.ndim != 4 or latents.shape[-1] != projection.rank:
+        got = latents.shape if isinstance(latents, mx.array) else type(latents).__name__
+        raise KVShapeError(f"latents must be an mlx array [B, H, S, r={projection.rank}]; got {got}")
+    if dtype not in _FLOATS:
+        raise KVDtypeError(f"dtype={dtype!r} must be mlx float16, bfloat16 or float32")
     b, h, s, r = latents.shape
     g = projection.n_groups
-    per_group = h // g
+    per_group = _check_groups(h, g)
     # one batched [G, rows, r] @ [G, r, D] product: about twice as fast on CPU as broadcasting
     # the basis over a 5-D latent array (the transposes are free when B = 1)
     rows = latents.astype(mx.float32).reshape(b, g, per_group * s, r).transpose(1, 0, 2, 3)
