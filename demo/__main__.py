@@ -1,0 +1,58 @@
+"""``hatch run chat [--model PATH_OR_ID] [--port N]``: serve the side-by-side chat demo.
+
+The demo never downloads: a hub id must already be in the local Hugging Face cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+# before gradio and the hub client are imported: no telemetry, no downloads
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="hatch run chat", description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="a local model directory or a cached hub id (default: the embedded tiny-qwen3)",
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=7860, help="port to serve on (default 7860, Gradio's)")
+    parser.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=("bfloat16", "float16", "float32"),
+        help="model and cache dtype (default bfloat16)",
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    from .app import THEME, build_app, error_message
+    from .flashcodec_backend import FlashcodecBackend
+    from .palu_backend import PaluBackend
+
+    backends = [FlashcodecBackend(args.dtype), PaluBackend(args.dtype)]
+    for backend in backends:
+        # load now so the first turn is quick; a model that fails is reported here and in the page
+        try:
+            backend.worker.call(lambda b=backend: b.load(args.model))
+        except Exception as err:  # noqa: BLE001 - the page shows the same message when used
+            print(f"{backend.title}: {error_message(err).replace('**', '')}", file=sys.stderr)
+    app = build_app(backends, args.model)
+    app.queue(default_concurrency_limit=2)
+    print(f"serving on http://{args.host}:{args.port}", flush=True)
+    app.launch(server_name=args.host, server_port=args.port, theme=THEME, show_error=True, quiet=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
