@@ -22,12 +22,14 @@ their own ``state`` / ``from_state`` the way mlx-lm does it.
 from __future__ import annotations
 
 import json
+import os
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from kvspec import KVConfigError
+from kvspec import KVConfigError, KVDataError, KVSpecError
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models import cache as mlx_cache
 
@@ -35,11 +37,18 @@ from .cache import PaluKVCache
 from .calibrated import CalibratedKVCache, calibrated_caches
 from .calibration import Calibration
 from .config import KVCacheConfig
+from .integrity import CHECKSUM_KEY, digest
 from .mixed_bit import BitAllocationPolicy
 from .naive import NaiveQuantKVCache
 from .rope import Rotary, model_rotaries
 
-__all__ = ["KVCacheBuilder", "model_kv_dims", "save_prompt_cache", "load_prompt_cache"]
+__all__ = [
+    "KVCacheBuilder",
+    "model_kv_dims",
+    "save_prompt_cache",
+    "load_prompt_cache",
+    "UnverifiedPromptCacheWarning",
+]
 
 _NO_ROTARIES: list[Rotary | None] = []
 
@@ -52,8 +61,35 @@ _OUR_CLASSES = tuple(_OURS.values())
 _FORMAT = "palu-mlx.prompt-cache.v1"
 
 
+def _check_model(model: Any) -> None:
+    """KVConfigError unless ``model`` looks like an mlx-lm model: an ``mlx.nn.Module`` with a list
+    of ``layers`` or its own ``make_cache`` (what building its caches reads)."""
+    if not isinstance(model, nn.Module):
+        raise KVConfigError(f"model must be an mlx-lm model (an mlx.nn.Module); got {type(model).__name__}")
+    layers = getattr(model, "layers", None)
+    if not callable(getattr(model, "make_cache", None)) and not isinstance(layers, (list, tuple)):
+        raise KVConfigError(
+            f"model ({type(model).__name__}) has neither a list of .layers nor a make_cache(); "
+            "allowed: an mlx-lm model as mlx_lm.load returns it"
+        )
+
+
+def _check_config(config: Any) -> None:
+    if not isinstance(config, KVCacheConfig):
+        raise KVConfigError(f"config must be a KVCacheConfig; got {type(config).__name__}")
+
+
+def _check_policy(allocation_policy: Any) -> None:
+    if allocation_policy is not None and not isinstance(allocation_policy, BitAllocationPolicy):
+        raise KVConfigError(
+            f"allocation_policy must be a BitAllocationPolicy (with .allocate) or None; "
+            f"got {type(allocation_policy).__name__}"
+        )
+
+
 def model_kv_dims(model: nn.Module) -> tuple[int | None, int | None]:
     """``(head_dim, n_kv_heads)`` of an mlx-lm model from its ``args`` (None where unknown)."""
+    _check_model(model)
     args = getattr(model, "args", None)
     n_heads = getattr(args, "num_attention_heads", None)
     head_dim = getattr(args, "head_dim", None)
@@ -73,6 +109,8 @@ class KVCacheBuilder:
         rotary: Rotary | None = None,
     ) -> PaluKVCache | NaiveQuantKVCache:
         """One layer's cache for ``config`` (``method`` "palu" or "naive"); ``rotary``: pre-RoPE keys."""
+        _check_config(config)
+        _check_policy(allocation_policy)
         if config.method == "naive":
             return NaiveQuantKVCache(config.naive_bits, config.naive_group_size, config.palu_check_finite)
         return PaluKVCache(config, allocation_policy, rotary)
@@ -101,8 +139,8 @@ class KVCacheBuilder:
         allocation_policy: BitAllocationPolicy | None,
         rotaries: list[Rotary | None] | None,
     ) -> list[Any]:
-        if not isinstance(config, KVCacheConfig):
-            raise KVConfigError(f"config must be a KVCacheConfig; got {type(config).__name__}")
+        _check_config(config)
+        _check_policy(allocation_policy)
         head_dim, n_kv = model_kv_dims(model)
         if head_dim is not None and head_dim != config.head_dim:
             raise KVConfigError(f"head_dim={config.head_dim} does not match the model's head_dim {head_dim}")
@@ -189,10 +227,14 @@ def load_calibration(path: str) -> Calibration:
 
 
 def _installed(model: nn.Module) -> bool:
+    _check_model(model)  # install and uninstall ask this first: a non-model fails here, clearly
     return hasattr(getattr(model, "make_cache", None), "_palu_original")
 
 
 def _rotaries(model: nn.Module, config: KVCacheConfig, head_dim: int | None) -> list[Rotary | None]:
+    # install's first call: its model and config are checked here, before anything is built
+    _check_model(model)
+    _check_config(config)
     if config.method != "palu" or not config.palu_pre_rope:
         return _NO_ROTARIES
     return model_rotaries(model, head_dim) or _NO_ROTARIES
@@ -216,18 +258,51 @@ def _default_caches(model: nn.Module) -> list[Any]:
 
 
 # --------------------------------------------------------------------------- persistence
+class UnverifiedPromptCacheWarning(UserWarning):
+    """A prompt-cache file without a checksum (written before palu-mlx checked them) was loaded unverified."""
+
+
+def _check_file_name(file_name: Any) -> str:
+    if isinstance(file_name, os.PathLike):
+        file_name = os.fspath(file_name)
+    if not isinstance(file_name, str) or not file_name:
+        raise KVConfigError(f"file_name={file_name!r} must be a non-empty path (str or os.PathLike)")
+    return file_name
+
+
+def _mlx_cache_class(name: str) -> type | None:
+    # only mlx-lm's cache classes, not any attribute of its module (a function, an import)
+    cls = getattr(mlx_cache, name, None)
+    base = getattr(mlx_cache, "_BaseCache", object)
+    return cls if isinstance(cls, type) and issubclass(cls, base) else None
+
+
 def save_prompt_cache(file_name: str, cache: list[Any], metadata: dict[str, str] | None = None) -> None:
-    """Save a prompt cache (palu, naive and mlx-lm layers) to a ``.safetensors`` file."""
+    """Save a prompt cache (palu, naive and mlx-lm layers) to a ``.safetensors`` file.
+
+    As with ``mx.save_safetensors``, ``.safetensors`` is appended to a name without it. The
+    file's metadata carries a sha256 checksum of its arrays and layer metadata, which
+    :func:`load_prompt_cache` verifies. The file is written under a temporary name and then
+    renamed, so a failed save leaves any earlier file of that name as it was.
+    """
+    file_name = _check_file_name(file_name)
+    if not isinstance(cache, (list, tuple)):
+        raise KVConfigError(f"cache must be a list of layer caches; got {type(cache).__name__}")
+    if metadata is not None and (
+        not isinstance(metadata, dict)
+        or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())
+    ):
+        raise KVConfigError(f"metadata must be None or a dict of str -> str; got {metadata!r:.200}")
     arrays: dict[str, mx.array] = {}
     layers: list[dict[str, Any]] = []
     for i, layer in enumerate(cache):
         name = type(layer).__name__
-        if name in _OURS:
+        if isinstance(layer, _OUR_CLASSES) and type(layer) is _OURS.get(name):
             for key, arr in layer.state.items():
                 arrays[f"{i}.{key}"] = arr
             layers.append({"class": name, "meta_state": list(layer.meta_state)})
             continue
-        if not hasattr(mlx_cache, name):
+        if _mlx_cache_class(name) is not type(layer):
             raise KVConfigError(f"layer {i}: cannot save a {name}; not a palu-mlx or mlx-lm cache")
         scalars: dict[str, Any] = {}
         for key, value in tree_flatten(layer.state):
@@ -239,37 +314,120 @@ def save_prompt_cache(file_name: str, cache: list[Any], metadata: dict[str, str]
                 raise KVConfigError(f"layer {i} ({name}): state entry {key!r} is not serializable")
         layers.append({"class": name, "scalars": scalars})
     meta = {"format": _FORMAT, "layers": json.dumps(layers), "metadata": json.dumps(metadata or {})}
-    mx.save_safetensors(file_name, arrays, meta)
+    meta[CHECKSUM_KEY] = digest(arrays, {"layers": meta["layers"], "metadata": meta["metadata"]})
+    final = file_name if file_name.endswith(".safetensors") else file_name + ".safetensors"
+    tmp = f"{final}.{os.getpid()}.tmp.safetensors"
+    try:
+        mx.save_safetensors(tmp, arrays, meta)
+        os.replace(tmp, final)
+    except (OSError, RuntimeError, ValueError) as exc:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise KVDataError(f"{final}: the prompt cache cannot be written: {exc}") from None
 
 
 def load_prompt_cache(file_name: str, return_metadata: bool = False) -> Any:
     """Load a prompt cache written by :func:`save_prompt_cache`.
 
     Returns the list of layer caches, or ``(caches, metadata)`` when ``return_metadata``.
+    Raises ``KVDataError`` naming the file when it cannot be read, its checksum does not match
+    (corrupt bytes) or a layer's state does not match its metadata; ``KVConfigError`` when it
+    is not a palu-mlx prompt cache. A file without a checksum (written by palu-mlx before it
+    wrote one) loads with an :class:`UnverifiedPromptCacheWarning`.
     """
-    arrays, meta = mx.load(file_name, return_metadata=True)
+    file_name = _check_file_name(file_name)
+    if not isinstance(return_metadata, bool):
+        raise KVConfigError(f"return_metadata={return_metadata!r} must be True or False")
+    try:
+        arrays, meta = mx.load(file_name, return_metadata=True)
+    except (OSError, RuntimeError, ValueError) as exc:
+        raise KVDataError(f"{file_name}: cannot be read as a safetensors prompt cache: {exc}") from None
+    if not isinstance(arrays, dict):
+        raise KVConfigError(
+            f"{file_name} is not a palu-mlx prompt cache (not a safetensors file of named arrays)"
+        )
     if meta.get("format") != _FORMAT:
         raise KVConfigError(
             f"{file_name} is not a palu-mlx prompt cache (format {meta.get('format')!r}); "
             "use mlx_lm.models.cache.load_prompt_cache for mlx-lm's own files"
         )
-    layers = json.loads(meta["layers"])
+    for field in ("layers", "metadata"):
+        if not isinstance(meta.get(field), str):
+            raise KVDataError(
+                f"{file_name}: the metadata has no {field!r} entry; the file is truncated or corrupt"
+            )
+    stored = meta.get(CHECKSUM_KEY)
+    if stored is None:
+        warnings.warn(
+            f"{file_name} has no checksum (written by an older palu-mlx): loaded without an integrity check; "
+            "save it again to add one",
+            UnverifiedPromptCacheWarning,
+            stacklevel=2,
+        )
+    elif stored != digest(arrays, {"layers": meta["layers"], "metadata": meta["metadata"]}):
+        raise KVDataError(
+            f"{file_name}: checksum mismatch: the file's arrays or metadata changed after it was written "
+            "(corrupt bytes); it cannot be loaded"
+        )
+    layers, user_meta = (
+        _parse_json(file_name, meta, "layers", list),
+        _parse_json(file_name, meta, "metadata", dict),
+    )
     per_layer: list[dict[str, mx.array]] = [{} for _ in layers]
     for key, arr in arrays.items():
-        index, name = key.split(".", 1)
+        index, _, name = key.partition(".")
+        if not index.isdigit() or not name or int(index) >= len(layers):
+            raise KVDataError(
+                f"{file_name}: array {key!r} is not '<layer>.<name>' with a layer index below {len(layers)}"
+            )
         per_layer[int(index)][name] = arr
-    caches = []
-    for entry, state in zip(layers, per_layer, strict=True):
-        cls_name = entry["class"]
-        if cls_name in _OURS:
-            caches.append(_OURS[cls_name].from_state(state, tuple(entry["meta_state"])))
-            continue
-        flat = list(state.items()) + list(entry["scalars"].items())
-        flat.sort(key=lambda kv: _flat_key_order(kv[0]))
-        caches.append(getattr(mlx_cache, cls_name).from_state(tree_unflatten(flat)))
+    caches = [
+        _load_layer(file_name, i, entry, state)
+        for i, (entry, state) in enumerate(zip(layers, per_layer, strict=True))
+    ]
     if return_metadata:
-        return caches, json.loads(meta["metadata"])
+        return caches, user_meta
     return caches
+
+
+def _parse_json(file_name: str, meta: dict[str, str], field: str, kind: type) -> Any:
+    try:
+        value = json.loads(meta[field])
+    except json.JSONDecodeError as exc:
+        raise KVDataError(f"{file_name}: metadata {field!r} is not valid JSON ({exc})") from None
+    if not isinstance(value, kind):
+        raise KVDataError(
+            f"{file_name}: metadata {field!r} must be a JSON {kind.__name__}; got {type(value).__name__}"
+        )
+    return value
+
+
+def _load_layer(file_name: str, i: int, entry: Any, state: dict[str, mx.array]) -> Any:
+    where = f"{file_name}: layer {i}"
+    if not isinstance(entry, dict) or not isinstance(entry.get("class"), str):
+        raise KVDataError(f"{where}: its metadata must be an object with a 'class' name; got {entry!r:.200}")
+    cls_name = entry["class"]
+    if cls_name in _OURS:
+        meta_state = entry.get("meta_state")
+        if not isinstance(meta_state, list):
+            raise KVDataError(f"{where} ({cls_name}): its metadata has no meta_state list")
+        try:
+            return _OURS[cls_name].from_state(state, tuple(meta_state))
+        except KVSpecError as exc:
+            raise KVDataError(f"{where}: {exc}") from None
+    cls = _mlx_cache_class(cls_name)
+    scalars = entry.get("scalars")
+    if cls is None or not isinstance(scalars, dict):
+        raise KVDataError(
+            f"{where}: class {cls_name!r} is neither a palu-mlx nor an mlx-lm cache (with scalars)"
+        )
+    flat = list(state.items()) + list(scalars.items())
+    flat.sort(key=lambda kv: _flat_key_order(kv[0]))
+    try:
+        return cls.from_state(tree_unflatten(flat))
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
+        # mlx-lm's caches do not check their state; what they raise is all there is to report
+        raise KVDataError(f"{where} ({cls_name}): mlx-lm cannot rebuild it from the file: {exc!r}") from None
 
 
 def _flat_key_order(key: str) -> tuple:

@@ -23,7 +23,7 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from kvspec import KVConfigError
+from kvspec import KVConfigError, KVDataError, KVSpecError
 from mlx.utils import tree_flatten
 from mlx_lm.models import cache as mlx_cache
 
@@ -129,6 +129,20 @@ class TensorCalibration:
     mean: mx.array
     variance: mx.array
 
+    def __post_init__(self) -> None:
+        for name, arr in self.arrays().items():
+            if not isinstance(arr, mx.array) or arr.dtype not in (mx.float32, mx.float16, mx.bfloat16):
+                got = arr.dtype if isinstance(arr, mx.array) else type(arr).__name__
+                raise KVDataError(f"TensorCalibration.{name} must be an mlx float array; got {got}")
+        if self.basis.ndim != 3 or min(self.basis.shape) < 1:
+            raise KVDataError(f"TensorCalibration.basis must be [H, D, r]; got shape {self.basis.shape}")
+        h, d, r = self.basis.shape
+        if tuple(self.mean.shape) != (h, d) or tuple(self.variance.shape) != (h, r):
+            raise KVDataError(
+                f"TensorCalibration: basis {self.basis.shape} needs mean [{h}, {d}] and variance [{h}, {r}]; "
+                f"got {self.mean.shape} and {self.variance.shape}"
+            )
+
     def arrays(self) -> dict[str, mx.array]:
         return {"basis": self.basis, "mean": self.mean, "variance": self.variance}
 
@@ -166,36 +180,95 @@ class Calibration:
             "tokens": str(self.tokens),
             "text_sha256": self.text_sha256,
         }
-        mx.save_safetensors(str(path), arrays, meta)
+        if not isinstance(path, (str, Path)) or not str(path):
+            raise KVConfigError(f"path={path!r} must be a non-empty str or Path")
+        try:
+            mx.save_safetensors(str(path), arrays, meta)
+        except (OSError, RuntimeError, ValueError) as exc:
+            raise KVDataError(f"calibration file {str(path)!r} cannot be written: {exc}") from None
 
     @classmethod
     def load(cls, path: str | Path) -> Calibration:
-        """Read a file written by :meth:`save`; ``KVConfigError`` if it is not one."""
+        """Read a file written by :meth:`save`.
+
+        ``KVConfigError`` when the file cannot be read or is not a calibration file;
+        ``KVDataError`` naming the file and the entry when its content is corrupt or does
+        not match its own header (layer count, head count, head dims, finite values).
+        """
+        where = f"palu_calibration={str(path)!r}"
         try:
             arrays, meta = mx.load(str(path), return_metadata=True)
         except (OSError, RuntimeError, ValueError) as exc:
-            raise KVConfigError(f"palu_calibration={str(path)!r} cannot be read: {exc}") from None
-        if meta.get("format") != CALIBRATION_FORMAT:
+            raise KVConfigError(f"{where} cannot be read: {exc}") from None
+        if not isinstance(arrays, dict) or meta.get("format") != CALIBRATION_FORMAT:
             raise KVConfigError(
-                f"palu_calibration={str(path)!r} is not a palu-mlx calibration file "
+                f"{where} is not a palu-mlx calibration file "
                 f"(format {meta.get('format')!r}; expected {CALIBRATION_FORMAT!r})"
             )
+        try:
+            return cls._from_file(arrays, meta)
+        except (KVSpecError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            raise KVDataError(f"{where} is corrupt: {exc}") from None
+
+    @classmethod
+    def _from_file(cls, arrays: dict[str, mx.array], meta: dict[str, str]) -> Calibration:
+        # any KeyError / JSONDecodeError / ValueError here is a corrupt file; load() names it
         model = json.loads(meta["model"])
-        n = model["n_layers"]
+        if not isinstance(model, dict):
+            raise KVDataError("the 'model' header is not a JSON object")
+        n, n_kv, head_dim = model["n_layers"], model["n_kv_heads"], model["head_dim"]
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise KVDataError(f"the header's n_layers={n!r} is not a positive int")
+        pre_rope = json.loads(meta["pre_rope"])
+        if not isinstance(pre_rope, bool):
+            raise KVDataError(f"the header's pre_rope={pre_rope!r} is not true or false")
+        tokens = int(meta["tokens"])
         tensors: dict[tuple[int, str], dict[str, mx.array]] = {}
         for key, arr in arrays.items():
-            layer, prefix, name = key.split(".")
-            tensors.setdefault((int(layer), prefix), {})[name] = arr
+            parts = key.split(".")
+            if (
+                len(parts) != 3
+                or not parts[0].isdigit()
+                or int(parts[0]) >= n
+                or parts[1] not in ("key", "value")
+                or parts[2] not in ("basis", "mean", "variance")
+            ):
+                raise KVDataError(
+                    f"array {key!r} is not '<layer below {n}>.<key|value>.<basis|mean|variance>'"
+                )
+            tensors.setdefault((int(parts[0]), parts[1]), {})[parts[2]] = arr
+        for (layer, prefix), fields in sorted(tensors.items()):
+            if set(fields) != {"basis", "mean", "variance"}:
+                raise KVDataError(
+                    f"layer {layer} {prefix}: has arrays {sorted(fields)}; needs basis, mean, variance"
+                )
+            if (layer, "value" if prefix == "key" else "key") not in tensors:
+                raise KVDataError(f"layer {layer} has {prefix} arrays but not the other tensor's")
         keys = [TensorCalibration(**tensors[(i, "key")]) if (i, "key") in tensors else None for i in range(n)]
         values = [
             TensorCalibration(**tensors[(i, "value")]) if (i, "value") in tensors else None for i in range(n)
         ]
-        return cls(
-            model, keys, values, json.loads(meta["pre_rope"]), int(meta["tokens"]), meta["text_sha256"]
-        )
+        for i, (k, v) in enumerate(zip(keys, values, strict=True)):
+            if k is None:
+                continue
+            if n_kv is not None and (k.basis.shape[0] != n_kv or v.basis.shape[0] != n_kv):
+                raise KVDataError(
+                    f"layer {i}: {k.basis.shape[0]} / {v.basis.shape[0]} heads; the header says {n_kv}"
+                )
+            if head_dim is not None and k.basis.shape[1] != head_dim:
+                raise KVDataError(f"layer {i}: key head dim {k.basis.shape[1]}; the header says {head_dim}")
+        present = [a for t in keys + values if t is not None for a in t.arrays().values()]
+        if not present:
+            raise KVDataError("the file holds no layer's arrays")
+        if not mx.all(mx.stack([mx.all(mx.isfinite(a)) for a in present])).item():
+            raise KVDataError("an array contains NaN or infinity")
+        return cls(model, keys, values, pre_rope, tokens, str(meta["text_sha256"]))
 
     def check_model(self, model: Any, source: str = "palu_calibration") -> None:
         """Raise ``KVConfigError`` naming what differs if ``model`` is not the calibrated model."""
+        from .builder import _check_model
+
+        _check_model(model)
         ours = model_identity(model)
         exact = ("architecture", "n_layers", "n_kv_heads", "head_dim")
         diffs = [
@@ -265,11 +338,22 @@ def calibrate(
     """
     from tqdm import tqdm
 
-    from .builder import _default_caches, model_kv_dims
+    from .builder import _check_model, _default_caches, model_kv_dims
 
+    _check_model(model)
+    if not callable(getattr(tokenizer, "encode", None)):
+        raise KVConfigError(f"tokenizer must have an encode(text) method; got {type(tokenizer).__name__}")
+    if text is not None and not isinstance(text, str):
+        raise KVConfigError(f"text must be None (the shipped text) or a str; got {type(text).__name__}")
     text = default_calibration_text() if text is None else text
-    if not isinstance(window, int) or window < 2:
+    if not isinstance(window, int) or isinstance(window, bool) or window < 2:
         raise KVConfigError(f"window={window!r} must be an integer >= 2")
+    if max_tokens is not None and (
+        not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 2
+    ):
+        raise KVConfigError(f"max_tokens={max_tokens!r} must be None (all tokens) or an integer >= 2")
+    if not isinstance(progress, bool):
+        raise KVConfigError(f"progress={progress!r} must be True or False")
     head_dim, _ = model_kv_dims(model)
     rotaries = model_rotaries(model, head_dim)
     limit = getattr(getattr(model, "args", None), "max_position_embeddings", None)
