@@ -2,13 +2,26 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from flashcodec import PNGCodec
 from flashcodec.codecs import MixedJPEGCodec
 from flashcodec.tiers import TIERS
+from hypothesis import HealthCheck, settings
 
 torch.set_num_threads(1)
+
+# Property tests (test_properties.py): "ci" (the default) keeps the suite fast on a shared 2-core box;
+# HYPOTHESIS_PROFILE=thorough runs many more random sequences when changing the cache itself.
+settings.register_profile(
+    "ci", max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
+)
+settings.register_profile(
+    "thorough", max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 def random_walk(b=2, h=3, s=64, d=16, *, seed=0, dtype=torch.float32, step=0.1) -> torch.Tensor:

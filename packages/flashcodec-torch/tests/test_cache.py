@@ -6,7 +6,15 @@ import pytest
 import torch
 from conftest import CODECS, gaussian, random_walk
 from flashcodec import CodecKVCache
-from kvspec import KVCacheLayer, KVConfigError, KVDataError, KVDtypeError, KVShapeError, KVTrimError, KVValueError
+from kvspec import (
+    KVCacheLayer,
+    KVConfigError,
+    KVDataError,
+    KVDtypeError,
+    KVShapeError,
+    KVTrimError,
+    KVValueError,
+)
 
 
 def test_meets_the_kvspec_protocol():

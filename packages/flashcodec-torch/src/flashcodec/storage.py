@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, fields
+
+from kvspec import KVConfigError
 
 __all__ = ["CodecStorage"]
 
@@ -22,6 +25,7 @@ class CodecStorage:
         raw: bytes an uncompressed cache of the same dtype would hold for the same tokens.
 
     ``held = used + tail`` is what kvspec's ``nbytes`` reports and what ``state`` contains.
+    Every field is a byte count: an integer >= 0 (``KVConfigError`` otherwise).
     """
 
     used: int = 0
@@ -29,6 +33,14 @@ class CodecStorage:
     allocated: int = 0
     view: int = 0
     raw: int = 0
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+                raise KVConfigError(
+                    f"CodecStorage.{f.name} must be a byte count (an integer >= 0); got {value!r}"
+                )
 
     @property
     def held(self) -> int:

@@ -45,9 +45,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from kvspec import KVConfigError
 
 from .codecs.base import BlockCodec
 from .storage import CodecStorage
+from .validate import check_int
 
 __all__ = ["AppendPlan", "CodecStream", "ReorderPlan", "SPARE_BLOCKS"]
 
@@ -111,12 +113,19 @@ class CodecStream:
         initial_blocks: int = 16,
         max_spare_blocks: int = SPARE_BLOCKS,
     ):
+        if not isinstance(codec, BlockCodec):
+            raise KVConfigError(f"codec must be a codec object such as JPEGCodec(...); got {codec!r}")
+        batch, heads, dim = (
+            check_int(n, v, low=1) for n, v in (("batch", batch), ("heads", heads), ("dim", dim))
+        )
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise KVConfigError(f"dtype must be a floating torch.dtype; got {dtype!r}")
         self.codec = codec
         self.batch, self.heads, self.dim = batch, heads, dim
         self.dtype = dtype
         self.device = torch.device(device)
-        self.initial_blocks = max(1, int(initial_blocks))
-        self.max_spare_blocks = max(0, int(max_spare_blocks))
+        self.initial_blocks = check_int("initial_blocks", initial_blocks, low=1)
+        self.max_spare_blocks = check_int("max_spare_blocks", max_spare_blocks, low=0)
         self._archive: tuple[torch.Tensor, ...] = ()
         self.n_blocks = 0
         self._tail = torch.zeros(batch, heads, codec.block_size, dim, dtype=dtype, device=self.device)
@@ -124,6 +133,21 @@ class CodecStream:
         self._view: torch.Tensor | None = None
         self._view_version: int | None = None  # the view's version counter after this stream's last write
         self.view_blocks = 0
+
+    # ------------------------------------------------------------------ copying
+    def __getstate__(self) -> dict:
+        # a copy (deepcopy, pickle) gets a view tensor with a fresh version counter: carry whether
+        # the view was trustworthy instead of the counter value
+        state = dict(self.__dict__)
+        state["_view_version"] = self._view_is_trusted()
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        trusted = state.pop("_view_version")
+        self.__dict__.update(state)
+        self._view_version = _version(self._view) if self._view is not None and trusted else None
+        if not trusted:
+            self.view_blocks = 0
 
     # ------------------------------------------------------------------ read-only description
     @property

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-from kvspec import KVConfigError, KVShapeError
+from kvspec import KVConfigError, KVDtypeError, KVShapeError
 
 __all__ = ["PartSpec", "BlockCodec", "check_block_size", "to_blocks", "from_blocks", "to_output"]
 
@@ -53,6 +53,9 @@ def check_block_size(block_size: object) -> int:
 
 def to_blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
     """``x [..., S, D]`` with ``S % r == 0`` -> ``[..., S // r, r, D]`` (a view when possible)."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        got = f"a {x.dtype} tensor" if isinstance(x, torch.Tensor) else type(x).__name__
+        raise KVDtypeError(f"codec input must be a floating-point torch.Tensor [..., S, D]; got {got}")
     if x.dim() < 2:
         raise KVShapeError(f"codec input must have at least 2 dims [..., S, D]; got shape {tuple(x.shape)}")
     s, d = x.shape[-2], x.shape[-1]

@@ -185,6 +185,9 @@ def frequency_variances(x: torch.Tensor, block_size: int = 8) -> torch.Tensor:
     calibration text's keys and values, concatenated along any leading axis).
     """
     r = check_block_size(block_size)
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() < 2:
+        got = f"shape {tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
+        raise KVShapeError(f"x must be a floating-point tensor [..., S, D]; got {got}")
     s = (x.shape[-2] // r) * r
     if s == 0:
         raise KVShapeError(f"x needs at least block_size={r} tokens along dim -2; got shape {tuple(x.shape)}")

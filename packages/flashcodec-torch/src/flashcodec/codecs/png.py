@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-from kvspec import KVConfigError
+from kvspec import KVConfigError, KVShapeError
 
 from .base import BlockCodec, PartSpec, check_block_size, from_blocks, to_blocks, to_output
 
@@ -174,5 +174,8 @@ def delta_variance_ratio(x: torch.Tensor) -> float:
 
     Below 1: neighbouring tokens are positively correlated (deltas shrink); above 1: anti-correlated.
     """
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() < 2 or x.shape[-2] < 2:
+        got = f"shape {tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
+        raise KVShapeError(f"x must be a floating-point tensor [..., S, D] with S >= 2; got {got}")
     xf = x.detach().to(torch.float64)
     return float(torch.diff(xf, dim=-2).var() / xf.var())

@@ -39,6 +39,12 @@ def config_layer_types(config: Any) -> tuple[list[str], list[dict[str, Any]]]:
     ``(layer_types, per_layer_kwargs)`` as ``DynamicCache(config=...)`` would build them.
     """
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    n_layers = getattr(text, "num_hidden_layers", None)
+    if isinstance(n_layers, bool) or not isinstance(n_layers, numbers.Integral) or n_layers < 1:
+        raise KVConfigError(
+            "config must be a transformers model config with num_hidden_layers >= 1 "
+            f"(e.g. model.config); got {type(config).__name__} with num_hidden_layers={n_layers!r}"
+        )
     try:
         from transformers.cache_utils import get_layer_types_and_kwargs
     except ImportError:  # releases before the helper: infer from layer_types / sliding_window

@@ -252,6 +252,10 @@ def calibrate(
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, numbers.Integral) or max_tokens < 1:
         raise KVConfigError(f"max_tokens must be an integer >= 1; got {max_tokens!r}")
     block = sizes.pop()
+    if not isinstance(model, torch.nn.Module) or getattr(model, "config", None) is None:
+        raise KVConfigError(
+            f"model must be a transformers causal LM (a torch.nn.Module with .config); got {type(model).__name__}"
+        )
     ids = _token_texts(texts, tokenizer, int(max_tokens), block)
     config = model.config
     exact = PNGCodec(block, keep_ratio=1.0)
