@@ -33,6 +33,7 @@ from kvspec import KVConfigError, KVDataError, KVSpecError
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models import cache as mlx_cache
 
+from .attention import route_attention, unroute_attention
 from .cache import PaluKVCache
 from .calibrated import CalibratedKVCache, calibrated_caches
 from .calibration import Calibration
@@ -130,7 +131,9 @@ class KVCacheBuilder:
         Raises ``KVConfigError`` when ``config.head_dim`` differs from the model's
         head dim or its KV head count is not divisible by ``palu_n_head_groups``.
         """
-        return KVCacheBuilder._build(model, config, allocation_policy, None)
+        caches = KVCacheBuilder._build(model, config, allocation_policy, None)
+        route_attention(model)
+        return caches
 
     @staticmethod
     def _build(
@@ -186,6 +189,7 @@ class KVCacheBuilder:
         """
         rotaries = _rotaries(model, config, model_kv_dims(model)[0])
         KVCacheBuilder._build(model, config, allocation_policy, rotaries)
+        route_attention(model)
 
         def make_cache(*_args: Any, **_kwargs: Any) -> list[Any]:
             return KVCacheBuilder._build(model, config, allocation_policy, rotaries)
@@ -202,6 +206,7 @@ class KVCacheBuilder:
         """Undo :meth:`install`: the model's own ``make_cache`` again. Returns False if none was installed."""
         if not _installed(model):
             return False
+        unroute_attention(model)
         current = model.make_cache
         if current._palu_had_own:
             model.make_cache = current._palu_original

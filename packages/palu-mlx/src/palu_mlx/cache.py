@@ -31,11 +31,13 @@ one to its quantized attention, which expects ``mx.quantize`` tuples.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 import mlx.core as mx
 import numpy as np
 from kvspec import KVConfigError, KVShapeError
 
+from .attention import LatentStore
 from .calibrated import GAUSSIAN_STEP, FixedQuantCoder
 from .config import UNQUANTIZED_BITS, KVCacheConfig
 from .layer import CacheLayer, write_rows
@@ -238,6 +240,24 @@ class PaluKVCache(CacheLayer):
             latents = self._key_coder.decode({name: buf[..., :n, :] for name, buf in self._key_codes.items()})
             keys = self.rotary.rotate(reconstruct(latents, self._key_proj, mx.float32), 0).astype(self._dtype)
         return keys, self._reconstruct(self._value_codes, self._value_coder, self._value_proj, n)
+
+    def latent_store(self) -> LatentStore | None:
+        """The latent codes for :func:`~palu_mlx.attention.latent_attention`; None before the fit."""
+        if self._key_proj is None:
+            return None
+
+        def latents(buffers: dict[str, mx.array], coder: MixedBitCoder) -> Callable[[int, int], mx.array]:
+            return lambda start, stop: coder.decode({k: b[..., start:stop, :] for k, b in buffers.items()})
+
+        return LatentStore(
+            heads=self._shape[1],
+            length=self.offset,
+            key_latents=latents(self._key_codes, self._key_coder),
+            key_projection=self._key_proj,
+            rotary=self.rotary,
+            value_latents=latents(self._value_codes, self._value_coder),
+            value_projection=self._value_proj,
+        )
 
     def _reconstruct(self, buffers, coder: MixedBitCoder, projection: GroupProjection, n: int) -> mx.array:
         latents = coder.decode({name: buf[..., :n, :] for name, buf in buffers.items()})

@@ -29,6 +29,7 @@ import mlx.core as mx
 import numpy as np
 from kvspec import KVConfigError, KVShapeError
 
+from .attention import LatentStore
 from .calibration import Calibration, TensorCalibration
 from .config import KVCacheConfig
 from .layer import CacheLayer, write_rows
@@ -201,6 +202,21 @@ class CalibratedKVCache(CacheLayer):
                 self._dtype
             )
         return keys, reconstruct(vl, self._value.projection, self._dtype)
+
+    def latent_store(self) -> LatentStore | None:
+        """The packed codes for :func:`~palu_mlx.attention.latent_attention`; None while empty."""
+        if self._key_codes is None:
+            return None
+        key_codes, value_codes = self._key_codes, self._value_codes
+        return LatentStore(
+            heads=self._shape[1],
+            length=self.offset,
+            key_latents=lambda start, stop: self._key.coder.decode(key_codes[..., start:stop, :]),
+            key_projection=self._key.projection,
+            rotary=self.rotary,
+            value_latents=lambda start, stop: self._value.coder.decode(value_codes[..., start:stop, :]),
+            value_projection=self._value.projection,
+        )
 
     # ---------------------------------------------------------------- state
     @property

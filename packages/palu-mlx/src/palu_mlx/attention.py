@@ -1,0 +1,193 @@
+"""Attention on palu's latent codes, and the switch that routes an mlx-lm model's attention to it.
+
+A fitted palu cache holds, per KV head group ``g``, key latents ``L_k`` and value latents ``L_v``
+with their projections (``K = L_k V_kᵀ + μ_k``, ``V = L_v V_vᵀ + μ_v``). The plain path rebuilds
+the whole 16-bit history for every attention call and hands it to SDPA. Here instead:
+
+* **Values stay in the latent domain.** Softmax weights sum to one, so
+  ``p · (L_v V_vᵀ + μ_v) = (p · L_v) V_vᵀ + μ_v`` exactly: the weights multiply the ``r_v``-wide
+  latents, and one ``[r_v, D]`` product per query row maps the result back. No value is ever
+  rebuilt.
+* **Keys are rebuilt chunk by chunk.** Pre-RoPE keys must be rotated at their own positions
+  before the dot product with the (rotated) queries, so ``q · R_t (L V_kᵀ)`` does not factor
+  through the latents; each chunk of ``chunk`` tokens is decoded, rebuilt, rotated and scored,
+  and the chunks are combined with an online softmax (running max, running sum). Peak memory
+  is one chunk of keys, not the history.
+
+:func:`route_attention` makes an mlx-lm model use this: the model families whose attention
+module calls ``mlx_lm.models.base.scaled_dot_product_attention`` through a module-level name
+get that name replaced by :func:`routed_sdpa`, which sends calls whose cache offers a
+:class:`LatentStore` here and every other call, unchanged, to mlx-lm's function. The model
+object itself is not touched; :func:`unroute_attention` puts mlx-lm's function back. The
+cache's ``update_and_fetch`` still returns the rebuilt history as lazy arrays (so anything that
+reads them works); when the routed attention does not read them, MLX never computes them.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models import base as mlx_base
+
+from .lowrank import GroupProjection, reconstruct
+from .rope import Rotary
+
+__all__ = ["LatentStore", "latent_attention", "routed_sdpa", "route_attention", "unroute_attention", "CHUNK"]
+
+#: key tokens rebuilt at once: large enough that the per-chunk work dwarfs the Python overhead,
+#: small enough that a chunk's float32 keys (``B * H * CHUNK * D * 4`` bytes) stay far below the
+#: coded history at long context
+CHUNK = 1024
+
+# masked scores: finite, so a chunk whose keys are all masked for a row gives exp(0)=1 terms
+# that the next unmasked chunk's correction factor exp(-1e30 - m) wipes out (no NaN)
+_MASKED = -1e30
+
+
+@dataclass(frozen=True)
+class LatentStore:
+    """What :func:`latent_attention` reads from a cache: ``length`` tokens of latent codes.
+
+    Attributes:
+        heads: KV heads ``H``.
+        length: tokens held.
+        key_latents: ``(start, stop) -> [B, H, stop-start, r_k]`` float32 key latents.
+        key_projection: the keys' per-group projection.
+        rotary: the RoPE to apply to rebuilt keys at their positions (pre-RoPE keys), or None.
+        value_latents: ``(start, stop) -> [B, H, stop-start, r_v]`` float32 value latents.
+        value_projection: the values' per-group projection.
+    """
+
+    heads: int
+    length: int
+    key_latents: Callable[[int, int], mx.array]
+    key_projection: GroupProjection
+    rotary: Rotary | None
+    value_latents: Callable[[int, int], mx.array]
+    value_projection: GroupProjection
+
+    def keys(self, start: int, stop: int) -> mx.array:
+        """Rebuilt keys of tokens ``[start, stop)``, rotated at their positions, float32."""
+        keys = reconstruct(self.key_latents(start, stop), self.key_projection, mx.float32)
+        return keys if self.rotary is None else self.rotary.rotate(keys, start)
+
+
+def _chunk_mask(mask: Any, start: int, stop: int, n_queries: int, length: int, rep: int) -> mx.array | None:
+    """The mask of key tokens ``[start, stop)`` as a bool array broadcastable to ``[B, H, rep, L, c]``.
+
+    ``mask`` is what mlx-lm passes to SDPA: None, ``"causal"``, or an array broadcastable to
+    ``[B, Hq, L, length]`` (bool: True attends; float: added to the scores, returned as such).
+    """
+    if mask is None:
+        return None
+    if isinstance(mask, str):
+        if mask != "causal":
+            raise ValueError(f"mask={mask!r}: the only string mask is 'causal'")
+        query_pos = mx.arange(length - n_queries, length)[:, None]
+        return mx.arange(start, stop)[None, :] <= query_pos  # [L, c]
+    m = mask[..., start:stop]
+    while m.ndim < 4:
+        m = m[None]
+    b, h = m.shape[0], m.shape[1]
+    # [B?, Hq?, L?, c] -> [B?, H?, rep?, L?, c] (query heads are grouped by KV head, as in SDPA)
+    return m.reshape(b, h // rep, rep, *m.shape[2:]) if h > 1 else m[:, :, None]
+
+
+def latent_attention(
+    queries: mx.array, store: LatentStore, scale: float, mask: Any = None, chunk: int = CHUNK
+) -> mx.array:
+    """Scaled dot-product attention of ``queries [B, Hq, L, D]`` over ``store``'s tokens.
+
+    Equals ``softmax(q kᵀ * scale + mask) v`` with the rebuilt keys and values (up to float32
+    rounding); ``Hq`` must be a multiple of the KV head count (grouped-query attention).
+    Returns ``[B, Hq, L, Dv]`` in the queries' dtype.
+    """
+    b, hq, n_q, d = queries.shape
+    h = store.heads
+    rep = hq // h
+    rows = rep * n_q
+    q = (queries.astype(mx.float32) * scale).reshape(b, h, rows, d)
+    running_max = running_sum = acc = None
+    for start in range(0, store.length, chunk):
+        stop = min(store.length, start + chunk)
+        scores = q @ store.keys(start, stop).swapaxes(-1, -2)  # [B, H, rows, c]
+        m = _chunk_mask(mask, start, stop, n_q, store.length, rep)
+        if m is not None:
+            s5 = scores.reshape(b, h, rep, n_q, stop - start)
+            s5 = mx.where(m, s5, _MASKED) if m.dtype == mx.bool_ else s5 + m.astype(mx.float32)
+            scores = s5.reshape(b, h, rows, stop - start)
+        v_lat = store.value_latents(start, stop)
+        chunk_max = mx.max(scores, axis=-1, keepdims=True)
+        if running_max is None:
+            running_max = chunk_max
+            p = mx.exp(scores - running_max)
+            running_sum = mx.sum(p, axis=-1, keepdims=True)
+            acc = p @ v_lat
+            continue
+        new_max = mx.maximum(running_max, chunk_max)
+        p = mx.exp(scores - new_max)
+        correction = mx.exp(running_max - new_max)
+        running_sum = running_sum * correction + mx.sum(p, axis=-1, keepdims=True)
+        acc = acc * correction + p @ v_lat
+        running_max = new_max
+    latent_out = acc / running_sum  # [B, H, rows, r_v]
+    # back to values: (p L_v) V_vᵀ + μ_v, per head group (the heads of a group share a projection)
+    out = reconstruct(latent_out, store.value_projection, mx.float32)  # [B, H, rows, Dv]
+    return out.reshape(b, hq, n_q, out.shape[-1]).astype(queries.dtype)
+
+
+# --------------------------------------------------------------------------- routing
+_MLX_SDPA = mlx_base.scaled_dot_product_attention
+_ROUTED_NAME = "scaled_dot_product_attention"
+
+
+def routed_sdpa(queries, keys, values, cache, scale: float, mask, sinks=None) -> mx.array:
+    """mlx-lm's ``scaled_dot_product_attention`` with calls on latent palu caches sent to the codes."""
+    latent_store = getattr(cache, "latent_store", None)
+    if sinks is None and latent_store is not None:
+        store = latent_store()
+        if store is not None:
+            return latent_attention(queries, store, scale, mask)
+    return _MLX_SDPA(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+
+def _attention_modules(model: Any) -> list[Any]:
+    modules = []
+    for layer in getattr(model, "layers", None) or []:
+        attn = getattr(layer, "self_attn", None)
+        module = sys.modules.get(type(attn).__module__) if attn is not None else None
+        if module is not None and module not in modules:
+            modules.append(module)
+    return modules
+
+
+def route_attention(model: Any) -> bool:
+    """Send ``model``'s attention on latent palu caches to :func:`latent_attention`.
+
+    Replaces the module-level ``scaled_dot_product_attention`` of the modules defining the
+    model's attention layers, where it is mlx-lm's own function (so every other cache and every
+    other call behaves exactly as before). Returns whether the model's attention is routed
+    (False for a family that calls attention some other way: it keeps rebuilding the history).
+    """
+    routed = False
+    for module in _attention_modules(model):
+        current = getattr(module, _ROUTED_NAME, None)
+        if current is _MLX_SDPA:
+            setattr(module, _ROUTED_NAME, routed_sdpa)
+            current = routed_sdpa
+        routed = routed or current is routed_sdpa
+    return routed
+
+
+def unroute_attention(model: Any) -> bool:
+    """Undo :func:`route_attention` for ``model``'s families; returns whether anything was routed."""
+    undone = False
+    for module in _attention_modules(model):
+        if getattr(module, _ROUTED_NAME, None) is routed_sdpa:
+            setattr(module, _ROUTED_NAME, _MLX_SDPA)
+            undone = True
+    return undone
