@@ -156,7 +156,9 @@ def test_calibrated_cache_equals_rebuild_then_sdpa(tmp_path):
     model = make_tiny_qwen3(seed=5)
     path = tmp_path / "tiny.safetensors"
     calibrate(model, _ByteTokenizer(), window=64, max_tokens=192, progress=False).save(path)
-    caches = KVCacheBuilder.for_model(model, KVCacheConfig(head_dim=D, palu_calibration=str(path), palu_bits=2.0))
+    caches = KVCacheBuilder.for_model(
+        model, KVCacheConfig(head_dim=D, palu_calibration=str(path), palu_bits=2.0)
+    )
     cache = caches[0]
     assert cache.latent_store() is None  # empty
     keys = planted_lowrank((2, 4, 70, D), rank=6, seed=8, noise=0.05)
