@@ -65,6 +65,8 @@ def batch_index(
         idx = torch.as_tensor(indices)
     except (TypeError, ValueError, RuntimeError) as err:
         raise KVShapeError(f"{name} must be a 1-D integer tensor or sequence; got {indices!r:.80}") from err
+    if idx.numel() == 0:
+        raise KVShapeError(f"{name} must select at least one batch row; got an empty selection")
     if idx.dtype == torch.bool:
         if not allow_mask:
             raise KVShapeError(f"{name} must hold integer indices, not booleans; got {idx.tolist()}")
@@ -78,7 +80,7 @@ def batch_index(
         raise KVShapeError(
             f"{name} must be a 1-D integer tensor or sequence; got shape {tuple(idx.shape)}, {idx.dtype}"
         )
-    if idx.numel() == 0:
+    if idx.numel() == 0:  # a mask that selects nothing
         raise KVShapeError(f"{name} must select at least one batch row; got an empty selection")
     lo, hi = int(idx.min()), int(idx.max())
     if lo < -batch or hi >= batch:

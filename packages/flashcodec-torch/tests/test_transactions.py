@@ -1,0 +1,157 @@
+"""Transactional edits and what callers are handed.
+
+* A failure *after* validation (out of memory while growing the values archive, while decoding the
+  block a crop cuts into, while gathering for a reorder) leaves the cache exactly as it was: both
+  streams are prepared before either commits, so the keys are never a block ahead of the values.
+* ``read()`` views and ``state`` cannot change the cache behind its back: ``state`` is a copy, and a
+  write into a returned view is noticed (version counter) and decoded again from the archive.
+* Caches and transformers caches deep-copy and pickle, and the copies continue independently.
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+from conftest import CODECS, random_walk
+from flashcodec import CodecKVCache, JPEGCodec, PNGCodec
+from flashcodec.stream import CodecStream
+from snapshots import snapshot
+
+
+class _OutOfMemory(RuntimeError):
+    pass
+
+
+def _fail_on_values(monkeypatch, method: str) -> None:
+    """Make ``CodecStream.<method>`` raise on the values stream only (the second stream prepared)."""
+    original = getattr(CodecStream, method)
+
+    def failing(self, *args, **kwargs):
+        if self.dim == 8:  # the values stream of the caches below (keys have D = 16)
+            raise _OutOfMemory("CUDA out of memory (simulated)")
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(CodecStream, method, failing)
+
+
+def _cache(tier: str) -> CodecKVCache:
+    cache = CodecKVCache(codec=CODECS[tier], initial_blocks=1)
+    cache.update_and_fetch(random_walk(s=13), random_walk(s=13, d=8, seed=1))
+    return cache
+
+
+@pytest.mark.parametrize("tier", ["png-keep1", "jpeg-k2-int8", "jpeg-k8-int4"])
+def test_values_allocation_failure_leaves_both_streams(tier, monkeypatch):
+    cache, twin = _cache(tier), _cache(tier)
+    before = snapshot(cache)
+    _fail_on_values(monkeypatch, "prepare_append")
+    with pytest.raises(_OutOfMemory):
+        cache.update_and_fetch(random_walk(s=11, seed=2), random_walk(s=11, d=8, seed=3))
+    assert snapshot(cache) == before
+    assert cache.keys.n_blocks == cache.values.n_blocks
+    monkeypatch.undo()
+    k, v = random_walk(s=11, seed=2), random_walk(s=11, d=8, seed=3)
+    ours, theirs = cache.update_and_fetch(k, v), twin.update_and_fetch(k, v)
+    assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
+
+
+def test_forward_failure_keeps_the_old_tokens(monkeypatch):
+    cache = _cache("png-keep1")
+    before = snapshot(cache)
+    _fail_on_values(monkeypatch, "prepare_append")
+    with pytest.raises(_OutOfMemory):
+        cache.forward(random_walk(s=20, seed=4), random_walk(s=20, d=8, seed=5))
+    assert snapshot(cache) == before
+
+
+@pytest.mark.parametrize(
+    ("method", "call"),
+    [
+        ("prepare_crop", lambda c: c.crop(5)),
+        ("prepare_reorder", lambda c: c.reorder(torch.tensor([1, 0, 0]))),
+    ],
+)
+def test_edit_failure_leaves_both_streams(method, call, monkeypatch):
+    cache = _cache("jpeg-k2-int8")
+    cache.release_view()  # the crop must decode the block it cuts into (an allocation)
+    before = snapshot(cache)
+    _fail_on_values(monkeypatch, method)
+    with pytest.raises(_OutOfMemory):
+        call(cache)
+    assert snapshot(cache) == before
+
+
+def test_state_is_a_copy():
+    cache = _cache("png-keep1")
+    k_before = cache.read()[0].clone()
+    for t in cache.state:
+        t.fill_(3.0) if t.is_floating_point() else t.fill_(1)
+    cache.release_view()
+    assert torch.equal(cache.read()[0], k_before)
+
+
+@pytest.mark.parametrize("tier", ["png-keep1", "jpeg-k2-int8"])
+def test_writing_into_a_read_view_never_changes_the_cache(tier):
+    cache, twin = _cache(tier), _cache(tier)
+    k, v = cache.read()
+    k.mul_(0.0)
+    v[:, :, 2:5] = 9.0  # through a further view of the returned one
+    again = cache.read()
+    assert torch.equal(again[0], twin.read()[0]) and torch.equal(again[1], twin.read()[1])
+    k, _ = cache.read()
+    k.add_(1.0)
+    cache.crop(11)  # a crop inside a block takes its head from the view only when it is trusted
+    twin.crop(11)
+    assert torch.equal(cache.read()[0], twin.read()[0])
+
+
+def test_fp16_jpeg_outputs_saturate_instead_of_inf():
+    # a step to 65000 kept at 2 frequencies overshoots by ~13% (truncation ringing); the int8
+    # coefficients and fp32 scales hold it, and the fp16 output saturates at 65504 instead of inf
+    x = torch.zeros(1, 1, 8, 4, dtype=torch.float16)
+    x[:, :, 4:] = 65000.0
+    cache = CodecKVCache(codec=JPEGCodec(8, keep_freqs=2, quant_bits=8))
+    k, _ = cache.update_and_fetch(x, x)
+    assert torch.isfinite(k).all() and float(k.max()) == 65504.0
+
+
+def test_fp16_jpeg_overflow_is_refused_and_png_keeps_it():
+    big = torch.full((1, 1, 8, 4), 30000.0, dtype=torch.float16)
+    with pytest.raises(ValueError, match="overflow"):
+        CodecKVCache(codec=JPEGCodec(8)).update_and_fetch(big, big)
+    k, _ = CodecKVCache(codec=PNGCodec(8)).update_and_fetch(big, big)
+    assert torch.equal(k, big)
+    k, _ = CodecKVCache(codec=JPEGCodec(8, quant_bits=8)).update_and_fetch(big, big)  # fp32 scales hold it
+    assert torch.isfinite(k).all()
+
+
+@pytest.mark.parametrize("tier", list(CODECS))
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_cache_copies_continue_independently(tier, how):
+    cache = _cache(tier)
+    cache.read()
+    twin = copy.deepcopy(cache) if how == "deepcopy" else pickle.loads(pickle.dumps(cache))
+    assert snapshot(twin) == snapshot(cache)
+    k, v = random_walk(s=6, seed=7), random_walk(s=6, d=8, seed=8)
+    ours = tuple(t.clone() for t in cache.update_and_fetch(k, v))
+    theirs = twin.update_and_fetch(k, v)
+    assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
+    cache.crop(3)
+    assert twin.offset == 19
+
+
+def test_transformers_cache_copies():
+    pytest.importorskip("transformers")
+    from flashcodec.hf import FlashCodecCache
+
+    cache = FlashCodecCache(codec=JPEGCodec(8, keep_freqs=2))
+    for i in range(2):
+        cache.update(random_walk(s=13, seed=i), random_walk(s=13, seed=i + 5), i)
+    for twin in (copy.deepcopy(cache), pickle.loads(pickle.dumps(cache))):
+        assert snapshot(twin) == snapshot(cache)
+        x = random_walk(s=1, seed=9)
+        assert torch.equal(twin.update(x, x, 0)[0], copy.deepcopy(cache).update(x, x, 0)[0])
+        assert cache.get_seq_length() == 13 and twin.get_seq_length() == 14
