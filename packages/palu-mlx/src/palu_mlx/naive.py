@@ -138,6 +138,7 @@ class NaiveQuantKVCache(CacheLayer):
         """
         owner = f"{cls.__name__}.from_state"
         settings, runtime = parse_meta_state(meta_state, owner)
+        offset, shape, dtype = read_runtime(runtime, cls.__name__, owner)
         if set(settings) != {"quant_bits", "group_size", "check_finite"}:
             raise KVDataError(
                 f"{owner}: meta_state settings must have exactly quant_bits, group_size, check_finite; "
@@ -147,7 +148,6 @@ class NaiveQuantKVCache(CacheLayer):
             cache = cls(**settings)
         except KVConfigError as exc:
             raise KVDataError(f"{owner}: meta_state settings: {exc}") from None
-        offset, shape, dtype = read_runtime(runtime, cls.__name__, owner)
         arrays = StateArrays(state, owner)
         if shape is None:
             arrays.finish()

@@ -19,7 +19,7 @@ import mlx.core as mx
 from kvspec import KVDataError, KVSpecError
 
 from .config import KVCacheConfig
-from .layer import SUPPORTED_DTYPES, dtype_from_name
+from .layer import SUPPORTED_DTYPES, dtype_from_name, dtype_name
 from .mixed_bit import Segment, validate_segments
 
 __all__ = [
@@ -95,23 +95,23 @@ def read_runtime(
     offset = read_field(runtime, "offset", owner)
     if not _is_int(offset) or offset < 0:
         raise KVDataError(f"{owner}: meta_state offset={offset!r} must be an int >= 0 (the token count)")
-    shape, dtype_name = read_field(runtime, "shape", owner), read_field(runtime, "dtype", owner)
-    if shape is None or dtype_name is None:
-        if shape is not None or dtype_name is not None or offset != 0:
+    shape, saved_dtype = read_field(runtime, "shape", owner), read_field(runtime, "dtype", owner)
+    if shape is None or saved_dtype is None:
+        if shape is not None or saved_dtype is not None or offset != 0:
             raise KVDataError(
                 f"{owner}: meta_state of an empty cache needs shape=None, dtype=None and offset=0; "
-                f"got shape={shape!r}, dtype={dtype_name!r}, offset={offset!r}"
+                f"got shape={shape!r}, dtype={saved_dtype!r}, offset={offset!r}"
             )
         return 0, None, None
     if not isinstance(shape, list) or len(shape) != 4 or not all(_is_int(x) and x >= 1 for x in shape):
         raise KVDataError(f"{owner}: meta_state shape={shape!r} must be four positive ints (B, H, D, Dv)")
-    if not isinstance(dtype_name, str):
-        raise KVDataError(f"{owner}: meta_state dtype={dtype_name!r} must be float16, bfloat16 or float32")
+    if not isinstance(saved_dtype, str):
+        raise KVDataError(f"{owner}: meta_state dtype={saved_dtype!r} must be float16, bfloat16 or float32")
     try:
-        dtype = dtype_from_name(dtype_name)
+        dtype = dtype_from_name(saved_dtype)
     except KVSpecError:
         raise KVDataError(
-            f"{owner}: meta_state dtype={dtype_name!r} is not one of float16, bfloat16, float32"
+            f"{owner}: meta_state dtype={saved_dtype!r} is not one of float16, bfloat16, float32"
         ) from None
     return int(offset), tuple(int(x) for x in shape), dtype
 
@@ -206,9 +206,9 @@ class StateArrays:
                 f"{self._owner}: state array {name!r} has shape {tuple(arr.shape)}; meta_state needs {tuple(shape)}"
             )
         if arr.dtype not in allowed:
-            names = " or ".join(str(d) for d in allowed)
+            names = " or ".join(dtype_name(d) for d in allowed)
             raise KVDataError(
-                f"{self._owner}: state array {name!r} has dtype {arr.dtype}; meta_state needs {names}"
+                f"{self._owner}: state array {name!r} has dtype {dtype_name(arr.dtype)}; meta_state needs {names}"
             )
         self._taken[name] = arr
         if positive:
@@ -224,12 +224,17 @@ class StateArrays:
                 f"expected exactly {sorted(self._taken)}"
             )
         floats = [(n, a) for n, a in self._taken.items() if a.dtype in SUPPORTED_DTYPES and a.size]
-        if not floats:
+        positive = [(n, self._taken[n]) for n in self._positive if self._taken[n].size]
+        if not floats and not positive:
             return
-        flags = mx.stack([mx.all(mx.isfinite(a)) for _, a in floats])
-        if mx.all(flags).item():
-            return
-        bad = [n for (n, _), ok in zip(floats, flags.tolist(), strict=True) if not ok]
-        raise KVDataError(
-            f"{self._owner}: state arrays {bad} contain NaN or infinity; a saved cache holds finite values"
-        )
+        # one device sync for every check
+        flags = mx.stack([mx.all(mx.isfinite(a)) for _, a in floats] + [mx.all(a > 0) for _, a in positive])
+        flags = flags.tolist()
+        bad = [n for (n, _), ok in zip(floats, flags[: len(floats)], strict=True) if not ok]
+        if bad:
+            raise KVDataError(
+                f"{self._owner}: state arrays {bad} contain NaN or infinity; a saved cache holds finite values"
+            )
+        bad = [n for (n, _), ok in zip(positive, flags[len(floats) :], strict=True) if not ok]
+        if bad:
+            raise KVDataError(f"{self._owner}: state arrays {bad} must be > 0 everywhere (quantizer steps)")
