@@ -18,6 +18,7 @@ from typing import Any, NoReturn, Protocol
 
 from kvspec import KVSpecError
 
+from .checks import check_token_lists
 from .models import default_text_path
 from .protocol import Candidate, Runner, Settings, measure, text_windows
 from .report import emit, require_matplotlib
@@ -192,6 +193,8 @@ def parse_selection(value: str | None, allowed: Sequence[str], option: str) -> l
     """Names chosen with ``--tiers`` / ``--peers`` (None: all; "none": none), in ``allowed`` order."""
     if value is None:
         return list(allowed)
+    if not isinstance(value, str):
+        raise CompareError(f"{option} must be a comma-separated string of names; got {value!r}")
     names = [v.strip() for v in value.split(",") if v.strip()]
     if names == ["none"]:
         return []
@@ -213,6 +216,8 @@ def load_eval_text(path: str | None) -> tuple[str, Path]:
         text = file.read_text(encoding="utf-8")
     except UnicodeDecodeError:
         raise CompareError(f"--text {str(file)!r} is not UTF-8 text") from None
+    except OSError as err:
+        raise CompareError(f"--text {str(file)!r} cannot be read: {err}") from None
     if not text.strip():
         raise CompareError(f"--text {str(file)!r} is empty")
     return text, file
@@ -227,7 +232,12 @@ def load_prompts(prompt: Sequence[str] | None, prompts_file: str | None) -> list
         file = Path(prompts_file).expanduser()
         if not file.is_file():
             raise CompareError(f"--prompts {prompts_file!r}: no such file")
-        lines = [ln for ln in file.read_text(encoding="utf-8").splitlines() if ln.strip()]
+        try:
+            lines = [ln for ln in file.read_text(encoding="utf-8").splitlines() if ln.strip()]
+        except UnicodeDecodeError:
+            raise CompareError(f"--prompts {prompts_file!r} is not UTF-8 text") from None
+        except OSError as err:
+            raise CompareError(f"--prompts {prompts_file!r} cannot be read: {err}") from None
         if not lines:
             raise CompareError(f"--prompts {prompts_file!r} has no non-empty line")
         out += lines
@@ -252,6 +262,7 @@ def prepare_tokens(
 
 def check_positions(limit: int | None, settings: Settings, prompts: Sequence[Sequence[int]]) -> None:
     """CompareError when a window or a prompt plus its greedy tokens exceeds the model's ``limit``."""
+    check_token_lists("prompts", prompts)
     longest = max(settings.window_tokens, max(len(p) for p in prompts) + settings.new_tokens)
     if limit and longest > limit:
         raise CompareError(

@@ -40,6 +40,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from .checks import check_count, check_token_lists
 from .results import CompareError
 
 __all__ = [
@@ -100,6 +101,11 @@ class KVBytes:
 
     held: int
     resident: int | None = None
+
+    def __post_init__(self) -> None:
+        check_count("KVBytes.held", self.held)
+        if self.resident is not None:
+            check_count("KVBytes.resident", self.resident)
 
 
 class Runner(Protocol):
@@ -166,8 +172,24 @@ class Candidate:
     details: Callable[[], dict[str, Any]] | None = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name.strip():
+            raise CompareError(f"Candidate name must be a non-empty string; got {self.name!r}")
         if self.kind not in _KINDS:
-            raise ValueError(f"kind={self.kind!r}; allowed: {', '.join(_KINDS)}")
+            raise CompareError(f"Candidate {self.name!r}: kind={self.kind!r}; allowed: {', '.join(_KINDS)}")
+        if not callable(self.make_cache):
+            raise CompareError(
+                f"Candidate {self.name!r}: make_cache must be callable; got {self.make_cache!r:.80}"
+            )
+        for attr in ("context", "details"):
+            value = getattr(self, attr)
+            if value is not None and not callable(value):
+                raise CompareError(
+                    f"Candidate {self.name!r}: {attr} must be None or callable; got {value!r:.80}"
+                )
+        if not isinstance(self.config, dict):
+            raise CompareError(
+                f"Candidate {self.name!r}: config must be a dict; got {type(self.config).__name__}"
+            )
 
 
 @dataclass(frozen=True)
@@ -202,6 +224,9 @@ class Settings:
                 "(default prompts are the windows' contexts)"
             )
         points = self.memory_points
+        if not isinstance(points, (tuple, list)):
+            raise CompareError(f"memory_points={points!r} must be a tuple of increasing positive integers")
+        object.__setattr__(self, "memory_points", tuple(points))
         if any(isinstance(p, bool) or not isinstance(p, int) or p < 1 for p in points) or list(
             points
         ) != sorted(set(points)):
@@ -231,6 +256,10 @@ class Settings:
 def text_windows(tokens: Sequence[int], settings: Settings) -> list[list[int]]:
     """``settings.windows`` non-overlapping windows of ``window_tokens`` tokens, spread evenly
     over ``tokens`` (first window at the start). Raises CompareError when the text is too short."""
+    if not isinstance(settings, Settings):
+        raise CompareError(f"settings must be a kvbench Settings; got {type(settings).__name__}")
+    if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):
+        raise CompareError(f"tokens must be a sequence of token ids; got {type(tokens).__name__}")
     n, length = settings.windows, settings.window_tokens
     if len(tokens) < n * length:
         raise CompareError(
@@ -312,10 +341,26 @@ def measure(
     :data:`MEASURES` fields plus name, kind, description, config and a text sample) per candidate,
     with every ratio and divergence taken against the baseline row of this same run.
     """
-    if not candidates or candidates[0].kind != "baseline":
-        raise ValueError("the first candidate must be the baseline")
-    if not windows or not prompts:
-        raise ValueError("measure needs at least one window and one prompt")
+    if not isinstance(settings, Settings):
+        raise CompareError(f"settings must be a kvbench Settings; got {type(settings).__name__}")
+    if not candidates or not all(isinstance(c, Candidate) for c in candidates):
+        raise CompareError(f"candidates must be a non-empty list of Candidate; got {candidates!r:.80}")
+    if candidates[0].kind != "baseline":
+        raise CompareError(
+            f"the first candidate must be the baseline; got {candidates[0].name!r} ({candidates[0].kind})"
+        )
+    names = [c.name for c in candidates]
+    if len(set(names)) != len(names):
+        raise CompareError(f"candidate names must be unique; got {names}")
+    windows = check_token_lists("windows", windows, length=settings.window_tokens)
+    prompts = check_token_lists("prompts", prompts)
+    missing = [
+        m
+        for m in ("prefill", "step", "kv_bytes", "raw_bytes", "detokenize")
+        if not callable(getattr(runner, m, None))
+    ]
+    if missing:
+        raise CompareError(f"runner must provide the Runner methods; {type(runner).__name__} lacks {missing}")
     ctx = settings.context_tokens
     quality_steps = sum(len(w) - ctx for w in windows) + len(prompts) * settings.new_tokens
     speed_steps = settings.speed_rounds * settings.speed_steps

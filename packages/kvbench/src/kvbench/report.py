@@ -11,12 +11,14 @@ Beyond the standard library it imports only :mod:`kvbench.results`; matplotlib i
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import textwrap
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from .checks import check_count, check_result, check_rows
 from .results import CompareError, write_json
 
 __all__ = [
@@ -35,7 +37,11 @@ def format_bytes(n: float | None) -> str:
     """``1536`` -> ``"1.5 KiB"``; None -> ``"n/a"``."""
     if n is None:
         return "n/a"
+    if isinstance(n, bool) or not isinstance(n, numbers.Real):
+        raise CompareError(f"format_bytes takes a number of bytes or None; got {n!r}")
     value = float(n)
+    if not math.isfinite(value):
+        return "n/a"
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(value) < 1024 or unit == "GiB":
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
@@ -116,6 +122,15 @@ def _table(
 
 def render_table(result: dict[str, Any], sample_chars: int = 72) -> str:
     """The result as plain-text tables for a terminal (one per run), with absent peers and samples."""
+    check_result(result)
+    check_count("sample_chars", sample_chars, low=4)
+    try:
+        return _render_table(result, sample_chars)
+    except (KeyError, TypeError, AttributeError, IndexError) as err:
+        raise CompareError(f"result is missing or has a bad field for the table: {err!r}") from None
+
+
+def _render_table(result: dict[str, Any], sample_chars: int) -> str:
     out = [_header_line(result)]
     for run in result["runs"]:
         out += ["", _run_line(result, run), *_table(run["rows"], _COLUMNS)]
@@ -136,10 +151,13 @@ def render_table(result: dict[str, Any], sample_chars: int = 72) -> str:
 
 def render_markdown(rows: list[dict[str, Any]], columns: Sequence[str] | None = None) -> str:
     """``rows`` (one run's) as a GitHub markdown table (``columns``: a subset of the headers, in order)."""
+    rows = check_rows(rows, "rows")
+    if isinstance(columns, str):
+        raise CompareError(f"columns must be a list of headers, not one string; got {columns!r}")
     chosen = [(h, f) for h, f in _COLUMNS if columns is None or h in columns]
     if columns is not None and len(chosen) != len(columns):
         known = [h for h, _ in _COLUMNS]
-        raise ValueError(f"unknown columns {sorted(set(columns) - set(known))}; known: {known}")
+        raise CompareError(f"unknown columns {sorted(set(columns) - set(known))}; known: {known}")
     lines = ["| " + " | ".join(h for h, _ in chosen) + " |"]
     lines.append("|" + "|".join("---" if h in ("cache", "kind") else "---:" for h, _ in chosen) + "|")
     for r in rows:
@@ -169,6 +187,7 @@ def plot_comparison(result: dict[str, Any], path: str | os.PathLike) -> Path:
 
     Needs matplotlib; without it raises CompareError saying how to install it.
     """
+    check_result(result)
     plt = _pyplot()
     run = result["runs"][-1]
     rows = run["rows"]

@@ -14,6 +14,7 @@ import json
 import math
 import os
 import platform
+import tempfile
 from collections.abc import Iterable, Sequence
 from datetime import datetime, timezone
 from importlib import metadata
@@ -87,26 +88,54 @@ def to_jsonable(value: Any) -> Any:
 
 
 def write_json(path: str | os.PathLike, data: Any) -> Path:
-    """Write ``data`` as indented, strict JSON (parent folders created); returns the path."""
+    """Write ``data`` as indented, strict JSON (parent folders created); returns the path.
+
+    The text is built first and written to a temporary file beside ``path``, then renamed over it:
+    data that cannot be written (CompareError naming the path) or a failed write never leaves a
+    half-written result, and an existing file at ``path`` stays as it was.
+    """
     out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(to_jsonable(data), indent=2, allow_nan=False) + "\n", encoding="utf-8")
+    try:
+        text = json.dumps(to_jsonable(data), indent=2, allow_nan=False) + "\n"
+    except (TypeError, ValueError) as err:
+        raise CompareError(f"result for {str(out)!r} cannot be written as JSON: {err}") from None
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(
+            "w", encoding="utf-8", dir=out.parent, prefix=f".{out.name}.", suffix=".tmp", delete=False
+        ) as handle:
+            handle.write(text)
+        os.replace(handle.name, out)
+    except OSError as err:
+        if "handle" in locals():
+            Path(handle.name).unlink(missing_ok=True)
+        raise CompareError(f"result file {str(out)!r} cannot be written: {err}") from None
     return out
 
 
 def read_json(path: str | os.PathLike) -> dict[str, Any]:
-    """Read a result written by :func:`write_json`; a missing or broken file is a CompareError."""
+    """Read a result written by :func:`write_json`; a missing, unreadable or broken file, or one
+    whose top level is not a JSON object, is a CompareError naming the file."""
     try:
-        return json.loads(Path(path).read_text(encoding="utf-8"))
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise CompareError(f"result file {str(path)!r} does not exist") from None
     except json.JSONDecodeError as err:
         raise CompareError(f"result file {str(path)!r} is not valid JSON: {err}") from None
+    except UnicodeDecodeError:
+        raise CompareError(f"result file {str(path)!r} is not UTF-8 text") from None
+    except OSError as err:
+        raise CompareError(f"result file {str(path)!r} cannot be read: {err}") from None
+    if not isinstance(data, dict):
+        raise CompareError(f"result file {str(path)!r} must hold a JSON object; got a {type(data).__name__}")
+    return data
 
 
 def weights_digest(directory: str | os.PathLike) -> str | None:
     """sha256 over the ``*.safetensors`` files of a local model directory (sorted by name), so a
     result names the exact weights it was measured on; None when there are none."""
+    if not Path(directory).is_dir():
+        raise CompareError(f"weights directory {str(directory)!r} does not exist")
     files = sorted(Path(directory).glob("*.safetensors"))
     if not files:
         return None
@@ -120,6 +149,8 @@ def weights_digest(directory: str | os.PathLike) -> str | None:
 
 def text_digest(text: str) -> str:
     """sha256 of ``text`` (UTF-8), recorded so a result names exactly what it was measured on."""
+    if not isinstance(text, str):
+        raise CompareError(f"text must be a str; got {type(text).__name__}")
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
@@ -138,8 +169,24 @@ def build_result(
 
     ``absent``: ``{"name", "kind", "reason"}`` for every candidate that could not run here.
     """
+    from .checks import check_rows
     from .protocol import MEASURES
 
+    if not isinstance(runs, list):
+        raise CompareError(
+            f"runs must be a list of {{'name', 'settings', 'rows'}} dicts; got {type(runs).__name__}"
+        )
+    for i, run in enumerate(runs):
+        if not isinstance(run, dict) or not isinstance(run.get("name"), str):
+            raise CompareError(f"runs[{i}] must be a dict with a 'name'; got {run!r:.80}")
+        check_rows(run.get("rows"), f"runs[{i}]['rows']")
+    for i, item in enumerate(absent):
+        if not isinstance(item, dict) or not all(
+            isinstance(item.get(k), str) for k in ("name", "kind", "reason")
+        ):
+            raise CompareError(
+                f"absent[{i}] must be a dict of strings 'name', 'kind', 'reason'; got {item!r:.80}"
+            )
     return {
         "schema": SCHEMA,
         "tool": tool,
@@ -154,4 +201,6 @@ def build_result(
 
 def run_of(result: dict[str, Any], name: str) -> dict[str, Any] | None:
     """The run called ``name`` ("short" or "long") of a compare document, or None."""
-    return next((run for run in result.get("runs", []) if run["name"] == name), None)
+    from .checks import check_result
+
+    return next((run for run in check_result(result)["runs"] if run["name"] == name), None)
