@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+from hypothesis import HealthCheck, settings
 from mlx_lm.models import qwen3
 from palu_helpers import make_tiny_qwen3
+
+# Property tests (test_reliability_properties.py): "ci" (the default) keeps the suite fast on a
+# shared 2-core box and deterministic; HYPOTHESIS_PROFILE=thorough runs many more random sequences.
+settings.register_profile(
+    "ci", max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
+)
+settings.register_profile(
+    "thorough", max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 @pytest.fixture(scope="session")
