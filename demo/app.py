@@ -19,7 +19,14 @@ from .backend import Backend, DemoError
 from .charts import comparison_figure
 from .comparison import compare_on_prompt
 from .conversation import Conversation, Setup, TurnResult, run_turn
-from .formatting import COMPARISON_HEADERS, STATS_HEADERS, comparison_rows, match_line, stats_rows
+from .formatting import (
+    COMPARISON_HEADERS,
+    STATS_HEADERS,
+    comparison_rows,
+    details_line,
+    match_line,
+    stats_rows,
+)
 
 __all__ = ["build_app", "error_message"]
 
@@ -51,7 +58,8 @@ def error_message(err: BaseException) -> str:
     (DemoError, or the packages' KVSpecError such as a model path that does not exist), the type
     too for anything else."""
     if isinstance(err, (DemoError, KVSpecError)):
-        text = " ".join(str(err).split())
+        # the harnesses' messages name their command-line option; here it is the Model field
+        text = " ".join(str(err).split()).replace("--model", "model")
     else:
         text = f"unexpected {type(err).__name__}: {' '.join(str(err).split())}"
     return f"**Error:** {text}"
@@ -87,7 +95,8 @@ def _chat_tab(backend: Backend, default_model: str | None) -> None:
         if backend.has_materialization_free:
             toggle = gr.Checkbox(
                 value=False,
-                label="materialization-free decode attention (attention on the stored codes)",
+                label="materialization-free",
+                info="decode attention on the stored codes, no reconstructed K/V view",
                 elem_id=f"{key}-mf",
                 scale=2,
             )
@@ -170,20 +179,15 @@ def _chat_tab(backend: Backend, default_model: str | None) -> None:
             native_messages=shown_left,
             compressed_messages=shown_right,
         )
-        details = ""
-        if result.compressed.details:
-            details = (
-                " Compressed side: "
-                + ", ".join(f"{k} {v}" for k, v in result.compressed.details.items())
-                + "."
-            )
+        details = details_line(result.compressed.details)
+        details = f" {result.cache_name}: {details}." if details else ""
         rows = stats_rows(result.native, result.compressed, result.match)
         meter = backend.worker.call(lambda: backend.load(setup.model).runner.peak_label)
         yield (
             shown_left,
             gr.Chatbot(value=shown_right, label=f"compressed cache: {result.cache_name}"),
             _table(rows, STATS_HEADERS),
-            f"{notice}{match_line(result.match)}{details}",
+            f"{notice}Turn {len(shown_left) // 2}: {match_line(result.match)}{details}",
             done,
             "",
             STATS_NOTE.format(meter=meter),
@@ -256,7 +260,9 @@ def _comparison_tab(backends: dict[str, Backend], default_model: str | None) -> 
         lines = [
             f"kvbench protocol on your prompt: {rows[0]['kv_tokens']} tokens (prompt + the uncompressed "
             f"model's greedy continuation, scored teacher-forced); {len(rows)} caches. x: ratio to the "
-            "uncompressed cache; d ppl: perplexity increase; KL: mean KL(baseline || cache) per position."
+            "uncompressed cache's K/V cut to the tokens held (a cache that grows in steps, like mlx-lm's "
+            "256-token blocks, holds more than that on a short prompt); d ppl: perplexity increase; KL: "
+            "mean KL(baseline || cache) per position."
         ]
         lines += [f"Not run: {a['name']} ({a['reason']})" for a in absent]
         return comparison_figure(rows), _table(comparison_rows(rows), COMPARISON_HEADERS), "\n\n".join(lines)

@@ -21,6 +21,7 @@ __all__ = [
     "stats_rows",
     "match_line",
     "comparison_rows",
+    "details_line",
 ]
 
 NA = "n/a"
@@ -130,3 +131,16 @@ def comparison_rows(rows: Sequence[dict[str, Any]]) -> list[list[str]]:
             ]
         )
     return out
+
+
+def details_line(details: dict | None) -> str:
+    """What a cache reported about its run, as one phrase: ``{"decode_steps_on_codes": 11,
+    "fallbacks": {}}`` -> ``"decode steps on codes: 11; fallbacks: none"``."""
+    if not details:
+        return ""
+    parts = []
+    for key, value in details.items():
+        if isinstance(value, dict):
+            value = ", ".join(f"{k} {v}" for k, v in value.items()) or "none"
+        parts.append(f"{key.replace('_', ' ')}: {value}")
+    return "; ".join(parts)

@@ -1,0 +1,154 @@
+"""The app in a real browser: a prompt typed in each chat tab, both panels streamed, the stats
+table filled with measured numbers, the lossless tier's reply equal to the native one, a bad
+model path and an empty prompt answered with a message, and the comparison tab's bars.
+
+The screenshots it saves are the ones docs/demo.md shows (``hatch run app:screenshots``
+refreshes them).
+"""
+
+from __future__ import annotations
+
+import io
+import re
+from pathlib import Path
+
+import pytest
+
+from demo.formatting import COMPARISON_HEADERS, STATS_HEADERS
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "The history of the Python language"
+NEW_TOKENS = 12
+TURN_TIMEOUT_MS = 300_000  # one turn: two sides of 12 tokens on CI's 2 cores, with headroom
+NUMBER = re.compile(r"\d+(\.\d+)?")
+# columns of the stats table whose every cell must hold a measured number
+MEASURED = ("KV held", "KV resident", "peak memory", "steady memory", "prefill", "per token (median)")
+
+
+def save(png: bytes, path: Path) -> None:
+    """A screenshot as a 64-colour PNG (a few times smaller; the UI has few colours), for the docs."""
+    from PIL import Image
+
+    Image.open(io.BytesIO(png)).convert("RGB").quantize(colors=64).save(path, optimize=True)
+
+
+def open_tab(page, name: str) -> None:
+    page.get_by_role("tab", name=name, exact=True).click()
+
+
+def pick_cache(page, key: str, name: str) -> None:
+    page.locator(f"#{key}-cache input").click()
+    page.get_by_role("option", name=name, exact=True).click()
+    assert page.locator(f"#{key}-cache input").input_value() == name
+
+
+def set_number(page, elem_id: str, value: int) -> None:
+    box = page.locator(f"#{elem_id} input[type=number]")
+    box.fill(str(value))
+    box.press("Enter")
+
+
+def send(page, key: str, text: str) -> None:
+    page.locator(f"#{key}-message textarea").fill(text)
+    page.locator(f"#{key}-send").click()
+
+
+def wait_status(page, key: str, text: str, timeout: int = TURN_TIMEOUT_MS) -> str:
+    status = page.locator(f"#{key}-status")
+    status.get_by_text(text).wait_for(timeout=timeout)
+    return status.inner_text()
+
+
+def reply(page, key: str, side: str) -> str:
+    return page.locator(f"#{key}-{side} [data-testid=bot]").last.inner_text().strip()
+
+
+def table(page, elem_id: str, headers: list[str]) -> list[dict[str, str]]:
+    rows = []
+    r = 0
+    while page.locator(f"#{elem_id} [data-testid=cell-{r}-0]").count():
+        cells = [
+            page.locator(f"#{elem_id} [data-testid=cell-{r}-{c}]").inner_text().strip()
+            for c in range(len(headers))
+        ]
+        rows.append(dict(zip(headers, cells, strict=True)))
+        r += 1
+    return rows
+
+
+def check_turn(page, key: str, cache: str) -> tuple[str, str, list[dict[str, str]]]:
+    status = wait_status(page, key, "Turn 1:")
+    native, compressed = reply(page, key, "native"), reply(page, key, "compressed")
+    assert native and compressed, f"a panel stayed empty: {native!r} / {compressed!r} ({status})"
+    rows = table(page, f"{key}-stats", STATS_HEADERS)
+    assert [row["cache"] for row in rows] == ["native", cache]
+    for row in rows:
+        assert row["context + new tokens"].endswith(f"+ {NEW_TOKENS}"), row
+        for column in MEASURED:
+            assert NUMBER.search(row[column]), f"{column} of {row['cache']} is not a number: {row[column]!r}"
+    assert re.fullmatch(r"\d+/\d+ \(\d+\.\d%\)", rows[1]["token match"])
+    return native, compressed, rows
+
+
+def test_flashcodec_chat_lossless_tier_matches_native(page, screenshot_dir: Path):
+    open_tab(page, "flashcodec (transformers)")
+    pick_cache(page, "flashcodec", "png-keep1")
+    set_number(page, "flashcodec-new-tokens", NEW_TOKENS)
+    send(page, "flashcodec", PROMPT)
+    native, compressed, rows = check_turn(page, "flashcodec", "png-keep1")
+    # png-keep1 stores every delta exactly: on the embedded model its logits equal the native
+    # cache's bit for bit (checked: max |difference| 0.0 over 32 greedy steps), so the text is equal
+    assert compressed == native
+    assert rows[1]["token match"] == f"{NEW_TOKENS}/{NEW_TOKENS} (100.0%)"
+    save(page.screenshot(full_page=True), screenshot_dir / "demo-flashcodec.png")
+
+    # a tier without a materialization-free twin, toggle on: a message, nothing generated
+    page.locator("#flashcodec-mf input").check()
+    send(page, "flashcodec", PROMPT)
+    assert "no materialization-free tier" in wait_status(page, "flashcodec", "Error")
+    page.locator("#flashcodec-mf input").uncheck()
+
+
+def test_palu_chat_and_user_errors(page, screenshot_dir: Path):
+    open_tab(page, "palu-mlx (mlx-lm)")
+    pick_cache(page, "palu", "full-rank-fp16")
+    set_number(page, "palu-new-tokens", NEW_TOKENS)
+    send(page, "palu", PROMPT)
+    check_turn(page, "palu", "full-rank-fp16")
+    save(page.screenshot(full_page=True), screenshot_dir / "demo-palu.png")
+
+    # a model path that does not exist: a readable message in the page
+    missing = "/nonexistent/model-dir"
+    page.locator("#palu-model textarea").fill(missing)
+    send(page, "palu", PROMPT)
+    message = wait_status(page, "palu", "Error")
+    assert f"model '{missing}'" in message and "Traceback" not in message
+    save(page.locator("#palu-status").screenshot(), screenshot_dir / "demo-error.png")
+
+    # the app still serves: the next mistake (an empty prompt) gets its own message
+    page.locator("#palu-model textarea").fill("")
+    send(page, "palu", "   ")
+    assert "prompt is empty" in wait_status(page, "palu", "prompt is empty")
+
+
+def test_full_comparison_draws_bars(page, screenshot_dir: Path):
+    open_tab(page, "Full comparison")
+    page.locator("#cmp-package").get_by_text("palu", exact=True).click()
+    keep = {"full-rank-fp16", "palu-3bit", "mlx-lm-q4"}
+    page.locator("#cmp-caches").get_by_text("palu-3bit", exact=True).wait_for()  # palu's caches listed
+    boxes = page.locator("#cmp-caches label")
+    for i in range(boxes.count()):
+        box = boxes.nth(i)
+        if box.inner_text().strip() not in keep and box.locator("input").is_checked():
+            box.click()
+    set_number(page, "cmp-new-tokens", 8)
+    page.locator("#cmp-prompt textarea").fill(PROMPT)
+    page.locator("#cmp-run").click()
+    wait_status(page, "cmp", "kvbench protocol")
+    rows = table(page, "cmp-table", COMPARISON_HEADERS)
+    assert [row["cache"] for row in rows] == ["baseline", "full-rank-fp16", "palu-3bit", "mlx-lm-q4"]
+    for row in rows:
+        assert NUMBER.search(row["decode tok/s"]) and NUMBER.search(row["NLL"]), row
+    assert page.locator("#cmp-plot img").count() == 1
+    save(page.screenshot(full_page=True), screenshot_dir / "demo-comparison.png")

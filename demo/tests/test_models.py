@@ -1,0 +1,87 @@
+"""The backends on the embedded model, without a browser: a turn on each package, a tier the model
+cannot take, and the comparison on a prompt."""
+
+from __future__ import annotations
+
+import pytest
+
+from demo.app import error_message
+from demo.backend import DemoError
+from demo.comparison import compare_on_prompt
+from demo.conversation import Conversation, Setup, run_turn
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def palu():
+    from demo.palu_backend import PaluBackend
+
+    return PaluBackend()
+
+
+def turn(backend, choice: str, message: str = "The history of the Python language", new_tokens: int = 6):
+    setup = Setup(model=None, choice=choice, materialization_free=False)
+    return backend.worker.call(
+        lambda: run_turn(backend, Conversation(), setup, message, new_tokens, lambda _: None)
+    )
+
+
+def test_a_palu_turn_measures_both_sides(palu):
+    result = turn(palu, "palu-3bit")
+    for side in (result.native, result.compressed):
+        assert side.new_tokens == 6 and side.kv_held > 0 and side.peak_bytes and side.peak_bytes > 0
+        assert side.steady_bytes is not None and len(side.step_s) == 5
+    assert result.native_text and result.compressed_text
+
+
+def test_a_prompt_longer_than_the_context_is_a_message(palu):
+    with pytest.raises(DemoError, match="but the model allows 2048"):
+        turn(palu, "palu-3bit", message="word " * 2100)
+
+
+def test_a_model_path_that_does_not_exist_is_a_message(palu):
+    setup = Setup(model="/nonexistent/model-dir", choice="palu-3bit", materialization_free=False)
+    with pytest.raises(ValueError) as caught:
+        palu.worker.call(lambda: run_turn(palu, Conversation(), setup, "hi", 2, lambda _: None))
+    assert error_message(caught.value) == (
+        "**Error:** model '/nonexistent/model-dir' is neither a local directory nor a hub id like org/name"
+    )
+
+
+def test_the_comparison_runs_kvbench_protocol_on_the_prompt(palu):
+    prompt = "The history of the Python language"
+    rows, absent = palu.worker.call(
+        lambda: compare_on_prompt(palu, None, prompt, 4, ["r16-fp16"], speed_rounds=1)
+    )
+    assert [r["name"] for r in rows] == ["baseline", "r16-fp16"] and absent == []
+    # the scored window: the prompt, then 4 tokens of the baseline's own continuation
+    assert rows[0]["kv_tokens"] == len(palu.worker.call(lambda: palu.load(None).encode_prompt(prompt))) + 4
+    assert rows[0]["positions_scored"] == 4 and rows[0]["kl_mean"] == 0.0
+    assert rows[1]["decode_tokens_per_s"] > 0 and rows[1]["kv_bytes"] > 0
+
+
+def test_a_tier_the_model_cannot_take_is_a_message(tmp_path):
+    """A model whose every layer is a sliding window: flashcodec compresses only full-attention
+    layers, so no tier can serve it; the harness says so and the page shows it."""
+    import shutil
+
+    from kvbench.models import embedded_model_path
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from demo.flashcodec_backend import FlashcodecBackend
+
+    source = embedded_model_path()
+    config = AutoConfig.from_pretrained(source)
+    config.num_hidden_layers = 2
+    config.layer_types = ["sliding_attention"] * 2
+    config.use_sliding_window, config.sliding_window = True, 16
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(source / name, tmp_path / name)
+    backend = FlashcodecBackend(dtype="float32")
+    setup = Setup(model=str(tmp_path), choice="jpeg-k8-int8", materialization_free=False)
+    with pytest.raises(ValueError) as caught:
+        backend.worker.call(lambda: run_turn(backend, Conversation(), setup, "hi", 2, lambda _: None))
+    shown = error_message(caught.value)
+    assert "flashcodec cannot serve this model" in shown and "jpeg-k8-int8" in shown, shown
