@@ -47,6 +47,7 @@ from palu_mlx import (
     water_fill,
 )
 from palu_mlx.calibrated import CalibratedKVCache
+from palu_mlx.calibration import kv_weights_digest, model_identity
 from palu_mlx.layer import CacheLayer
 from palu_mlx.mixed_bit import pack_codes, unpack_codes
 from palu_reliability_helpers import array_bytes, build, kv, snapshot, synthetic_calibration
@@ -194,6 +195,14 @@ CATALOGUE: dict[str, Bad] = {
     "trim: negative": Bad(cache(FITTED), lambda c: c.trim(-1), KVTrimError, "n=-1"),
     "trim: fractional": Bad(cache(NAIVE), lambda c: c.trim(1.5), KVTrimError, "n=1.5"),
     "trim: bool": Bad(cache(CALIB), lambda c: c.trim(True), KVTrimError, "n=True"),
+    # ---- make_mask (called by mlx-lm's models)
+    "make_mask: zero queries": Bad(cache(FITTED), lambda c: c.make_mask(0), KVShapeError, "N=0"),
+    "make_mask: window of 0": Bad(
+        cache(NAIVE), lambda c: c.make_mask(2, window_size=0), KVConfigError, "window_size=0"
+    ),
+    "make_mask: return_array 'yes'": Bad(
+        cache(CALIB), lambda c: c.make_mask(2, return_array="yes"), KVConfigError, "return_array='yes'"
+    ),
     # ---- from_state: metadata
     "from_state: offset past the data": Bad(
         cache(FITTED),
@@ -531,6 +540,12 @@ CATALOGUE: dict[str, Bad] = {
     ),
     "calibration check_model: None": Bad(
         KVCacheConfig, lambda c: synthetic_calibration().check_model(None), KVConfigError, "model must be"
+    ),
+    "model_identity: not a model": Bad(
+        KVCacheConfig, lambda c: model_identity("qwen3"), KVConfigError, "model must be an mlx-lm model"
+    ),
+    "kv_weights_digest: not a model": Bad(
+        KVCacheConfig, lambda c: kv_weights_digest(3), KVConfigError, "model must be an mlx-lm model"
     ),
     "calibrated from_state: widths of 9 bits": Bad(
         cache(CALIB),

@@ -50,6 +50,9 @@ def default_calibration_text() -> str:
 
 
 def _kv_parameters(model: Any) -> list[tuple[str, mx.array]]:
+    from .builder import _check_model  # builder imports this module
+
+    _check_model(model)
     # the parameters that make keys and values from a layer's input (quantized: with scales, biases)
     params = tree_flatten(model.parameters())
     kv = [(n, a) for n, a in params if any(p in n for p in ("k_proj", "v_proj", "k_norm"))]

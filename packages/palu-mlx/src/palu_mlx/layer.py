@@ -10,10 +10,19 @@ count and :meth:`~CacheLayer.storage_stats`. Subclasses own their buffers and re
 from __future__ import annotations
 
 import json
+import numbers
 from typing import Any
 
 import mlx.core as mx
-from kvspec import KVDtypeError, KVValueError, StorageStats, check_kv_pair, trim_count
+from kvspec import (
+    KVConfigError,
+    KVDtypeError,
+    KVShapeError,
+    KVValueError,
+    StorageStats,
+    check_kv_pair,
+    trim_count,
+)
 from mlx_lm.models.cache import create_attention_mask
 
 __all__ = ["CacheLayer", "SUPPORTED_DTYPES", "dtype_name", "dtype_from_name", "write_rows", "detached"]
@@ -116,6 +125,14 @@ class CacheLayer:
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         """The attention mask for ``N`` new queries (same rules as mlx-lm's ``KVCache``)."""
+        if isinstance(N, bool) or not isinstance(N, numbers.Integral) or N < 1:
+            raise KVShapeError(f"make_mask(N={N!r}) needs the number of new queries, an int >= 1")
+        if not isinstance(return_array, bool):
+            raise KVConfigError(f"make_mask(return_array={return_array!r}) must be True or False")
+        if window_size is not None and (
+            isinstance(window_size, bool) or not isinstance(window_size, numbers.Integral) or window_size < 1
+        ):
+            raise KVConfigError(f"make_mask(window_size={window_size!r}) must be None or an int >= 1")
         return create_attention_mask(
             N, offset=self.offset, return_array=return_array, window_size=window_size
         )
