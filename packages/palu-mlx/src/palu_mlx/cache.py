@@ -35,12 +35,12 @@ from collections.abc import Callable
 
 import mlx.core as mx
 import numpy as np
-from kvspec import KVConfigError, KVShapeError
+from kvspec import KVConfigError, KVDataError, KVShapeError
 
 from .attention import LatentStore
 from .calibrated import GAUSSIAN_STEP, FixedQuantCoder
 from .config import UNQUANTIZED_BITS, KVCacheConfig
-from .layer import CacheLayer, write_rows
+from .layer import CacheLayer, detached, write_rows
 from .lowrank import GroupProjection, fit_group_projection, project, reconstruct
 from .mixed_bit import (
     BitAllocationPolicy,
@@ -52,6 +52,16 @@ from .mixed_bit import (
     water_fill,
 )
 from .rope import Rotary
+from .state_checks import (
+    StateArrays,
+    parse_meta_state,
+    read_config,
+    read_field,
+    read_rope,
+    read_runtime,
+    read_segments,
+    read_widths,
+)
 
 __all__ = ["PaluKVCache"]
 
@@ -275,18 +285,19 @@ class PaluKVCache(CacheLayer):
 
         Before the fit: ``exact_keys``, ``exact_values``. After: ``key.basis``,
         ``key.mean``, ``key.singular_values``, ``key.seg<i>.<field>`` (and ``value.*``).
-        On the pre-RoPE path also ``rope.inv_freq`` (even when empty).
+        On the pre-RoPE path also ``rope.inv_freq`` (even when empty). Copies: writing into
+        them (or into numpy views of them) cannot change the cache.
         """
         n = self.offset
         out: dict[str, mx.array] = {}
         if self.rotary is not None:
             out["rope.inv_freq"] = self.rotary.inv_freq
         if self._shape is None:
-            return out
+            return {k: detached(v) for k, v in out.items()}
         if self._key_proj is None:
             out["exact_keys"] = self._exact_keys[..., :n, :]
             out["exact_values"] = self._exact_values[..., :n, :]
-            return out
+            return {k: detached(v) for k, v in out.items()}
         for prefix, proj, codes in (
             ("key", self._key_proj, self._key_codes),
             ("value", self._value_proj, self._value_codes),
@@ -298,7 +309,7 @@ class PaluKVCache(CacheLayer):
                 out[f"{prefix}.{name}"] = arr
             for name, arr in codes.items():
                 out[f"{prefix}.{name}"] = arr[..., :n, :]
-        return out
+        return {k: detached(v) for k, v in out.items()}
 
     @property
     def meta_state(self) -> tuple[str, str]:
@@ -320,45 +331,101 @@ class PaluKVCache(CacheLayer):
         meta_state: tuple[str, str] | list[str],
         allocation_policy: BitAllocationPolicy | None = None,
     ) -> PaluKVCache:
-        """Rebuild a cache from :attr:`state` and :attr:`meta_state` (bitwise the same arrays)."""
-        config_json, runtime = cls._split_meta_state(meta_state)
-        config = KVCacheConfig.from_json(config_json)
-        rope_meta = runtime.get("rope")
-        if rope_meta is not None and "rope.inv_freq" not in state:
-            raise KVConfigError("state is missing array 'rope.inv_freq' needed by meta_state")
-        rotary = None if rope_meta is None else Rotary.from_meta(rope_meta, state["rope.inv_freq"])
-        cache = cls(config, allocation_policy, rotary)
-        if not cache._restore_runtime(runtime):
-            return cache
+        """Rebuild a cache from :attr:`state` and :attr:`meta_state` (bitwise the same arrays).
+
+        Every metadata field and every array is checked first (segment layouts, offset, names,
+        shapes, dtypes, finite values): a mismatch raises ``KVDataError`` naming it.
+        """
+        owner = f"{cls.__name__}.from_state"
+        settings, runtime = parse_meta_state(meta_state, owner)
+        offset, shape, dtype = read_runtime(runtime, cls.__name__, owner)
+        config = read_config(settings, owner)
+        if allocation_policy is not None and not isinstance(allocation_policy, BitAllocationPolicy):
+            raise KVConfigError(
+                f"allocation_policy must be a BitAllocationPolicy (with .allocate) or None; "
+                f"got {type(allocation_policy).__name__}"
+            )
+        arrays = StateArrays(state, owner)
+        layout = {
+            name: read_field(runtime, name, owner)
+            for name in ("rope", "key_segments", "value_segments", "key_fixed_widths", "value_fixed_widths")
+        }
+        rope = read_rope(layout["rope"], shape[2] if shape else config.head_dim, owner)
+        rotary = None
+        if rope is not None:
+            inv_freq = arrays.take("rope.inv_freq", (rope[0] // 2,), mx.float32)
+            rotary = Rotary(detached(inv_freq), *rope)
         try:
-            if runtime["key_segments"] is None:
-                cache._exact_keys = write_rows(None, state["exact_keys"], 0, cls.step)
-                cache._exact_values = write_rows(None, state["exact_values"], 0, cls.step)
-            else:
-                for prefix in ("key", "value"):
-                    proj = GroupProjection(
-                        basis=state[f"{prefix}.basis"],
-                        mean=state[f"{prefix}.mean"],
-                        singular_values=state[f"{prefix}.singular_values"],
-                    )
-                    fixed = runtime.get(f"{prefix}_fixed_widths")
-                    if fixed is not None:
-                        coder = _FixedFields(FixedQuantCoder(tuple(fixed), state[f"{prefix}.steps"]))
-                    else:
-                        segments = tuple(Segment(*s) for s in runtime[f"{prefix}_segments"])
-                        coder = MixedBitCoder(
-                            segments, config.palu_group_size, cache._dtype, compact_dtype(cache._dtype)
+            cache = cls(config, allocation_policy, rotary)
+        except KVConfigError as exc:
+            raise KVDataError(f"{owner}: meta_state config: {exc}") from None
+        fitted = layout["key_segments"] is not None
+        if shape is None and any(layout[k] is not None for k in layout if k != "rope"):
+            raise KVDataError(
+                f"{owner}: meta_state of an empty cache must have null segments and fixed widths"
+            )
+        if fitted != (layout["value_segments"] is not None) or (
+            not fitted
+            and (layout["key_fixed_widths"] is not None or layout["value_fixed_widths"] is not None)
+        ):
+            raise KVDataError(
+                f"{owner}: meta_state key_segments and value_segments must be both null (before the fit) or both "
+                "set, and fixed widths need segments"
+            )
+        if shape is None:
+            arrays.finish()
+            return cache
+        b, h, d, dv = shape
+        try:
+            cache._check_dims(h, d, dv)
+        except (KVConfigError, KVShapeError) as exc:
+            raise KVDataError(f"{owner}: meta_state shape {list(shape)}: {exc}") from None
+        if not fitted:
+            exact = [
+                arrays.take(f"exact_{p}", (b, h, offset, w), dtype) for p, w in (("keys", d), ("values", dv))
+            ]
+            arrays.finish()
+            cache._exact_keys, cache._exact_values = (write_rows(None, x, 0, cls.step) for x in exact)
+        else:
+            parts = {}
+            for prefix, dim in (("key", d), ("value", dv)):
+                segments = read_segments(layout[f"{prefix}_segments"], f"{prefix}_segments", owner)
+                fixed = layout[f"{prefix}_fixed_widths"]
+                if fixed is not None:
+                    widths = read_widths(fixed, f"{prefix}_fixed_widths", owner)
+                    steps = arrays.take(f"{prefix}.steps", (h, len(widths)), mx.float32, positive=True)
+                    coder = _FixedFields(FixedQuantCoder(widths, detached(steps)))
+                    if coder.segments != segments:
+                        raise KVDataError(
+                            f"{owner}: meta_state {prefix}_segments {layout[f'{prefix}_segments']} do not match "
+                            f"{prefix}_fixed_widths {list(widths)}"
                         )
-                    codes = {
-                        name: write_rows(None, state[f"{prefix}.{name}"], 0, cls.step)
-                        for name in coder.field_widths()
-                    }
-                    setattr(cache, f"_{prefix}_proj", proj)
-                    setattr(cache, f"_{prefix}_coder", coder)
-                    setattr(cache, f"_{prefix}_codes", codes)
-        except KeyError as missing:
-            raise KVConfigError(f"state is missing array {missing} needed by meta_state") from None
-        cache.offset = int(runtime["offset"])
+                    proj_dtype = compact_dtype(dtype)
+                else:
+                    coder = MixedBitCoder(segments, config.palu_group_size, dtype, compact_dtype(dtype))
+                    proj_dtype = _projection_dtype(coder, dtype)
+                g, r = config.palu_n_head_groups, coder.rank
+                if r > dim:
+                    raise KVDataError(f"{owner}: meta_state {prefix} rank {r} exceeds the head dim {dim}")
+                proj = GroupProjection(
+                    basis=arrays.take(f"{prefix}.basis", (g, dim, r), proj_dtype),
+                    mean=arrays.take(f"{prefix}.mean", (g, dim), proj_dtype),
+                    singular_values=arrays.take(f"{prefix}.singular_values", (g, r), proj_dtype),
+                )
+                codes = {
+                    name: arrays.take(f"{prefix}.{name}", (b, h, offset, width), field_dtype)
+                    for name, (width, field_dtype) in coder.field_widths().items()
+                }
+                parts[prefix] = (proj, coder, codes)
+            arrays.finish()
+            for prefix, (proj, coder, codes) in parts.items():
+                proj = GroupProjection(**{k: detached(v) for k, v in proj.arrays().items()})
+                setattr(cache, f"_{prefix}_proj", proj)
+                setattr(cache, f"_{prefix}_coder", coder)
+                setattr(
+                    cache, f"_{prefix}_codes", {k: write_rows(None, v, 0, cls.step) for k, v in codes.items()}
+                )
+        cache._shape, cache._dtype, cache.offset = shape, dtype, offset
         return cache
 
     # ------------------------------------------------------------------ measured storage

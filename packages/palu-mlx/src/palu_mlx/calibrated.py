@@ -27,15 +27,24 @@ from functools import cached_property
 
 import mlx.core as mx
 import numpy as np
-from kvspec import KVConfigError, KVShapeError
+from kvspec import KVConfigError, KVDataError, KVShapeError
 
 from .attention import LatentStore
 from .calibration import Calibration, TensorCalibration
 from .config import KVCacheConfig
-from .layer import CacheLayer, write_rows
+from .layer import SUPPORTED_DTYPES, CacheLayer, detached, write_rows
 from .lowrank import GroupProjection, project, reconstruct
 from .mixed_bit import water_fill
 from .rope import Rotary
+from .state_checks import (
+    StateArrays,
+    parse_meta_state,
+    read_config,
+    read_field,
+    read_rope,
+    read_runtime,
+    read_widths,
+)
 
 __all__ = ["FixedQuantCoder", "CalibratedKVCache", "calibrated_caches", "GAUSSIAN_STEP"]
 
@@ -221,7 +230,10 @@ class CalibratedKVCache(CacheLayer):
     # ---------------------------------------------------------------- state
     @property
     def state(self) -> dict[str, mx.array]:
-        """Codes cut to ``offset`` plus the calibration constants and RoPE frequencies (self-contained)."""
+        """Codes cut to ``offset`` plus the calibration constants and RoPE frequencies (self-contained).
+
+        Copies: writing into them (or into numpy views of them) cannot change the cache.
+        """
         out = {f"key.{n}": a for n, a in self._key.arrays().items()}
         out.update({f"value.{n}": a for n, a in self._value.arrays().items()})
         if self.rotary is not None:
@@ -229,7 +241,7 @@ class CalibratedKVCache(CacheLayer):
         if self._key_codes is not None:
             out["key.codes"] = self._key_codes[..., : self.offset, :]
             out["value.codes"] = self._value_codes[..., : self.offset, :]
-        return out
+        return {k: detached(v) for k, v in out.items()}
 
     @property
     def meta_state(self) -> tuple[str, str]:
@@ -243,29 +255,51 @@ class CalibratedKVCache(CacheLayer):
 
     @classmethod
     def from_state(cls, state: dict[str, mx.array], meta_state) -> CalibratedKVCache:
-        config_json, runtime = cls._split_meta_state(meta_state)
-        config = KVCacheConfig.from_json(config_json)
-        try:
-            codes = {}
-            for prefix in ("key", "value"):
-                proj = GroupProjection(
-                    basis=state[f"{prefix}.basis"],
-                    mean=state[f"{prefix}.mean"],
-                    singular_values=state[f"{prefix}.steps"],
+        """Rebuild a cache from :attr:`state` and :attr:`meta_state`.
+
+        Every metadata field and every array is checked first (widths, offset, names, shapes,
+        dtypes, finite values, positive steps): a mismatch raises ``KVDataError`` naming it.
+        """
+        owner = f"{cls.__name__}.from_state"
+        settings, runtime = parse_meta_state(meta_state, owner)
+        offset, shape, dtype = read_runtime(runtime, cls.__name__, owner)
+        config = read_config(settings, owner)
+        arrays = StateArrays(state, owner)
+        taken = {}
+        for prefix in ("key", "value"):
+            widths = read_widths(read_field(runtime, f"{prefix}_widths", owner), f"{prefix}_widths", owner)
+            name = f"{prefix}.basis"
+            if name not in arrays or state[name].ndim != 3:
+                got = tuple(state[name].shape) if name in arrays else "nothing"
+                raise KVDataError(f"{owner}: state array {name!r} must be [H, D, r]; got {got}")
+            h, d, _ = state[name].shape
+            if shape is not None and (h, d) != (shape[1], shape[2] if prefix == "key" else shape[3]):
+                raise KVDataError(
+                    f"{owner}: state array {name!r} of shape {state[name].shape} does not match meta_state shape {list(shape)}"
                 )
-                codes[prefix] = _TensorCode(
-                    proj, FixedQuantCoder(tuple(runtime[f"{prefix}_widths"]), state[f"{prefix}.steps"])
-                )
-            rotary = (
-                None if runtime["rope"] is None else Rotary.from_meta(runtime["rope"], state["rope.inv_freq"])
-            )
-        except KeyError as missing:
-            raise KVConfigError(f"state is missing array {missing} needed by meta_state") from None
-        cache = cls(config, codes["key"], codes["value"], rotary)
-        if cache._restore_runtime(runtime):
-            cache._key_codes = write_rows(None, state["key.codes"], 0, cls.step)
-            cache._value_codes = write_rows(None, state["value.codes"], 0, cls.step)
-            cache.offset = int(runtime["offset"])
+            r = len(widths)
+            basis = arrays.take(name, (h, d, r), SUPPORTED_DTYPES)
+            mean = arrays.take(f"{prefix}.mean", (h, d), SUPPORTED_DTYPES)
+            steps = arrays.take(f"{prefix}.steps", (h, r), mx.float32, positive=True)
+            codes = None
+            if shape is not None:
+                row_bytes = -(-sum(widths) // 8)
+                codes = arrays.take(f"{prefix}.codes", (shape[0], h, offset, row_bytes), mx.uint8)
+            taken[prefix] = (widths, basis, mean, steps, codes)
+        rope = read_rope(read_field(runtime, "rope", owner), taken["key"][1].shape[1], owner)
+        inv_freq = None if rope is None else arrays.take("rope.inv_freq", (rope[0] // 2,), mx.float32)
+        arrays.finish()
+        tensor_codes = {}
+        for prefix, (widths, basis, mean, steps, _) in taken.items():
+            steps = detached(steps)
+            proj = GroupProjection(basis=detached(basis), mean=detached(mean), singular_values=steps)
+            tensor_codes[prefix] = _TensorCode(proj, FixedQuantCoder(widths, steps))
+        rotary = None if rope is None else Rotary(detached(inv_freq), *rope)
+        cache = cls(config, tensor_codes["key"], tensor_codes["value"], rotary)
+        if shape is not None:
+            cache._key_codes = write_rows(None, taken["key"][4], 0, cls.step)
+            cache._value_codes = write_rows(None, taken["value"][4], 0, cls.step)
+            cache._shape, cache._dtype, cache.offset = shape, dtype, offset
         return cache
 
     # ---------------------------------------------------------------- measured storage
