@@ -341,6 +341,24 @@ CATALOGUE = {
         KVShapeError,
         "beam_idx must be a 1-D integer tensor or sequence; got str",
     ),
+    "reorder-empty-cache-float": (
+        lambda c: CodecKVCache(),
+        lambda o, c: o.reorder([0.5]),
+        KVShapeError,
+        "beam_idx must be a 1-D integer tensor",
+    ),
+    "hf-select-on-empty-layer-string": (
+        lambda c: FlashCodecLayer(),
+        lambda o, c: o.batch_select_indices("0"),
+        KVShapeError,
+        "indices must be a 1-D integer tensor or sequence; got str",
+    ),
+    "hf-mask-sizes-negative": (
+        lambda c: FlashCodecLayer(),
+        lambda o, c: o.get_mask_sizes(-1),
+        KVShapeError,
+        "query_length must be an integer >= 0",
+    ),
     # from_state (the source cache is the object that must not change)
     "from-state-offset-past-the-data": (
         lambda c: filled(),

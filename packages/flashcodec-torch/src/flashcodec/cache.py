@@ -285,9 +285,11 @@ class CodecKVCache:
         ``beam_idx``: 1-D integer indices into the current batch (any length >= 1; the batch becomes
         it), negative ones counted from the end as in tensor indexing; with ``allow_mask``, also a
         boolean mask over the batch. ``name`` is the argument the caller's error message names.
-        An empty cache accepts any indices and stays empty (its batch is not fixed yet).
+        A cache that never stored a token checks only the form of the indices (its batch is not
+        fixed yet) and stays empty.
         """
         if self.keys is None or self.values is None:
+            batch_index(name, beam_idx, None, allow_mask=allow_mask)
             return
         idx = batch_index(name, beam_idx, self.keys.batch, allow_mask=allow_mask, device=self.keys.device)
         streams = self._streams()

@@ -50,7 +50,12 @@ def check_bool(name: str, value: object, *, error: type[KVSpecError] = KVConfigE
 
 
 def batch_index(
-    name: str, indices: object, batch: int, *, allow_mask: bool = False, device: torch.device | None = None
+    name: str,
+    indices: object,
+    batch: int | None,
+    *,
+    allow_mask: bool = False,
+    device: torch.device | None = None,
 ) -> torch.Tensor:
     """1-D int64 batch indices in ``0..batch-1`` from ``indices``, as ``DynamicCache`` reads them.
 
@@ -58,6 +63,7 @@ def batch_index(
     (``-1`` is the last row, as tensor indexing does); with ``allow_mask``, also a boolean mask of
     length ``batch``. Raises ``KVShapeError`` naming ``name`` for anything else, for an entry
     outside ``-batch..batch-1`` and for an empty selection (a cache cannot hold a batch of 0).
+    ``batch=None`` (nothing stored yet): only the form is checked; the indices come back as given.
     """
     if isinstance(indices, (str, bytes)) or not isinstance(indices, (torch.Tensor, Sequence, range)):
         raise KVShapeError(f"{name} must be a 1-D integer tensor or sequence; got {type(indices).__name__}")
@@ -70,7 +76,7 @@ def batch_index(
     if idx.dtype == torch.bool:
         if not allow_mask:
             raise KVShapeError(f"{name} must hold integer indices, not booleans; got {idx.tolist()}")
-        if idx.dim() != 1 or idx.numel() != batch:
+        if idx.dim() != 1 or batch is not None and idx.numel() != batch:
             raise KVShapeError(
                 f"{name} as a boolean mask must have shape [{batch}] (one entry per batch row); "
                 f"got shape {tuple(idx.shape)}"
@@ -82,6 +88,8 @@ def batch_index(
         )
     if idx.numel() == 0:  # a mask that selects nothing
         raise KVShapeError(f"{name} must select at least one batch row; got an empty selection")
+    if batch is None:
+        return idx.to(dtype=torch.long)
     lo, hi = int(idx.min()), int(idx.max())
     if lo < -batch or hi >= batch:
         raise KVShapeError(

@@ -16,7 +16,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from ..cache import CodecKVCache
 from ..storage import CodecStorage
-from ..validate import check_int
+from ..validate import batch_index, check_int
 
 __all__ = ["FlashCodecLayer"]
 
@@ -106,7 +106,7 @@ class FlashCodecLayer(CacheLayerMixin):
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         """``(kv_length, kv_offset)`` for the mask of a query of ``query_length`` new tokens."""
-        return self.codec_cache.offset + query_length, 0
+        return self.codec_cache.offset + check_int("query_length", query_length, low=0, error=KVShapeError), 0
 
     def get_max_length(self) -> int:
         """-1: the layer grows without bound."""
@@ -149,9 +149,13 @@ class FlashCodecLayer(CacheLayerMixin):
         self._gather(indices, "indices", allow_mask=True)
 
     def _gather(self, indices: object, name: str, *, allow_mask: bool) -> None:
-        if self.codec_cache.offset:
-            self.codec_cache.reorder(indices, name=name, allow_mask=allow_mask)  # validates first
+        # like DynamicLayer, a layer holding no token is left alone, but the indices are still checked
+        cc = self.codec_cache
+        if cc.offset:
+            cc.reorder(indices, name=name, allow_mask=allow_mask)  # validates first
             self._refresh()
+        else:
+            batch_index(name, indices, None if cc.keys is None else cc.keys.batch, allow_mask=allow_mask)
 
     # Offloading would move views of the memoized reconstruction, not the archive: unsupported.
     def offload(self) -> None:
