@@ -155,3 +155,33 @@ def test_transformers_cache_copies():
         x = random_walk(s=1, seed=9)
         assert torch.equal(twin.update(x, x, 0)[0], copy.deepcopy(cache).update(x, x, 0)[0])
         assert cache.get_seq_length() == 13 and twin.get_seq_length() == 14
+
+
+def test_meta_state_without_offset_still_loads():
+    cache = _cache("jpeg-k2-int8")
+    old = tuple(
+        "format=flashcodec-cache-1" if m.startswith("format=") else m
+        for m in cache.meta_state
+        if not m.startswith("offset=")
+    )
+    again = CodecKVCache.from_state(cache.state, old)
+    assert again.offset == cache.offset
+    assert torch.equal(again.read()[0], cache.read()[0])
+
+
+def test_calibration_files_round_trip_and_older_files_load(tmp_path):
+    pytest.importorskip("transformers")
+    import json
+
+    from flashcodec.hf import Calibration
+
+    cal = Calibration(
+        schedule={0: "a", 1: "b"}, candidates={"a": PNGCodec(8), "b": JPEGCodec(8, 2)}, budget=0.5, ratio=0.4
+    )
+    path = tmp_path / "cal.json"
+    cal.save(path)
+    assert "sha256" in json.loads(path.read_text())
+    assert Calibration.load(path) == cal
+    older = tmp_path / "older.json"
+    older.write_text(json.dumps(cal.to_dict()))  # the layout before checksums
+    assert Calibration.load(older) == cal
