@@ -9,7 +9,6 @@ count and :meth:`~CacheLayer.storage_stats`. Subclasses own their buffers and re
 
 from __future__ import annotations
 
-import json
 import numbers
 from typing import Any
 
@@ -146,30 +145,6 @@ class CacheLayer:
             "shape": list(self._shape) if self._shape else None,
             "dtype": dtype_name(self._dtype) if self._dtype is not None else None,
         }
-
-    @staticmethod
-    def _split_meta_state(meta_state: tuple[str, str] | list[str]) -> tuple[str, dict[str, Any]]:
-        """``(settings JSON, runtime JSON)`` -> ``(settings JSON, runtime dict)``, both checked.
-
-        Raises ``KVDataError`` when meta_state is not two JSON-object strings.
-        """
-        from .state_checks import parse_meta_state  # state_checks imports this module
-
-        parse_meta_state(meta_state, "from_state")
-        return meta_state[0], json.loads(meta_state[1])
-
-    def _restore_runtime(self, runtime: dict[str, Any]) -> bool:
-        """Set shape and dtype from :meth:`_runtime`'s dict (checked); False when the saved cache was empty.
-
-        ``offset`` is left for the caller to set once its buffers are restored.
-        """
-        from .state_checks import read_runtime
-
-        _, shape, dtype = read_runtime(runtime, type(self).__name__, f"{type(self).__name__}.from_state")
-        if shape is None:
-            return False
-        self._shape, self._dtype = shape, dtype
-        return True
 
     # ------------------------------------------------------------------ copy and pickle
     # mlx-lm's server and BatchGenerator deep-copy prompt caches, and its distributed server
