@@ -176,7 +176,13 @@ def test_calibration_files_round_trip_and_older_files_load(tmp_path):
     from flashcodec.hf import Calibration
 
     cal = Calibration(
-        schedule={0: "a", 1: "b"}, candidates={"a": PNGCodec(8), "b": JPEGCodec(8, 2)}, budget=0.5, ratio=0.4
+        schedule={0: "a", 1: "b"},
+        candidates={"a": PNGCodec(8), "b": JPEGCodec(8, 2)},
+        budget=0.5,
+        ratio=0.4,
+        predicted_kl=0.25,
+        measured_kl=0.5,
+        tokens=10,
     )
     path = tmp_path / "cal.json"
     cal.save(path)
