@@ -58,10 +58,32 @@ def test_values_allocation_failure_leaves_both_streams(tier, monkeypatch):
     assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
 
 
+@pytest.mark.parametrize("tier", ["png-keep1", "jpeg-k2-int8"])
+@pytest.mark.parametrize("tokens", [3, 11, 40])
+def test_read_failure_after_the_append_undoes_it(tier, tokens, monkeypatch):
+    # the keys' read succeeds (its view may grow), the values' read runs out of memory: the
+    # append is undone and the keys' view is back to what it was
+    cache, twin = _cache(tier), _cache(tier)
+    before = snapshot(cache)
+    _fail_on_values(monkeypatch, "_ensure_view")
+    with pytest.raises(_OutOfMemory):
+        cache.update_and_fetch(random_walk(s=tokens, seed=2), random_walk(s=tokens, d=8, seed=3))
+    assert snapshot(cache) == before
+    monkeypatch.undo()
+    k, v = random_walk(s=tokens, seed=2), random_walk(s=tokens, d=8, seed=3)
+    ours, theirs = cache.update_and_fetch(k, v), twin.update_and_fetch(k, v)
+    assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
+
+
 def test_forward_failure_keeps_the_old_tokens(monkeypatch):
     cache = _cache("png-keep1")
     before = snapshot(cache)
     _fail_on_values(monkeypatch, "prepare_append")
+    with pytest.raises(_OutOfMemory):
+        cache.forward(random_walk(s=20, seed=4), random_walk(s=20, d=8, seed=5))
+    assert snapshot(cache) == before
+    monkeypatch.undo()
+    _fail_on_values(monkeypatch, "_ensure_view")  # now the read after the fill fails
     with pytest.raises(_OutOfMemory):
         cache.forward(random_walk(s=20, seed=4), random_walk(s=20, d=8, seed=5))
     assert snapshot(cache) == before

@@ -13,7 +13,7 @@ backend and the conformance adapter wrap the same object.
 from __future__ import annotations
 
 import ast
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from kvspec import (
@@ -159,10 +159,16 @@ class CodecKVCache:
         Every block that completes is archived in one batched encode; the rest stays raw.
         Returns ``(keys [B, H, S_total, D], values [B, H, S_total, Dv])`` in the input dtype:
         archived tokens reconstructed, tail tokens raw. The returned tensors are views of the
-        memoized buffers, valid until the next call that changes the cache.
+        memoized buffers, valid until the next call that changes the cache. A read that fails
+        (out of memory growing the view) undoes the append: the cache is as it was before the call.
         """
-        self.append(keys, values)
-        return self.read()
+        self.check_input(keys, values)
+        undo = self._append_to(self._streams_for(keys, values), keys, values)
+        try:
+            return self.read()
+        except BaseException:
+            undo()
+            raise
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Append like :meth:`update_and_fetch`, without reading: no view is built or updated.
@@ -170,27 +176,36 @@ class CodecKVCache:
         For consumers that attend on the stored rows (:func:`flashcodec.attention.codec_decode_attention`).
         """
         self.check_input(keys, values)
+        self._append_to(self._streams_for(keys, values), keys, values)
+
+    def _streams_for(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[CodecStream, CodecStream]:
         if self.keys is None or self.values is None:
-            streams = self._new_streams(keys, values)
-        else:
-            streams = (self.keys, self.values)
-        self._append_to(streams, keys, values)
+            return self._new_streams(keys, values)
+        return self.keys, self.values
 
     def _append_to(
         self, streams: tuple[CodecStream, CodecStream], keys: torch.Tensor, values: torch.Tensor
-    ) -> None:
+    ) -> Callable[[], None]:
         """Encode and allocate for both streams first, then commit both: an error (a coefficient
         overflowing its storage dtype, out of memory) leaves the cache as it was, never one stream
-        a block ahead of the other."""
+        a block ahead of the other. Returns the undo of the whole append (see
+        :meth:`CodecStream.commit_append`)."""
         plans = []
         for name, stream, x in (("keys", streams[0], keys), ("values", streams[1], values)):
             plan = stream.prepare_append(x.detach())
             if self.check_finite:
                 _check_stored(name, self.codec, plan.parts, x.dtype)
             plans.append(plan)
+        previous = (self.keys, self.values)
         self.keys, self.values = streams
-        for stream, plan in zip(streams, plans, strict=True):
-            stream.commit_append(plan)
+        undos = [stream.commit_append(plan) for stream, plan in zip(streams, plans, strict=True)]
+
+        def undo() -> None:
+            for u in undos:
+                u()
+            self.keys, self.values = previous
+
+        return undo
 
     def forward(self, k_seq: torch.Tensor, v_seq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Full-sequence fill: start over (as after :meth:`reset`) and store ``k_seq`` / ``v_seq``.
@@ -199,8 +214,12 @@ class CodecKVCache:
         reconstructions of the prompt (exact on the lossless tiers). Shapes as :meth:`update_and_fetch`.
         """
         self.check_input(k_seq, v_seq, fresh=True)
-        self._append_to(self._new_streams(k_seq, v_seq), k_seq, v_seq)  # replaces the streams on success
-        return self.read()
+        undo = self._append_to(self._new_streams(k_seq, v_seq), k_seq, v_seq)  # replaces the streams
+        try:
+            return self.read()
+        except BaseException:
+            undo()  # the old streams back, untouched
+            raise
 
     def decode_step(self, new_k: torch.Tensor, new_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Incremental decode: append ``new_k [B, H, s, D]`` / ``new_v [B, H, s, Dv]`` (usually ``s = 1``).

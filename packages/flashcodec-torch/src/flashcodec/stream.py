@@ -42,6 +42,7 @@ The stream trusts its inputs: :class:`flashcodec.CodecKVCache` validates every c
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -211,13 +212,20 @@ class CodecStream:
         return AppendPlan(x=x, taken=taken, parts=parts, archive=self._grown_archive(self.n_blocks + n_new))
 
     @torch.no_grad()
-    def commit_append(self, plan: AppendPlan) -> None:
-        """Apply :meth:`prepare_append`'s plan (made on this stream, unchanged since)."""
+    def commit_append(self, plan: AppendPlan) -> Callable[[], None]:
+        """Apply :meth:`prepare_append`'s plan (made on this stream, unchanged since).
+
+        Returns an undo: called before any other change to the stream (a failed read right
+        after, in :meth:`flashcodec.CodecKVCache.update_and_fetch`), it puts the stream back
+        exactly as it was. It keeps the previous archive buffers and, when blocks complete, a
+        copy of the few raw tail tokens the commit overwrites.
+        """
+        undo = self._undo_append(plan)
         x, t = plan.x, self.tail_len
         if not plan.parts:
             self._tail[:, :, t : t + x.shape[2]].copy_(x)
             self.tail_len = t + x.shape[2]
-            return
+            return undo
         if plan.archive is not None:
             self._archive = plan.archive
         start, n_new = self.n_blocks, plan.parts[0].shape[2]
@@ -227,6 +235,40 @@ class CodecStream:
         rest = x.shape[2] - plan.taken
         self._tail[:, :, :rest].copy_(x[:, :, plan.taken :])
         self.tail_len = rest
+        return undo
+
+    def _undo_append(self, plan: AppendPlan) -> Callable[[], None]:
+        # A commit only writes archive slots past n_blocks (or into new buffers), tail slots past
+        # tail_len when no block completes, and the whole tail when one does: restoring the counts,
+        # the buffer references and that tail copy restores the stream. The view's trusted part
+        # (its first view_blocks blocks) is never written by a read that follows.
+        saved = (
+            self._archive,
+            self.n_blocks,
+            self.tail_len,
+            self._view,
+            self.view_blocks,
+            self._view_version,
+        )
+        trusted = self._view_is_trusted()
+        tail = self._tail[:, :, : self.tail_len].clone() if plan.parts and self.tail_len else None
+
+        def undo() -> None:
+            view = self._view
+            (
+                self._archive,
+                self.n_blocks,
+                self.tail_len,
+                self._view,
+                self.view_blocks,
+                self._view_version,
+            ) = saved
+            if tail is not None:
+                self._tail[:, :, : tail.shape[2]].copy_(tail)
+            if trusted and self._view is view and view is not None:
+                self._view_version = _version(view)  # only written past the trusted blocks since
+
+        return undo
 
     def append(self, x: torch.Tensor) -> None:
         """Append ``x [B, H, s, D]`` (validated by the caller): complete blocks are archived in one encode."""
