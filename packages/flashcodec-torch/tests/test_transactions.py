@@ -213,3 +213,29 @@ def test_calibration_files_round_trip_and_older_files_load(tmp_path):
     older = tmp_path / "older.json"
     older.write_text(json.dumps(cal.to_dict()))  # the layout before checksums
     assert Calibration.load(older) == cal
+
+
+@pytest.mark.parametrize(
+    ("method", "call"),
+    [
+        ("prepare_reorder", lambda c: c.reorder_cache(torch.tensor([1, 0, 0]))),
+        ("prepare_reorder", lambda c: c.batch_select_indices(torch.tensor([-1]))),
+        ("prepare_reorder", lambda c: c.batch_repeat_interleave(2)),
+        ("prepare_crop", lambda c: c.crop(-3)),
+    ],
+)
+def test_transformers_cache_edits_are_all_or_nothing(method, call, monkeypatch):
+    # layer 0 is edited without trouble, layer 1's values run out of memory: no layer changes
+    pytest.importorskip("transformers")
+    from flashcodec.hf import FlashCodecCache
+
+    cache = FlashCodecCache(codec=JPEGCodec(8, keep_freqs=2, quant_bits=8))
+    cache.update(random_walk(s=13), random_walk(s=13, seed=1), 0)
+    cache.update(random_walk(s=13, seed=2), random_walk(s=13, d=8, seed=3), 1)
+    for layer in cache.layers:
+        layer.codec_cache.release_view()  # so the crop decodes (allocates) the block it cuts into
+    before = snapshot(cache)
+    _fail_on_values(monkeypatch, method)
+    with pytest.raises(_OutOfMemory):
+        call(cache)
+    assert snapshot(cache) == before

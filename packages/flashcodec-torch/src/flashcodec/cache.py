@@ -275,15 +275,25 @@ class CodecKVCache:
         for bit. A cut inside an archived block turns that block's kept tokens (reconstructed) back
         into raw tail tokens; blocks before it are never touched.
         """
+        self.plan_crop(max_length)()
+
+    def plan_crop(self, max_length: int) -> Callable[[], None]:
+        """Check and prepare :meth:`crop` (decoding the block it cuts into) without changing
+        anything; the returned function applies it and cannot fail. Lets a caller editing several
+        caches prepare all of them before changing any."""
         n = check_int("max_length", max_length, error=KVTrimError)
         if n < 0:
             n = max(0, self.offset + n)
         if n >= self.offset:
-            return
+            return _nothing
         streams = self._streams()
         heads = [stream.prepare_crop(n) for stream in streams]  # may decode (allocate): before any change
-        for stream, head in zip(streams, heads, strict=True):
-            stream.commit_crop(n, head)
+
+        def commit() -> None:
+            for stream, head in zip(streams, heads, strict=True):
+                stream.commit_crop(n, head)
+
+        return commit
 
     def is_trimmable(self) -> bool:
         """Always True: :meth:`trim` / :meth:`crop` are supported."""
@@ -307,14 +317,25 @@ class CodecKVCache:
         A cache that never stored a token checks only the form of the indices (its batch is not
         fixed yet) and stays empty.
         """
+        self.plan_reorder(beam_idx, name=name, allow_mask=allow_mask)()
+
+    def plan_reorder(
+        self, beam_idx: torch.Tensor | Sequence[int], *, name: str = "beam_idx", allow_mask: bool = False
+    ) -> Callable[[], None]:
+        """Check and prepare :meth:`reorder` (the gathered buffers) without changing anything; the
+        returned function installs them and cannot fail."""
         if self.keys is None or self.values is None:
             batch_index(name, beam_idx, None, allow_mask=allow_mask)
-            return
+            return _nothing
         idx = batch_index(name, beam_idx, self.keys.batch, allow_mask=allow_mask, device=self.keys.device)
         streams = self._streams()
         plans = [stream.prepare_reorder(idx) for stream in streams]  # allocates: before any change
-        for stream, plan in zip(streams, plans, strict=True):
-            stream.commit_reorder(plan)
+
+        def commit() -> None:
+            for stream, plan in zip(streams, plans, strict=True):
+                stream.commit_reorder(plan)
+
+        return commit
 
     # ------------------------------------------------------------------ bytes
     def storage_bytes(self) -> CodecStorage:
@@ -395,6 +416,10 @@ class CodecKVCache:
         cache.keys = CodecStream.from_state(cache.codec, k_arrays, initial_blocks=cache.initial_blocks)
         cache.values = CodecStream.from_state(cache.codec, v_arrays, initial_blocks=cache.initial_blocks)
         return cache
+
+
+def _nothing() -> None:
+    """The commit of an edit that changes nothing."""
 
 
 def _check_stored(name: str, codec: BlockCodec, parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numbers
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -269,25 +270,49 @@ class FlashCodecCache(Cache):
                     f"crop({tokens_to_remove}): layer {i} ({type(layer).__name__}) cannot roll back without past "
                     "recording (call cache.activate_past_recording() before the tokens to undo); nothing was cropped"
                 )
-        for layer in self.layers:
-            layer.crop(n)
+        self._edit_layers(lambda layer: layer.plan_crop(n), lambda layer: layer.crop(n))
 
     # ------------------------------------------------------------------ batch edits
     # Checked once against the batch before any layer changes, so a bad argument never leaves some
     # layers reordered and others not; negative indices are resolved here, because transformers'
     # own layers take them in batch_select_indices (tensor indexing) but not in reorder_cache
     # (index_select).
+    # Codec layers are prepared first (everything they allocate), then the native layers edited,
+    # then the codec layers committed, so an error (out of memory included) in a codec layer
+    # leaves every layer as it was.
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Gather the batch rows ``beam_idx`` of every layer (beam search); see :meth:`FlashCodecLayer.reorder_cache`."""
-        super().reorder_cache(self._batch_index(beam_idx, "beam_idx", allow_mask=False))
+        idx = self._batch_index(beam_idx, "beam_idx", allow_mask=False)
+        self._edit_layers(
+            lambda layer: layer.plan_gather(idx, "beam_idx", allow_mask=False),
+            lambda layer: layer.reorder_cache(idx),
+        )
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep the batch rows ``indices`` in every layer: integers (negative from the end) or a boolean mask."""
-        super().batch_select_indices(self._batch_index(indices, "indices", allow_mask=True))
+        idx = self._batch_index(indices, "indices", allow_mask=True)
+        self._edit_layers(
+            lambda layer: layer.plan_gather(idx, "indices", allow_mask=True),
+            lambda layer: layer.batch_select_indices(idx),
+        )
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Repeat each batch row ``repeats`` times (an integer >= 1) in every layer."""
-        super().batch_repeat_interleave(check_int("repeats", repeats, low=1, error=KVShapeError))
+        repeats = check_int("repeats", repeats, low=1, error=KVShapeError)
+        self._edit_layers(
+            lambda layer: layer.plan_repeat(repeats), lambda layer: layer.batch_repeat_interleave(repeats)
+        )
+
+    def _edit_layers(
+        self,
+        plan_codec: Callable[[FlashCodecLayer], Callable[[], None]],
+        edit_native: Callable[[Any], None],
+    ) -> None:
+        commits = [plan_codec(self.layers[i]) for i in self.codec_layer_indices]
+        for i in self.native_layer_indices:
+            edit_native(self.layers[i])
+        for commit in commits:
+            commit()
 
     def _batch_index(self, indices: object, name: str, *, allow_mask: bool) -> object:
         """``indices`` checked and resolved against the batch of the first filled codec layer

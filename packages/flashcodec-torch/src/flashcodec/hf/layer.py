@@ -8,6 +8,7 @@ so the write and the read meet at ``update`` and the model itself is not touched
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -19,6 +20,10 @@ from ..storage import CodecStorage
 from ..validate import batch_index, check_int
 
 __all__ = ["FlashCodecLayer"]
+
+
+def _nothing() -> None:
+    """The commit of an edit that changes nothing."""
 
 
 class FlashCodecLayer(CacheLayerMixin):
@@ -125,37 +130,54 @@ class FlashCodecLayer(CacheLayerMixin):
         A positive value is the older absolute form: keep the first ``tokens_to_remove`` tokens.
         Exact: the kept prefix reads back bit for bit as before.
         """
+        self.plan_crop(tokens_to_remove)()
+
+    def plan_crop(self, tokens_to_remove: int) -> Callable[[], None]:
+        """Check and prepare :meth:`crop` without changing the layer; the returned function applies it."""
         n = check_int("tokens_to_remove", tokens_to_remove, error=KVTrimError)
         if n == 0:
-            return
-        self.codec_cache.crop(n if n > 0 else max(0, self.codec_cache.offset + n))
-        self._refresh()
+            return _nothing
+        cc = self.codec_cache
+        return self._then_refresh(cc.plan_crop(n if n > 0 else max(0, cc.offset + n)))
+
+    def _then_refresh(self, commit: Callable[[], None]) -> Callable[[], None]:
+        def apply() -> None:
+            commit()
+            self._refresh()  # reads the gathered / cropped view again: copies, no decode
+
+        return apply
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Gather the batch rows ``beam_idx`` (1-D integers ``[B_new]``, negative ones counted from
         the end) of every buffer, for beam search."""
-        self._gather(beam_idx, "beam_idx", allow_mask=False)
+        self.plan_gather(beam_idx, "beam_idx", allow_mask=False)()
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Repeat each batch row ``repeats`` times (an integer >= 1), in place (``[B, ...]`` -> ``[B * repeats, ...]``)."""
+        self.plan_repeat(repeats)()
+
+    def plan_repeat(self, repeats: int) -> Callable[[], None]:
+        """Check and prepare :meth:`batch_repeat_interleave`; the returned function applies it."""
         repeats = check_int("repeats", repeats, low=1, error=KVShapeError)
-        if self.codec_cache.offset and repeats != 1:
-            batch = self.codec_cache.keys.batch
-            self._gather(torch.arange(batch).repeat_interleave(repeats), "repeats", allow_mask=False)
+        if not self.codec_cache.offset or repeats == 1:
+            return _nothing
+        batch = self.codec_cache.keys.batch
+        return self.plan_gather(torch.arange(batch).repeat_interleave(repeats), "repeats", allow_mask=False)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep only the batch rows ``indices``: integer indices (negative ones counted from the
         end, as ``DynamicCache`` indexes) or a boolean mask over ``B``."""
-        self._gather(indices, "indices", allow_mask=True)
+        self.plan_gather(indices, "indices", allow_mask=True)()
 
-    def _gather(self, indices: object, name: str, *, allow_mask: bool) -> None:
-        # like DynamicLayer, a layer holding no token is left alone, but the indices are still checked
+    def plan_gather(self, indices: object, name: str, *, allow_mask: bool) -> Callable[[], None]:
+        """Check ``indices`` (the caller's argument ``name``) and gather every buffer aside; the
+        returned function installs them. Like ``DynamicLayer``, a layer holding no token is left
+        alone, but the indices are still checked."""
         cc = self.codec_cache
-        if cc.offset:
-            cc.reorder(indices, name=name, allow_mask=allow_mask)  # validates first
-            self._refresh()
-        else:
+        if not cc.offset:
             batch_index(name, indices, None if cc.keys is None else cc.keys.batch, allow_mask=allow_mask)
+            return _nothing
+        return self._then_refresh(cc.plan_reorder(indices, name=name, allow_mask=allow_mask))
 
     # Offloading would move views of the memoized reconstruction, not the archive: unsupported.
     def offload(self) -> None:
