@@ -586,6 +586,18 @@ CATALOGUE = {
         KVConfigError,
         "per_layer names layer 9",
     ),
+    "calibration-unknown-candidate": (
+        None,
+        lambda o, c: Calibration(schedule={0: "b"}, candidates={"a": PNGCodec()}, budget=1.0, ratio=1.0),
+        KVConfigError,
+        r"schedule names candidates \['b'\]",
+    ),
+    "calibration-negative-budget": (
+        None,
+        lambda o, c: Calibration(schedule={}, candidates={}, budget=-1.0, ratio=1.0),
+        KVConfigError,
+        "budget must be a finite number >= 0",
+    ),
     # files
     "calibration-missing-file": (
         lambda c: c.tmp,

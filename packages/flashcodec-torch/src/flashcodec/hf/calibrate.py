@@ -78,6 +78,39 @@ class Calibration:
     measured_kl: float = math.nan
     tokens: int = 0
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.candidates, Mapping) or not all(
+            isinstance(n, str) and isinstance(c, BlockCodec) for n, c in self.candidates.items()
+        ):
+            raise KVConfigError(
+                f"candidates must be a dict {{name: codec object}}; got {self.candidates!r:.200}"
+            )
+        if not isinstance(self.schedule, Mapping) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and i >= 0 and isinstance(n, str)
+            for i, n in self.schedule.items()
+        ):
+            raise KVConfigError(
+                f"schedule must be a dict {{layer_idx >= 0: candidate name}}; got {self.schedule!r:.200}"
+            )
+        unknown = sorted({n for n in self.schedule.values() if n not in self.candidates})
+        if unknown:
+            raise KVConfigError(
+                f"schedule names candidates {unknown} that are not in candidates {sorted(self.candidates)}"
+            )
+        for name in ("budget", "ratio"):
+            value = getattr(self, name)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, numbers.Real)
+                or not math.isfinite(value)
+                or value < 0
+            ):
+                raise KVConfigError(
+                    f"{name} must be a finite number >= 0 (bytes held / raw bytes); got {value!r}"
+                )
+        if isinstance(self.tokens, bool) or not isinstance(self.tokens, numbers.Integral) or self.tokens < 0:
+            raise KVConfigError(f"tokens must be an integer >= 0; got {self.tokens!r}")
+
     @property
     def per_layer(self) -> dict[int, BlockCodec]:
         """``{layer_idx: codec}``: pass as ``FlashCodecCache.from_config(config, per_layer=...)``."""
@@ -111,9 +144,6 @@ class Calibration:
             candidates = {name: make_codec(**dict(cfg)) for name, cfg in data["candidates"].items()}
             schedule = {int(k): str(v) for k, v in data["schedule"].items()}
             damage = {int(k): {str(n): float(x) for n, x in v.items()} for k, v in data["damage"].items()}
-            unknown = sorted({n for n in schedule.values() if n not in candidates})
-            if unknown:
-                raise KVConfigError(f"schedule names candidates {unknown} that are not listed")
             return cls(
                 schedule=schedule,
                 candidates=candidates,
