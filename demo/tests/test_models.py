@@ -85,3 +85,15 @@ def test_a_tier_the_model_cannot_take_is_a_message(tmp_path):
         backend.worker.call(lambda: run_turn(backend, Conversation(), setup, "hi", 2, lambda _: None))
     shown = error_message(caught.value)
     assert "flashcodec cannot serve this model" in shown and "jpeg-k8-int8" in shown, shown
+
+
+def test_a_model_with_a_chat_template_gets_each_message_through_it(palu):
+    loaded = palu.worker.call(lambda: palu.load(None))
+    hf_tokenizer = loaded.runner.tokenizer._tokenizer  # mlx-lm's wrapper forwards to it
+    assert not getattr(hf_tokenizer, "chat_template", None)  # the embedded model is a base model
+    assert palu.turn_tokens(loaded, "hi there", first=True) == loaded.encode_prompt("hi there")
+    hf_tokenizer.chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% if add_generation_prompt %}>{% endif %}"
+    try:
+        assert palu.turn_tokens(loaded, "hi there", first=False) == loaded.encode_text("<user>hi there>")
+    finally:
+        hf_tokenizer.chat_template = None
