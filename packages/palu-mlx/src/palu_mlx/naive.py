@@ -92,8 +92,11 @@ class NaiveQuantKVCache(CacheLayer):
         """Append ``[B, H, S, D]`` keys/values; return all dequantized ``[B, H, offset, ·]`` in the input dtype."""
         b, h, s, d, dv = self._validate(keys, values, self.check_finite)
         prev = self.offset
-        self._keys = self._append(self._keys, keys, prev)
-        self._values = self._append(self._values, values, prev)
+        # both tensors' buffers first, then commit: if the second fails (out of memory), the
+        # first is not half-committed (its grown buffer would change nbytes)
+        new_keys = self._append(self._keys, keys, prev)
+        new_values = self._append(self._values, values, prev)
+        self._keys, self._values = new_keys, new_values
         self._shape, self._dtype = (b, h, d, dv), keys.dtype
         self.offset = prev + s
         return self._dequantize(self._keys), self._dequantize(self._values)
