@@ -70,3 +70,21 @@ def test_each_token_is_coded_independently():
     whole = coder.decode(coder.encode(x))
     part = coder.decode(coder.encode(x[:, :, :6]))
     assert mx.array_equal(whole[:, :, :6], part).item()
+
+
+def test_segment_fields_are_plain_ints():
+    # a policy may build segments from numpy ints; meta_state writes them as JSON
+    seg = Segment(np.int64(0), np.int64(4), np.int32(2))
+    assert all(type(v) is int for v in (seg.start, seg.stop, seg.bits))
+    assert seg == Segment(0, 4, 2)
+
+
+def test_pack_codes_checks_before_it_can_clobber_a_neighbour():
+    from kvspec import KVValueError
+
+    codes = mx.array([[3, 0, 3, 0]], dtype=mx.uint32)
+    assert np.array_equal(np.array(unpack_codes(pack_codes(codes, 2), 2, 4)), np.array(codes))
+    with pytest.raises(KVValueError, match=r"\[0, 4\]"):
+        pack_codes(
+            mx.array([[4, 0, 3, 0]], dtype=mx.uint32), 2
+        )  # 4 needs 3 bits: it would set the next field

@@ -48,6 +48,7 @@ from palu_mlx import (
 )
 from palu_mlx.calibrated import CalibratedKVCache
 from palu_mlx.calibration import kv_weights_digest, model_identity
+from palu_mlx.cli import main as cli_main
 from palu_mlx.layer import CacheLayer
 from palu_mlx.mixed_bit import pack_codes, unpack_codes
 from palu_reliability_helpers import array_bytes, build, kv, snapshot, synthetic_calibration
@@ -416,6 +417,10 @@ CATALOGUE: dict[str, Bad] = {
     ),
     "water_fill: NaN variance": Bad(
         lambda: np.array([1.0, np.nan]), lambda v: water_fill([v], 4), KVConfigError, r"variances\[0\].*NaN"
+    ),
+    "segment: float start": Bad(KVCacheConfig, lambda c: Segment(0.5, 2, 2), KVConfigError, "must be ints"),
+    "cli main: argv a string": Bad(
+        KVCacheConfig, lambda c: cli_main("calibrate"), KVConfigError, "argv='calibrate'"
     ),
     "coder: group_size 0": Bad(
         KVCacheConfig,

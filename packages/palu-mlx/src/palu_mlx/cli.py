@@ -75,6 +75,12 @@ def _calibrate():
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Dispatch ``palu-mlx <command>``; returns the exit code (2 for an unknown command)."""
+    if argv is not None and (
+        not isinstance(argv, (list, tuple)) or not all(isinstance(a, str) for a in argv)
+    ):
+        from kvspec import KVConfigError
+
+        raise KVConfigError(f"argv={argv!r} must be None (the command line) or a list of str arguments")
     args = list(sys.argv[1:] if argv is None else argv)
     try:
         from kvbench.cli import dispatch

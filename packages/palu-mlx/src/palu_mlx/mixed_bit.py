@@ -94,6 +94,9 @@ class Segment:
                 f"Segment(start={self.start}, stop={self.stop}, bits={self.bits}): needs 0 <= start <= stop "
                 "and bits >= 0"
             )
+        # numpy ints become Python ints: segments are written into meta_state as JSON
+        for name in ("start", "stop", "bits"):
+            object.__setattr__(self, name, int(getattr(self, name)))
 
     @property
     def width(self) -> int:
