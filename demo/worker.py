@@ -3,14 +3,18 @@
 MLX ties its arrays to the thread that made them ("There is no Stream(cpu, 0) in current
 thread" when another thread touches them), while Gradio runs each step of a streaming handler on
 whichever worker thread is free. So a backend loads its model and runs every turn on its own
-single thread; handlers submit jobs and stream what the job emits. One thread also means one
-turn at a time per model, so two visitors never share a cache meter's window.
+single thread; handlers submit jobs and stream what the job emits.
+
+Jobs of all workers also run one at a time: the memory meters are process-wide (Linux VmHWM and
+RSS count MLX's memory too), so a turn measured while another model works would be charged with
+its memory. A visitor's turn waits for the one running.
 """
 
 from __future__ import annotations
 
 import contextvars
 import queue
+import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -19,6 +23,7 @@ __all__ = ["ModelWorker"]
 
 T = TypeVar("T")
 _DONE = object()
+_ONE_AT_A_TIME = threading.Lock()  # shared by every worker: see the module docstring
 
 
 class ModelWorker:
@@ -48,5 +53,9 @@ class ModelWorker:
         yield future.result()
 
     def _submit(self, job: Callable[[], T]) -> Future[T]:
+        def alone() -> T:
+            with _ONE_AT_A_TIME:
+                return job()
+
         # the caller's context (Gradio's progress tracker lives in a context variable) goes along
-        return self._pool.submit(contextvars.copy_context().run, job)
+        return self._pool.submit(contextvars.copy_context().run, alone)

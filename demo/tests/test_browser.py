@@ -9,10 +9,12 @@ refreshes them).
 from __future__ import annotations
 
 import io
+import json
 import re
 from pathlib import Path
 
 import pytest
+from kvbench.models import embedded_model_path
 
 from demo.formatting import COMPARISON_HEADERS, STATS_HEADERS
 
@@ -107,6 +109,14 @@ def test_flashcodec_chat_lossless_tier_matches_native(page, screenshot_dir: Path
     page.locator("#flashcodec-mf input").check()
     send(page, "flashcodec", PROMPT)
     assert "no materialization-free tier" in wait_status(page, "flashcodec", "Error")
+
+    # a tier with a twin: the turn runs jpeg-k8-int8-mf, its decode steps attend on the codes
+    pick_cache(page, "flashcodec", "jpeg-k8-int8")
+    send(page, "flashcodec", PROMPT)
+    _, _, rows = check_turn(page, "flashcodec", "jpeg-k8-int8-mf")
+    served = re.search(r"decode steps on codes: (\d+)", page.locator("#flashcodec-status").inner_text())
+    layers = json.loads((embedded_model_path() / "config.json").read_text())["num_hidden_layers"]
+    assert served and int(served.group(1)) == (NEW_TOKENS - 1) * layers  # every one-token call, every layer
     page.locator("#flashcodec-mf input").uncheck()
 
 

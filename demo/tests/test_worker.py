@@ -39,3 +39,28 @@ def test_a_failing_job_raises_in_the_caller_and_the_worker_keeps_serving():
     with pytest.raises(ValueError, match="bad prompt"):
         next(stream)
     assert worker.call(lambda: 41 + 1) == 42
+
+
+def test_jobs_of_different_workers_never_overlap():
+    # the memory meters are process-wide: a job measured while another runs would be charged for it
+    first, second = ModelWorker("a"), ModelWorker("b")
+    running, overlaps = [], []
+    lock = threading.Lock()
+    release = threading.Event()
+
+    def job(name):
+        def run():
+            with lock:
+                running.append(name)
+                if len(running) > 1:
+                    overlaps.append(tuple(running))
+            release.wait(0.2)
+            with lock:
+                running.remove(name)
+            return name
+
+        return run
+
+    futures = [w._submit(job(n)) for w, n in ((first, "a"), (second, "b"), (first, "c"), (second, "d"))]
+    assert sorted(f.result(timeout=10) for f in futures) == ["a", "b", "c", "d"]
+    assert overlaps == []
