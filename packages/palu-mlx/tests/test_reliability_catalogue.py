@@ -51,6 +51,7 @@ from palu_mlx.calibration import kv_weights_digest, model_identity
 from palu_mlx.cli import main as cli_main
 from palu_mlx.layer import CacheLayer
 from palu_mlx.mixed_bit import pack_codes, unpack_codes
+from palu_mlx.spec import PaluAdapter
 from palu_reliability_helpers import array_bytes, build, kv, snapshot, synthetic_calibration
 
 
@@ -421,6 +422,12 @@ CATALOGUE: dict[str, Bad] = {
     "segment: float start": Bad(KVCacheConfig, lambda c: Segment(0.5, 2, 2), KVConfigError, "must be ints"),
     "cli main: argv a string": Bad(
         KVCacheConfig, lambda c: cli_main("calibrate"), KVConfigError, "argv='calibrate'"
+    ),
+    "conformance adapter: text as an array": Bad(
+        KVCacheConfig,
+        lambda c: PaluAdapter().to_native("keys", "float32"),
+        KVDtypeError,
+        "numeric array; got str",
     ),
     "coder: group_size 0": Bad(
         KVCacheConfig,

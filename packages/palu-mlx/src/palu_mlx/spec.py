@@ -87,7 +87,13 @@ class PaluAdapter(Adapter):
     def to_native(self, array: np.ndarray, dtype: str) -> mx.array:
         if dtype not in _DTYPES:
             raise KVDtypeError(f"palu accepts dtypes {sorted(_DTYPES)}; got {dtype!r}")
-        return mx.array(np.asarray(array, dtype=np.float32)).astype(_DTYPES[dtype])
+        try:
+            host = np.asarray(array, dtype=np.float32)
+        except (TypeError, ValueError):
+            raise KVDtypeError(
+                f"palu's to_native needs a numeric array; got {type(array).__name__}"
+            ) from None
+        return mx.array(host).astype(_DTYPES[dtype])
 
     def to_numpy(self, array: mx.array) -> np.ndarray:
         return np.array(array.astype(mx.float32))
