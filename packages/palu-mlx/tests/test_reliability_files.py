@@ -17,7 +17,7 @@ from kvspec import KVConfigError, KVDataError, KVSpecError
 from mlx_lm.models.cache import KVCache
 from palu_mlx import load_prompt_cache, save_prompt_cache
 from palu_mlx.builder import UnverifiedPromptCacheWarning
-from palu_mlx.calibration import Calibration
+from palu_mlx.calibration import Calibration, UnverifiedCalibrationWarning
 from palu_reliability_helpers import build, kv, snapshot, synthetic_calibration
 
 
@@ -207,12 +207,16 @@ def calibration_path(tmp_path):
 
 
 def test_calibration_round_trip(calibration_path):
-    loaded = Calibration.load(calibration_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # verified: no warning
+        loaded = Calibration.load(calibration_path)
     assert loaded.model["n_layers"] == 2 and loaded.keys[1].basis.shape == (2, 32, 32)
 
 
 def _calibration_rewrite(path, change_meta=None, change_arrays=None):
+    """Rewrite the file with changes and without its checksum (as a file from an older palu-mlx)."""
     arrays, meta = mx.load(path, return_metadata=True)
+    meta.pop("checksum")
     if change_meta:
         change_meta(meta)
     if change_arrays:
@@ -259,9 +263,25 @@ CORRUPT_CALIBRATIONS = {
 def test_corrupt_calibration_is_a_data_error_naming_the_file(calibration_path, case):
     change_meta, change_arrays, message = CORRUPT_CALIBRATIONS[case]
     _calibration_rewrite(calibration_path, change_meta, change_arrays)
-    with pytest.raises(KVDataError, match="palu_calibration='.*calib.safetensors' is corrupt") as info:
-        Calibration.load(calibration_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnverifiedCalibrationWarning)
+        with pytest.raises(KVDataError, match="palu_calibration='.*calib.safetensors' is corrupt") as info:
+            Calibration.load(calibration_path)
     assert info.match(message)
+
+
+def test_calibration_with_a_flipped_data_byte_is_refused(calibration_path):
+    start = data_start(calibration_path)
+    flip(calibration_path, start + (len(open(calibration_path, "rb").read()) - start) // 2)
+    with pytest.raises(KVDataError, match="calib.safetensors' is corrupt: checksum mismatch"):
+        Calibration.load(calibration_path)
+
+
+def test_calibration_without_checksum_loads_with_a_warning(calibration_path):
+    _calibration_rewrite(calibration_path)
+    with pytest.warns(UnverifiedCalibrationWarning, match="has no checksum"):
+        loaded = Calibration.load(calibration_path)
+    assert loaded.model["n_layers"] == 2
 
 
 # ----------------------------------------------------------------------------- any flipped byte

@@ -38,7 +38,7 @@ from .cache import PaluKVCache
 from .calibrated import CalibratedKVCache, calibrated_caches
 from .calibration import Calibration
 from .config import KVCacheConfig
-from .integrity import CHECKSUM_KEY, digest
+from .integrity import CHECKSUM_KEY, UnverifiedFileWarning, digest
 from .mixed_bit import BitAllocationPolicy
 from .naive import NaiveQuantKVCache
 from .rope import Rotary, model_rotaries
@@ -263,7 +263,7 @@ def _default_caches(model: nn.Module) -> list[Any]:
 
 
 # --------------------------------------------------------------------------- persistence
-class UnverifiedPromptCacheWarning(UserWarning):
+class UnverifiedPromptCacheWarning(UnverifiedFileWarning):
     """A prompt-cache file without a checksum (written before palu-mlx checked them) was loaded unverified."""
 
 

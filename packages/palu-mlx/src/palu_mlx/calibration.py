@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from kvspec import KVConfigError, KVDataError, KVSpecError
 from mlx.utils import tree_flatten
 from mlx_lm.models import cache as mlx_cache
 
+from .integrity import CHECKSUM_KEY, UnverifiedFileWarning, digest
 from .rope import Rotary, model_rotaries
 
 __all__ = [
@@ -38,10 +40,15 @@ __all__ = [
     "kv_weights_fingerprint",
     "model_identity",
     "CALIBRATION_FORMAT",
+    "UnverifiedCalibrationWarning",
 ]
 
 CALIBRATION_FORMAT = "palu-mlx.calibration.v1"
 _DATA = Path(__file__).parent / "data" / "calibration.txt"
+
+
+class UnverifiedCalibrationWarning(UnverifiedFileWarning):
+    """A calibration file without a checksum (written before palu-mlx wrote one) was loaded unverified."""
 
 
 def default_calibration_text() -> str:
@@ -183,6 +190,7 @@ class Calibration:
             "tokens": str(self.tokens),
             "text_sha256": self.text_sha256,
         }
+        meta[CHECKSUM_KEY] = digest(arrays, meta)
         if not isinstance(path, (str, Path)) or not str(path):
             raise KVConfigError(f"path={path!r} must be a non-empty str or Path")
         try:
@@ -207,6 +215,18 @@ class Calibration:
             raise KVConfigError(
                 f"{where} is not a palu-mlx calibration file "
                 f"(format {meta.get('format')!r}; expected {CALIBRATION_FORMAT!r})"
+            )
+        stored = meta.pop(CHECKSUM_KEY, None)
+        if stored is None:
+            warnings.warn(
+                f"{where} has no checksum (written by an older palu-mlx): loaded without an integrity check; "
+                "run palu-mlx calibrate again to write one",
+                UnverifiedCalibrationWarning,
+                stacklevel=2,
+            )
+        elif stored != digest(arrays, meta):
+            raise KVDataError(
+                f"{where} is corrupt: checksum mismatch (its arrays or header changed after it was written)"
             )
         try:
             return cls._from_file(arrays, meta)

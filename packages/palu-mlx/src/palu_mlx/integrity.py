@@ -1,10 +1,10 @@
-"""The checksum a prompt-cache file carries: sha256 over its arrays and its layer metadata.
+"""The checksum palu-mlx's files carry: sha256 over their arrays and their metadata texts.
 
 Safetensors has no integrity check of its own: a flipped byte in an array's data loads as a
-different number. :func:`save_prompt_cache` writes this digest into the file's metadata and
-:func:`load_prompt_cache` recomputes it, so corruption on disk or in transit is reported with
-the file's name instead of becoming wrong attention outputs. It guards against accidents, not
-against someone who rewrites the digest too.
+different number. ``save_prompt_cache`` and ``Calibration.save`` write this digest into the
+file's metadata and the loaders recompute it, so corruption on disk or in transit is reported
+with the file's name instead of becoming wrong attention outputs. It guards against accidents,
+not against someone who rewrites the digest too.
 """
 
 from __future__ import annotations
@@ -14,10 +14,14 @@ from collections.abc import Mapping
 
 import mlx.core as mx
 
-__all__ = ["CHECKSUM_KEY", "digest"]
+__all__ = ["CHECKSUM_KEY", "UnverifiedFileWarning", "digest"]
 
 #: metadata key of the digest, ``"sha256:<hex>"``
 CHECKSUM_KEY = "checksum"
+
+
+class UnverifiedFileWarning(UserWarning):
+    """A file without a checksum (written by an older palu-mlx) was loaded without an integrity check."""
 
 
 def digest(arrays: Mapping[str, mx.array], texts: Mapping[str, str]) -> str:
