@@ -559,6 +559,15 @@ CATALOGUE: dict[str, Bad] = {
     "kv_weights_digest: not a model": Bad(
         KVCacheConfig, lambda c: kv_weights_digest(3), KVConfigError, "model must be an mlx-lm model"
     ),
+    "calibrated from_state: key and value head counts differ": Bad(
+        lambda: build("calibrated-empty"),
+        lambda c: CalibratedKVCache.from_state(
+            state_with(c, **{f"value__{n}": (lambda a: a[:1]) for n in ("basis", "mean", "steps")}),
+            c.meta_state,
+        ),
+        KVDataError,
+        "2 heads but value.basis 1",
+    ),
     "calibrated from_state: widths of 9 bits": Bad(
         cache(CALIB),
         lambda c: CalibratedKVCache.from_state(c.state, with_runtime(c, value_widths=[9])),

@@ -286,6 +286,11 @@ class CalibratedKVCache(CacheLayer):
                 row_bytes = -(-sum(widths) // 8)
                 codes = arrays.take(f"{prefix}.codes", (shape[0], h, offset, row_bytes), mx.uint8)
             taken[prefix] = (widths, basis, mean, steps, codes)
+        key_heads, value_heads = taken["key"][1].shape[0], taken["value"][1].shape[0]
+        if key_heads != value_heads:
+            raise KVDataError(
+                f"{owner}: key.basis has {key_heads} heads but value.basis {value_heads}; they must agree"
+            )
         rope = read_rope(read_field(runtime, "rope", owner), taken["key"][1].shape[1], owner)
         inv_freq = None if rope is None else arrays.take("rope.inv_freq", (rope[0] // 2,), mx.float32)
         arrays.finish()
