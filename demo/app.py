@@ -142,56 +142,40 @@ def _chat_tab(backend: Backend, default_model: str | None) -> None:
             {"role": "user", "content": text},
             {"role": "assistant", "content": ""},
         ]
-        result: TurnResult | None = None
         try:
             job = lambda emit: run_turn(backend, conv, setup, text, int(count), emit)  # noqa: E731
             for item in backend.worker.stream(job):
                 if isinstance(item, TurnResult):
-                    result = item
                     break
                 side, so_far = item
                 (shown_left if side == "native" else shown_right)[-1]["content"] = so_far
-                yield (
-                    shown_left,
-                    shown_right,
-                    gr.skip(),
-                    f"{notice}generating ({side}) ...",
-                    conv,
-                    gr.skip(),
-                    gr.skip(),
-                )
+                yield {left: shown_left, right: shown_right, status: f"{notice}generating ({side}) ..."}
         except Exception as err:  # noqa: BLE001 - every failure becomes a message; the page keeps serving
-            yield (
-                conv.native_messages,
-                conv.compressed_messages,
-                gr.skip(),
-                _report(err),
-                conv,
-                gr.skip(),
-                gr.skip(),
-            )
+            yield {
+                left: conv.native_messages,
+                right: conv.compressed_messages,
+                status: _report(err),
+                state: conv,
+            }
             return
-        assert result is not None
-        done = Conversation(
-            setup=setup,
-            native_ids=result.native_ids,
-            compressed_ids=result.compressed_ids,
-            native_messages=shown_left,
-            compressed_messages=shown_right,
-        )
+        result = item
         details = details_line(result.compressed.details)
         details = f" {result.cache_name}: {details}." if details else ""
-        rows = stats_rows(result.native, result.compressed, result.match)
-        meter = backend.worker.call(lambda: backend.load(setup.model).runner.peak_label)
-        yield (
-            shown_left,
-            gr.Chatbot(value=shown_right, label=f"compressed cache: {result.cache_name}"),
-            _table(rows, STATS_HEADERS),
-            f"{notice}Turn {len(shown_left) // 2}: {match_line(result.match)}{details}",
-            done,
-            "",
-            STATS_NOTE.format(meter=meter),
-        )
+        yield {
+            left: shown_left,
+            right: gr.Chatbot(value=shown_right, label=f"compressed cache: {result.cache_name}"),
+            stats: _table(stats_rows(result.native, result.compressed, result.match), STATS_HEADERS),
+            status: f"{notice}Turn {len(shown_left) // 2}: {match_line(result.match)}{details}",
+            state: Conversation(
+                setup=setup,
+                native_ids=result.native_ids,
+                compressed_ids=result.compressed_ids,
+                native_messages=shown_left,
+                compressed_messages=shown_right,
+            ),
+            message: "",
+            note: STATS_NOTE.format(meter=result.peak_meter),
+        }
 
     def reset():
         return [], gr.Chatbot(value=[], label="compressed cache"), _table([], STATS_HEADERS), "", None

@@ -45,6 +45,7 @@ class TurnResult:
     cache_name: str  # the cache actually built (a tier's materialization-free twin with the toggle on)
     native_ids: list[int]  # each side's whole conversation after the turn (context + reply)
     compressed_ids: list[int]
+    peak_meter: str  # what the peak figures measure (the runner's peak_label)
 
 
 def run_turn(
@@ -100,4 +101,5 @@ def run_turn(
         cache_name=compressed.name,
         native_ids=contexts["native"] + replies["native"],
         compressed_ids=contexts["compressed"] + replies["compressed"],
+        peak_meter=runner.peak_label,
     )
