@@ -19,6 +19,7 @@ import torch
 from conftest import random_walk
 from flashcodec import CodecKVCache, CodecStorage, JPEGCodec, PNGCodec, dct_matrix, delta_variance_ratio, tier
 from flashcodec.codecs import MixedJPEGCodec, make_codec
+from flashcodec.codecs.quant import pack_int4
 from flashcodec.stream import CodecStream
 from kvspec import (
     KVConfigError,
@@ -233,6 +234,18 @@ CATALOGUE = {
         lambda o, c: delta_variance_ratio(torch.zeros(1, 1, 1, 4)),
         KVShapeError,
         "S >= 2",
+    ),
+    "pack-int4-code-too-wide": (
+        None,
+        lambda o, c: pack_int4(torch.tensor([3, 9])),
+        KVValueError,
+        "int4 codes must be whole numbers in -8..7",
+    ),
+    "pack-int4-fractional-code": (
+        None,
+        lambda o, c: pack_int4(torch.tensor([0.5, 1.0])),
+        KVValueError,
+        "int4 codes must be whole numbers",
     ),
     "hf-config-not-a-config": (
         None,

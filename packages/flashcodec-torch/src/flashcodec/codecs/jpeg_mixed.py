@@ -26,7 +26,7 @@ from kvspec import KVConfigError, KVShapeError
 
 from .base import BlockCodec, PartSpec, check_block_size, compute_dtype, from_blocks, to_blocks, to_output
 from .jpeg import JPEGCodec
-from .quant import QMAX, QMAX4, pack_int4, packed_width, unpack_int4
+from .quant import QMAX, QMAX4, _pack_int4, packed_width, unpack_int4
 
 __all__ = ["MixedJPEGCodec", "FREQ_BITS", "allocate_freq_bits", "frequency_variances"]
 
@@ -135,7 +135,7 @@ class MixedJPEGCodec(BlockCodec):
         if self.k8:
             parts.append(q[..., : self.k8, :].clamp(-QMAX, QMAX).to(torch.int8))
         if self.k4:
-            parts.append(pack_int4(q[..., self.k8 :, :].clamp(-QMAX4, QMAX4)))
+            parts.append(_pack_int4(q[..., self.k8 :, :].clamp(-QMAX4, QMAX4)))
         parts.append(scale)
         return tuple(parts)
 

@@ -14,6 +14,7 @@ packed rows recognizes them by their dtype (``torch.uint8``).
 from __future__ import annotations
 
 import torch
+from kvspec import KVValueError
 
 __all__ = [
     "QMAX",
@@ -63,7 +64,23 @@ def packed_width(dim: int) -> int:
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """Codes ``q`` (integers in ``-8..7``, ``[..., D]``) -> ``uint8 [..., ceil(D/2)]`` (layout above)."""
+    """Codes ``q`` (integers in ``-8..7``, ``[..., D]``) -> ``uint8 [..., ceil(D/2)]`` (layout above).
+
+    ``KVValueError`` for a code outside ``-8..7``, NaN or not a whole number: it would spill into
+    the neighbouring nibble. (The codecs pack codes they have just clamped, without this check.)
+    """
+    if q.numel():
+        bad = ~torch.isfinite(q).all() if q.is_floating_point() else torch.tensor(False)
+        if not bad:
+            lo, hi = torch.aminmax(q.detach())
+            whole = not q.is_floating_point() or bool(torch.equal(q, torch.round(q)))
+            bad = int(lo) < -8 or int(hi) > 7 or not whole
+        if bad:
+            raise KVValueError("int4 codes must be whole numbers in -8..7; got values outside that")
+    return _pack_int4(q)
+
+
+def _pack_int4(q: torch.Tensor) -> torch.Tensor:
     nib = (q.to(torch.int16) + 8).to(torch.uint8)
     if nib.shape[-1] % 2:
         nib = torch.cat([nib, torch.full_like(nib[..., :1], 8)], dim=-1)
@@ -87,7 +104,7 @@ def quantize_int4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = xf.abs().amax(dim=-1, keepdim=True) / QMAX4
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = torch.round(xf / safe).clamp_(-QMAX4, QMAX4)
-    return pack_int4(q), scale
+    return _pack_int4(q), scale  # clamped just above
 
 
 def dequantize_int4(
