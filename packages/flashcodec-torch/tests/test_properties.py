@@ -22,6 +22,7 @@ import pickle
 
 import pytest
 import torch
+from conftest import CODECS
 from flashcodec import CodecKVCache, PNGCodec
 from hypothesis import given
 from hypothesis import strategies as st
@@ -261,3 +262,44 @@ def test_invalid_calls_raise_and_change_nothing(dtype, batch, seed, prefix, cut,
     k, v = _tokens(seed + 7, batch, 5, D, dtype), _tokens(seed + 8, batch, 5, DV, dtype)
     ours, theirs = cache.update_and_fetch(k, v), twin.update_and_fetch(k, v)
     assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
+
+
+_TIER_NAMES = sorted(CODECS)
+_TWIN_OPS = st.one_of(
+    st.tuples(st.just("append"), st.integers(1, 19)),
+    st.tuples(st.just("crop"), st.integers(-25, 40)),
+    st.tuples(st.sampled_from(["state", "deepcopy", "pickle", "release"]), st.just(0)),
+)
+
+
+@given(
+    tier=st.sampled_from(_TIER_NAMES),
+    dtype=st.sampled_from(DTYPES),
+    seed=st.integers(0, 2**31 - 1),
+    ops=st.lists(_TWIN_OPS, min_size=1, max_size=12),
+)
+def test_every_tier_survives_copies_and_round_trips_exactly(tier, dtype, seed, ops):
+    """On every tier (lossy ones included), a cache that is saved / restored, copied or has its view
+    dropped between calls returns exactly what an untouched twin fed the same calls returns."""
+    cache, twin = CodecKVCache(codec=CODECS[tier]), CodecKVCache(codec=CODECS[tier])
+    for step, (op, n) in enumerate(ops):
+        if op == "append":
+            k = _tokens(seed + step, 2, n, 8, dtype)
+            v = _tokens(seed + step + 10**6, 2, n, 8, dtype)
+            ours, theirs = cache.update_and_fetch(k, v), twin.update_and_fetch(k, v)
+            assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
+        elif op == "crop":
+            cache.crop(n)
+            twin.crop(n)
+        elif op == "state":
+            cache = CodecKVCache.from_state(cache.state, cache.meta_state)
+        elif op == "deepcopy":
+            cache = copy.deepcopy(cache)
+        elif op == "pickle":
+            cache = pickle.loads(pickle.dumps(cache))
+        elif op == "release":
+            cache.release_view()
+        assert cache.offset == twin.offset and cache.nbytes == twin.nbytes
+        if twin.offset:
+            ours, theirs = cache.read(), twin.read()
+            assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
