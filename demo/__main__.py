@@ -17,7 +17,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="hatch run chat", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="hatch run chat", description="Serve the side-by-side chat demo of both packages (Gradio)."
+    )
     parser.add_argument(
         "--model",
         default=None,
