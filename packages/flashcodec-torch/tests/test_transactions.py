@@ -239,3 +239,23 @@ def test_transformers_cache_edits_are_all_or_nothing(method, call, monkeypatch):
     with pytest.raises(_OutOfMemory):
         call(cache)
     assert snapshot(cache) == before
+
+
+def test_failed_update_of_a_native_layer_leaves_it_as_it_was():
+    # a sliding-window layer kept native in a FlashCodecCache: a mismatched update fails inside
+    # transformers (torch.cat); the layer gets its attributes back
+    pytest.importorskip("transformers")
+    from flashcodec.hf import FlashCodecCache
+    from test_hf_cache import tiny_qwen3
+
+    model = tiny_qwen3(layer_types=["full_attention", "sliding_attention"], sliding_window=6)
+    cache = FlashCodecCache.from_config(model.config)
+    fresh = snapshot(cache)
+    with pytest.raises((TypeError, AttributeError)):  # fails inside transformers
+        cache.update(random_walk(s=3), random_walk(s=3).tolist(), 1)
+    assert snapshot(cache) == fresh and not cache.layers[1].is_initialized
+    cache.update(random_walk(s=3), random_walk(s=3, seed=1), 1)
+    before = snapshot(cache)
+    with pytest.raises(RuntimeError):
+        cache.update(random_walk(s=3, b=1), random_walk(s=3, b=1), 1)
+    assert snapshot(cache) == before

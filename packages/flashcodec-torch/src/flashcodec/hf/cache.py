@@ -183,10 +183,18 @@ class FlashCodecCache(Cache):
         self._check_layer_idx(layer_idx)
         before = len(self.layers)
         self.ensure_layers(layer_idx)
+        layer = self.layers[layer_idx]
+        # transformers' own layers (hybrid caches) validate nothing first; their update assigns new
+        # tensors instead of writing into the old ones (DynamicLayer, DynamicSlidingWindowLayer), so
+        # their attributes as they were are their state as it was
+        native = None if isinstance(layer, FlashCodecLayer) else dict(vars(layer))
         try:
             return super().update(key_states, value_states, layer_idx, *args, **kwargs)
         except BaseException:
             del self.layers[before:]  # only layers this call created, still empty
+            if native is not None:
+                vars(layer).clear()
+                vars(layer).update(native)
             raise
 
     def _check_layer_idx(self, layer_idx: object) -> int:
