@@ -41,23 +41,8 @@ def key_fields(cache) -> int:
     "kind",
     [
         "naive",
-        pytest.param(
-            "palu-fitted",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="PaluKVCache.update_and_fetch assigns self._key_codes before the value codes are "
-                "written; a failure there leaves the grown key buffer (nbytes changes). Needs both "
-                "_append_codes results in locals, then one assignment (cache.py, not this task's file)",
-            ),
-        ),
-        pytest.param(
-            "calibrated",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="CalibratedKVCache.update_and_fetch assigns self._key_codes before writing the value "
-                "codes (same fix as PaluKVCache; calibrated.py's update path is not this task's)",
-            ),
-        ),
+        "palu-fitted",
+        "calibrated",
     ],
 )
 def test_failure_while_writing_values_leaves_the_cache_as_it_was(kind, monkeypatch):
@@ -71,3 +56,24 @@ def test_failure_while_writing_values_leaves_the_cache_as_it_was(kind, monkeypat
     assert snapshot(cache) == before
     keys, _ = cache.update_and_fetch(*kv(1, 3))  # and it still works
     assert keys.shape[2] == 257 and mx.all(mx.isfinite(keys)).item()
+
+
+def test_keys_returned_before_the_fit_are_copies():
+    import numpy as np
+    from palu_mlx import KVCacheConfig, PaluKVCache
+
+    cache = PaluKVCache(KVCacheConfig(head_dim=None, palu_n_head_groups=1))
+    keys, values = cache.update_and_fetch(*kv(3, 7))
+    assert not cache.fitted
+    before = np.array(cache.state["exact_keys"])
+    np.asarray(keys)[...] = 123.0  # a numpy view of the returned array is writable
+    np.asarray(values)[...] = 123.0
+    assert np.array_equal(np.array(cache.state["exact_keys"]), before)
+
+
+def test_palu_cache_refuses_an_allocation_policy_that_is_not_one():
+    from kvspec import KVConfigError
+    from palu_mlx import KVCacheConfig, PaluKVCache
+
+    with pytest.raises(KVConfigError, match="allocation_policy must be a BitAllocationPolicy"):
+        PaluKVCache(KVCacheConfig(head_dim=64), allocation_policy="water")

@@ -39,7 +39,7 @@ from .calibrated import CalibratedKVCache, calibrated_caches
 from .calibration import Calibration
 from .config import KVCacheConfig
 from .integrity import CHECKSUM_KEY, UnverifiedFileWarning, digest
-from .mixed_bit import BitAllocationPolicy
+from .mixed_bit import BitAllocationPolicy, check_policy
 from .naive import NaiveQuantKVCache
 from .rope import Rotary, model_rotaries
 
@@ -80,14 +80,6 @@ def _check_config(config: Any) -> None:
         raise KVConfigError(f"config must be a KVCacheConfig; got {type(config).__name__}")
 
 
-def _check_policy(allocation_policy: Any) -> None:
-    if allocation_policy is not None and not isinstance(allocation_policy, BitAllocationPolicy):
-        raise KVConfigError(
-            f"allocation_policy must be a BitAllocationPolicy (with .allocate) or None; "
-            f"got {type(allocation_policy).__name__}"
-        )
-
-
 def model_kv_dims(model: nn.Module) -> tuple[int | None, int | None]:
     """``(head_dim, n_kv_heads)`` of an mlx-lm model from its ``args`` (None where unknown)."""
     _check_model(model)
@@ -111,7 +103,7 @@ class KVCacheBuilder:
     ) -> PaluKVCache | NaiveQuantKVCache:
         """One layer's cache for ``config`` (``method`` "palu" or "naive"); ``rotary``: pre-RoPE keys."""
         _check_config(config)
-        _check_policy(allocation_policy)
+        check_policy(allocation_policy)
         if config.method == "naive":
             return NaiveQuantKVCache(config.naive_bits, config.naive_group_size, config.palu_check_finite)
         return PaluKVCache(config, allocation_policy, rotary)
@@ -143,7 +135,7 @@ class KVCacheBuilder:
         rotaries: list[Rotary | None] | None,
     ) -> list[Any]:
         _check_config(config)
-        _check_policy(allocation_policy)
+        check_policy(allocation_policy)
         head_dim, n_kv = model_kv_dims(model)
         if head_dim is not None and head_dim != config.head_dim:
             raise KVConfigError(f"head_dim={config.head_dim} does not match the model's head_dim {head_dim}")

@@ -49,6 +49,7 @@ from .mixed_bit import (
     Segment,
     UniformPolicy,
     WaterFillingPolicy,
+    check_policy,
     water_fill,
 )
 from .rope import Rotary
@@ -101,6 +102,7 @@ class PaluKVCache(CacheLayer):
                 f"palu_calibration={config.palu_calibration!r}: calibrated caches are built per model "
                 "by KVCacheBuilder.for_model (CalibratedKVCache), not by PaluKVCache"
             )
+        check_policy(allocation_policy)
         if rotary is not None and not isinstance(rotary, Rotary):
             raise KVConfigError(f"rotary must be a palu_mlx.rope.Rotary or None; got {type(rotary).__name__}")
         super().__init__()
@@ -153,12 +155,14 @@ class PaluKVCache(CacheLayer):
             else:
                 self._exact_keys, self._exact_values = exact_keys, exact_values
         else:
-            self._key_codes = self._append_codes(
+            # both written before either is kept: a failure on the values leaves the keys as they were
+            key_codes = self._append_codes(
                 self._key_codes, self._key_coder, self._key_proj, self._pre_rope(keys, prev), prev
             )
-            self._value_codes = self._append_codes(
+            value_codes = self._append_codes(
                 self._value_codes, self._value_coder, self._value_proj, values, prev
             )
+            self._key_codes, self._value_codes = key_codes, value_codes
         self._shape, self._dtype = (b, h, d, dv), keys.dtype
         self.offset = end
         return self._fetch()
@@ -195,8 +199,9 @@ class PaluKVCache(CacheLayer):
         # so that full rank stays near-lossless.
         key_proj = key_proj.astype(_projection_dtype(key_coder, dtype))
         value_proj = value_proj.astype(_projection_dtype(value_coder, dtype))
-        self._key_codes = self._append_codes(None, key_coder, key_proj, keys, 0)
-        self._value_codes = self._append_codes(None, value_coder, value_proj, values, 0)
+        key_codes = self._append_codes(None, key_coder, key_proj, keys, 0)
+        value_codes = self._append_codes(None, value_coder, value_proj, values, 0)
+        self._key_codes, self._value_codes = key_codes, value_codes
         self._key_proj, self._value_proj = key_proj, value_proj
         self._key_coder, self._value_coder = key_coder, value_coder
 
@@ -235,15 +240,17 @@ class PaluKVCache(CacheLayer):
             )
             projs.append(proj.astype(compact_dtype(dtype)))
             coders.append(_FixedFields(FixedQuantCoder(widths_kept, steps)))
-        self._key_codes = self._append_codes(None, coders[0], projs[0], keys, 0)
-        self._value_codes = self._append_codes(None, coders[1], projs[1], values, 0)
+        key_codes = self._append_codes(None, coders[0], projs[0], keys, 0)
+        value_codes = self._append_codes(None, coders[1], projs[1], values, 0)
+        self._key_codes, self._value_codes = key_codes, value_codes
         self._key_proj, self._value_proj = projs
         self._key_coder, self._value_coder = coders
 
     def _fetch(self) -> tuple[mx.array, mx.array]:
         n = self.offset
         if self._key_proj is None:
-            return self._exact_keys[..., :n, :], self._exact_values[..., :n, :]
+            # copies: a view of the exact buffers would let a caller's write change the cache
+            return detached(self._exact_keys[..., :n, :]), detached(self._exact_values[..., :n, :])
         if self.rotary is None:
             keys = self._reconstruct(self._key_codes, self._key_coder, self._key_proj, n)
         else:

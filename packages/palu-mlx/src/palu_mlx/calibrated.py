@@ -194,8 +194,10 @@ class CalibratedKVCache(CacheLayer):
         k = keys if self.rotary is None else self.rotary.unrotate(keys, prev)
         kc = self._key.coder.encode(project(k, self._key.projection))
         vc = self._value.coder.encode(project(values, self._value.projection))
-        self._key_codes = write_rows(self._key_codes, kc, prev, self.step)
-        self._value_codes = write_rows(self._value_codes, vc, prev, self.step)
+        # both written before either is kept: a failure on the values leaves the keys as they were
+        key_codes = write_rows(self._key_codes, kc, prev, self.step)
+        value_codes = write_rows(self._value_codes, vc, prev, self.step)
+        self._key_codes, self._value_codes = key_codes, value_codes
         self._shape, self._dtype = (b, h, d, dv), keys.dtype
         self.offset = prev + keys.shape[2]
         return self._fetch()

@@ -53,6 +53,7 @@ __all__ = [
     "unpack_codes",
     "validate_segments",
     "check_storable",
+    "check_policy",
 ]
 
 _FLOAT_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
@@ -125,6 +126,15 @@ def _singular_values(singular_values) -> np.ndarray:
     if not np.all(np.isfinite(sv)):
         raise KVConfigError("singular_values contain NaN or infinity")
     return sv
+
+
+def check_policy(allocation_policy: object) -> None:
+    """Raise ``KVConfigError`` unless ``allocation_policy`` is None or a :class:`BitAllocationPolicy`."""
+    if allocation_policy is not None and not isinstance(allocation_policy, BitAllocationPolicy):
+        raise KVConfigError(
+            f"allocation_policy must be a BitAllocationPolicy (with .allocate) or None; "
+            f"got {type(allocation_policy).__name__}"
+        )
 
 
 def _merge(segments: list[Segment]) -> tuple[Segment, ...]:

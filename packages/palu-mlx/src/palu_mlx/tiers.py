@@ -93,6 +93,12 @@ TIERS: dict[str, Tier] = {
             "fixed quantizers fitted at the prefill",
             _palu(palu_bits=1.5),
         ),
+        Tier(
+            "palu-1bit",
+            "keys before RoPE where supported, 1 code bit per element by water-filling, "
+            "fixed quantizers fitted at the prefill",
+            _palu(palu_bits=1.0),
+        ),
     )
 }
 

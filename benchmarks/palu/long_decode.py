@@ -1,0 +1,173 @@
+"""palu-mlx at long context: decode speed and decode-time peak memory beside mlx-lm's caches.
+
+    hatch run bench:python benchmarks/palu/long_decode.py                 # contexts 2,048 and 8,192
+    hatch run bench:python benchmarks/palu/long_decode.py --contexts 2048 --rounds 3
+
+Writes ``benchmarks/results/palu_long_decode.json``. For each context length, on the embedded
+model in bfloat16:
+
+* the model prefills the context once with mlx-lm's ``KVCache`` (the held-out text, repeated
+  past the model's 2,048 trained positions: memory and speed do not depend on what the tokens
+  say, and quality is ``palu-mlx compare``'s job);
+* every candidate cache is filled from those keys and values in 512-token chunks, as a chunked
+  prefill hands them over (palu fits on the first chunk; mlx-lm's ``QuantizedKVCache`` is
+  filled the same way);
+* **speed**: candidates take turns, ``--steps`` decode steps each per round, ``--rounds`` rounds;
+  each keeps its best round's tokens/s (the machine is shared and noisy; the ratios are what
+  count);
+* **memory**: per candidate, the bytes its arrays hold, and the peak of one decode step counted
+  from before the cache existed (``mx.get_peak_memory`` minus the memory allocated before the
+  cache was filled: cache, the step's transient arrays and activations).
+
+palu caches are built by ``KVCacheBuilder.for_model``, so their attention runs on the latent
+codes (:mod:`palu_mlx.attention`). The ``palu-*-rebuild`` rows run the same caches through the
+older path that rebuilds the whole history for SDPA, for comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+from kvbench.models import default_text_path
+from kvbench.results import environment_stamp
+from mlx_lm.models.cache import KVCache, QuantizedKVCache
+from palu_mlx import KVCacheBuilder
+from palu_mlx.attention import route_attention, unroute_attention
+from palu_mlx.builder import model_kv_dims
+from palu_mlx.compare import load_model, tier_config
+
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+CHUNK = 512
+PALU_TIERS = ("palu-1.5bit", "palu-2bit")
+
+
+def stamp() -> dict:
+    return {
+        **environment_stamp(["palu-mlx", "kvbench", "mlx", "mlx-lm"]),
+        "command": " ".join(["python benchmarks/palu/long_decode.py", *sys.argv[1:]]),
+    }
+
+
+def context_kv(model: Any, tokens: mx.array) -> list[tuple[mx.array, mx.array]]:
+    """Each layer's rotated keys and values after a chunked prefill of ``tokens [1, S]``."""
+    cache = [KVCache() for _ in model.layers]
+    for start in range(0, tokens.shape[1], CHUNK):
+        mx.eval(model(tokens[:, start : start + CHUNK], cache=cache))
+    kv = [(c.keys[..., : c.offset, :], c.values[..., : c.offset, :]) for c in cache]
+    mx.eval(kv)
+    return kv
+
+
+def fill(caches: list[Any], kv: list[tuple[mx.array, mx.array]]) -> list[Any]:
+    """Hand each layer's keys and values to its cache in prefill-sized chunks."""
+    for cache, (keys, values) in zip(caches, kv, strict=True):
+        for start in range(0, keys.shape[2], CHUNK):
+            out = cache.update_and_fetch(
+                keys[..., start : start + CHUNK, :], values[..., start : start + CHUNK, :]
+            )
+            # palu returns the rebuilt history lazily: evaluate what it holds, not that
+            mx.eval(cache.held_arrays() if hasattr(cache, "held_arrays") else out)
+    return caches
+
+
+def candidates(model: Any) -> dict[str, Callable[[], list[Any]]]:
+    head_dim, n_kv = model_kv_dims(model)
+    out: dict[str, Callable[[], list[Any]]] = {
+        "baseline": lambda: [KVCache() for _ in model.layers],
+        "mlx-lm-q4": lambda: [QuantizedKVCache(group_size=64, bits=4) for _ in model.layers],
+    }
+    for tier in PALU_TIERS:
+        config = tier_config(tier, head_dim, n_kv)
+        out[tier] = lambda config=config: KVCacheBuilder.for_model(model, config)
+    return out
+
+
+def step(model: Any, cache: list[Any], token: mx.array, routed: bool) -> None:
+    if routed:
+        route_attention(model)
+    else:
+        unroute_attention(model)
+    mx.eval(model(token, cache=cache))
+
+
+def measure_context(model: Any, kv: list[tuple[mx.array, mx.array]], steps: int, rounds: int) -> dict:
+    names = candidates(model)
+    runs = [(name, True) for name in names] + [(f"{t}-rebuild", False) for t in PALU_TIERS]
+    token = mx.array([[11]])
+    rows: dict[str, dict] = {}
+    for name, routed in runs:
+        gc.collect()
+        mx.clear_cache()
+        before = mx.get_active_memory()
+        cache = fill(names[name.removesuffix("-rebuild")](), kv)
+        step(model, cache, token, routed)  # first step: warm-up (graph building, buffer growth)
+        held = sum(int(c.nbytes) for c in cache)
+        mx.reset_peak_memory()
+        step(model, cache, token, routed)
+        rows[name] = {
+            "held_bytes": held,
+            "decode_peak_bytes": max(0, mx.get_peak_memory() - before),
+            "tokens_per_s": 0.0,
+            "cache": cache,
+            "routed": routed,
+        }
+    for _ in range(rounds):
+        for row in rows.values():
+            start = time.perf_counter()
+            for _ in range(steps):
+                step(model, row["cache"], token, row["routed"])
+            row["tokens_per_s"] = max(row["tokens_per_s"], steps / (time.perf_counter() - start))
+    unroute_attention(model)
+    base, q4 = rows["baseline"], rows["mlx-lm-q4"]
+    out = {}
+    for name, row in rows.items():
+        out[name] = {
+            "held_bytes": row["held_bytes"],
+            "decode_peak_bytes": row["decode_peak_bytes"],
+            "tokens_per_s": round(row["tokens_per_s"], 2),
+            "held_vs_q4": round(row["held_bytes"] / q4["held_bytes"], 4),
+            "peak_vs_q4": round(row["decode_peak_bytes"] / q4["decode_peak_bytes"], 4),
+            "speed_vs_q4": round(row["tokens_per_s"] / q4["tokens_per_s"], 3),
+            "speed_vs_baseline": round(row["tokens_per_s"] / base["tokens_per_s"], 3),
+        }
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192])
+    parser.add_argument("--steps", type=int, default=8, help="decode steps per candidate per round")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", default=str(RESULTS / "palu_long_decode.json"))
+    args = parser.parse_args(argv)
+    model, tokenizer, info = load_model(None, "bfloat16")
+    text_tokens = tokenizer.encode(default_text_path().read_text(encoding="utf-8"))
+    result: dict[str, Any] = {
+        **stamp(),
+        "model": info,
+        "chunk": CHUNK,
+        "steps": args.steps,
+        "rounds": args.rounds,
+    }
+    result["contexts"] = {}
+    for n in args.contexts:
+        tokens = mx.array((text_tokens * (n // len(text_tokens) + 1))[:n])[None]
+        kv = context_kv(model, tokens)
+        result["contexts"][str(n)] = measure_context(model, kv, args.steps, args.rounds)
+        print(json.dumps({n: result["contexts"][str(n)]}, indent=1), flush=True)
+        del kv
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
