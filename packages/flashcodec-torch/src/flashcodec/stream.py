@@ -75,11 +75,13 @@ class AppendPlan:
 
 @dataclass(frozen=True)
 class ReorderPlan:
-    """The buffers :meth:`CodecStream.prepare_reorder` gathered (view None: rebuilt on the next read)."""
+    """The buffers :meth:`CodecStream.prepare_reorder` gathered (view None: there was none) and
+    whether the view was trustworthy (when not, its blocks are decoded again on the next read)."""
 
     archive: tuple[torch.Tensor, ...]
     tail: torch.Tensor
     view: torch.Tensor | None
+    view_trusted: bool
 
 
 def _version(t: torch.Tensor) -> int | None:
@@ -397,18 +399,19 @@ class CodecStream:
     @torch.no_grad()
     def prepare_reorder(self, index: torch.Tensor) -> ReorderPlan:
         """Every buffer gathered along the batch axis by ``index`` (int64 ``[B_new]`` on ``device``)."""
-        view = self._view.index_select(0, index) if self._view_is_trusted() else None
         return ReorderPlan(
             archive=tuple(buf.index_select(0, index) for buf in self._archive),
             tail=self._tail.index_select(0, index),
-            view=view,
+            view=None if self._view is None else self._view.index_select(0, index),
+            view_trusted=self._view_is_trusted(),
         )
 
     def commit_reorder(self, plan: ReorderPlan) -> None:
         """Install :meth:`prepare_reorder`'s buffers."""
         self._archive, self._tail = plan.archive, plan.tail
         self._view = plan.view
-        self.view_blocks = self.view_blocks if plan.view is not None else 0
+        if not plan.view_trusted:
+            self.view_blocks = 0  # a caller wrote into it: the next read decodes every block again
         self._view_version = None if plan.view is None else _version(plan.view)
         self.batch = plan.tail.shape[0]
 
