@@ -58,6 +58,8 @@ class CodecStorage:
         return self.allocated + self.view
 
     def __add__(self, other: CodecStorage) -> CodecStorage:
+        if not isinstance(other, CodecStorage):
+            return NotImplemented  # Python's TypeError naming both types
         return CodecStorage(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
 
     def as_dict(self) -> dict[str, float]:
