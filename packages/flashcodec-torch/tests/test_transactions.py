@@ -18,6 +18,7 @@ import torch
 from conftest import CODECS, random_walk
 from flashcodec import CodecKVCache, JPEGCodec, PNGCodec
 from flashcodec.stream import CodecStream
+from kvspec import KVDtypeError
 from snapshots import snapshot
 
 
@@ -259,3 +260,22 @@ def test_failed_update_of_a_native_layer_leaves_it_as_it_was():
     with pytest.raises(RuntimeError):
         cache.update(random_walk(s=3, b=1), random_walk(s=3, b=1), 1)
     assert snapshot(cache) == before
+
+
+def test_a_cache_filled_under_inference_mode():
+    # read outside inference_mode: the view is rebuilt as a normal tensor; in-place writes to the
+    # inference-tensor buffers (append, a crop inside a block) are refused up front, unchanged
+    x = random_walk(s=13)
+    with torch.inference_mode():
+        cache = CodecKVCache(codec=PNGCodec(8))
+        cache.update_and_fetch(x, x)
+    assert torch.equal(cache.read()[0], x)
+    before = snapshot(cache)
+    with pytest.raises(KVDtypeError, match="inference_mode"):
+        cache.update_and_fetch(x[:, :, :2], x[:, :, :2])
+    with pytest.raises(KVDtypeError, match="inference_mode"):
+        cache.crop(5)
+    assert snapshot(cache) == before
+    with torch.inference_mode():
+        k, _ = cache.update_and_fetch(x[:, :, :2], x[:, :, :2])
+    assert torch.equal(k, torch.cat([x, x[:, :, :2]], dim=2))

@@ -145,12 +145,27 @@ class CodecKVCache:
                 raise KVDtypeError(
                     f"device is fixed by the first update at {self.keys.device}; got {keys.device}"
                 )
+        if not fresh:
+            self._check_writable("append")
         if self.check_finite:
             for name, t in (("keys", keys), ("values", values)):
                 if not all_finite(t):
                     raise KVValueError(
                         f"{name} contain NaN or infinity (pass check_finite=False to skip this check)"
                     )
+
+    def _check_writable(self, what: str) -> None:
+        """``KVDtypeError`` when the buffers were made under ``torch.inference_mode`` and this call
+        runs outside it: torch refuses in-place writes to them (checked before anything changes)."""
+        if (
+            self.keys is not None
+            and self.keys.tail_buffer_is_inference()
+            and not torch.is_inference_mode_enabled()
+        ):
+            raise KVDtypeError(
+                f"cannot {what}: the cache was filled under torch.inference_mode(), so its buffers are inference "
+                "tensors that torch lets change only inside inference_mode; call it inside too (or reset() first)"
+            )
 
     # ------------------------------------------------------------------ writes
     def update_and_fetch(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -288,6 +303,8 @@ class CodecKVCache:
             return _nothing
         streams = self._streams()
         heads = [stream.prepare_crop(n) for stream in streams]  # may decode (allocate): before any change
+        if any(head is not None for head in heads):
+            self._check_writable("crop inside a block")
 
         def commit() -> None:
             for stream, head in zip(streams, heads, strict=True):

@@ -172,6 +172,10 @@ class CodecStream:
         """The archive buffers at full capacity, ``[B, H, capacity, *part_shape]`` each (empty tuple before use)."""
         return self._archive
 
+    def tail_buffer_is_inference(self) -> bool:
+        """Whether the buffers were made under ``torch.inference_mode`` (then only writable inside it)."""
+        return self._tail.is_inference()
+
     @property
     def has_view(self) -> bool:
         """Whether a memoized reconstruction buffer is held."""
@@ -326,6 +330,8 @@ class CodecStream:
         cache: the next read notices the write and decodes the archive again.
         """
         r, total = self.codec.block_size, self.seq_len
+        if self._view is not None and self._view.is_inference() and not torch.is_inference_mode_enabled():
+            self.release_view()  # built under inference_mode, read outside it: torch forbids writing it
         if self._view is not None and not self._view_is_trusted():
             self.view_blocks = 0  # a caller wrote into a returned view: decode everything again
         self._ensure_view(total)
