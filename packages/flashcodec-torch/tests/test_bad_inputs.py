@@ -229,6 +229,14 @@ CATALOGUE = {
         KVShapeError,
         "must be a multiple of block_size=8",
     ),
+    "codec-decode-missing-part": (
+        None,
+        lambda o, c: JPEGCodec(8, quant_bits=8).decode(
+            (torch.zeros(1, 1, 1, 8, 4, dtype=torch.int8),), torch.float32
+        ),
+        KVShapeError,
+        r"jpeg codec parts must be 2 tensor\(s\) \(coeffs, scales\)",
+    ),
     "delta-variance-one-token": (
         None,
         lambda o, c: delta_variance_ratio(torch.zeros(1, 1, 1, 4)),

@@ -149,6 +149,21 @@ class BlockCodec(ABC):
         """
         return (self.stored_rows(parts, torch.float32),), None
 
+    def check_parts(self, parts: object) -> None:
+        """``KVShapeError`` unless ``parts`` is a tuple / list of as many tensors as :meth:`encode`
+        returns (what :meth:`decode`, :meth:`stored_rows` and :meth:`row_segments` take)."""
+        specs = self.part_specs(1)
+        if (
+            not isinstance(parts, (tuple, list))
+            or len(parts) != len(specs)
+            or not all(isinstance(p, torch.Tensor) for p in parts)
+        ):
+            names = ", ".join(spec.name for spec in specs)
+            got = f"{len(parts)} items" if isinstance(parts, (tuple, list)) else type(parts).__name__
+            raise KVShapeError(
+                f"{self.mode} codec parts must be {len(specs)} tensor(s) ({names}) as encode returns them; got {got}"
+            )
+
     def check_dim(self, dim: int) -> None:
         """Raise ``KVShapeError`` when this codec cannot store rows of head dimension ``dim``.
 

@@ -164,6 +164,7 @@ class JPEGCodec(BlockCodec):
 
         int4: ``D`` is twice the packed width (:meth:`check_dim` refuses an odd ``D``).
         """
+        self.check_parts(parts)
         if self.quant_bits == 8:
             q, scale = parts
             return dequantize_int8(q, scale, dtype)
@@ -178,6 +179,7 @@ class JPEGCodec(BlockCodec):
     ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
         """``((coeffs [..., n, K, D or ceil(D/2)],), scales [..., n, K] or None)``: the parts as
         stored (int8 stays int8; int4 stays packed uint8, which the kernels recognize by dtype)."""
+        self.check_parts(parts)
         if self.quant_bits is not None:
             q, scale = parts
             return (q,), scale[..., 0]

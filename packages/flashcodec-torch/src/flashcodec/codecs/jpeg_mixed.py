@@ -149,6 +149,7 @@ class MixedJPEGCodec(BlockCodec):
 
     def stored_rows(self, parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
         """Dequantized coefficients ``[..., n, R, D]`` in ``dtype``, in row order."""
+        self.check_parts(parts)
         c8, c4, scale = self._split(parts)
         rows = []
         if c8 is not None:
@@ -161,6 +162,7 @@ class MixedJPEGCodec(BlockCodec):
         self, parts: tuple[torch.Tensor, ...]
     ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
         """``((coeffs8?, coeffs4?), scales [..., n, R])``: the codes as stored (int8, packed uint8)."""
+        self.check_parts(parts)
         c8, c4, scale = self._split(parts)
         return tuple(c for c in (c8, c4) if c is not None), scale[..., 0]
 

@@ -153,6 +153,7 @@ class PNGCodec(BlockCodec):
 
     def stored_rows(self, parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
         """``[anchor; deltas]`` as ``[..., n, r, D]`` in ``dtype`` (a copy)."""
+        self.check_parts(parts)
         anchors, deltas = parts
         return torch.cat([anchors.unsqueeze(-2).to(dtype), deltas.to(dtype)], dim=-2)
 
@@ -160,6 +161,7 @@ class PNGCodec(BlockCodec):
         self, parts: tuple[torch.Tensor, ...]
     ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
         """``((anchors [..., n, 1, D], deltas [..., n, r-1, D]), None)``: views of the parts, no copy."""
+        self.check_parts(parts)
         anchors, deltas = parts
         return (anchors.unsqueeze(-2), deltas), None
 
