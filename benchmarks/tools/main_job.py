@@ -9,7 +9,8 @@ with the sizes below, writing ``benchmarks/results/compare_palu.{json,png}`` and
 ``compare_flashcodec.{json,png}``; then regenerates docs/benchmarks.md (and README.md's results
 block) with ``benchmarks/tools/make_docs.py`` and prints where everything is. Nothing is downloaded.
 Both run kvbench's protocol in bfloat16 at short context (16 windows of 192 + 128 tokens: 2,048
-scored positions) and at long context (2 windows of 2,048 tokens, the last 256 scored).
+scored positions) and at long context (2 windows of 2,048 tokens, the last 256 scored); palu with
+8 short windows and 1 long one (:data:`PALU_SIZES`) and its calibration file (the ``+cal`` tiers).
 """
 
 from __future__ import annotations
@@ -51,10 +52,18 @@ QUICK = {
     "--speed-steps": "4",
 }
 
-#: (name, module, result stem)
+#: palu runs fewer windows: every palu decode step attends over codes in Python-driven chunks and
+#: mlx-lm's quantized peers prefill slowly on a CPU, so SIZES take over 40 minutes for palu here
+PALU_SIZES = {**SIZES, "--windows": "8", "--long-windows": "1", "--speed-rounds": "2"}
+
+#: the embedded model's palu calibration (``palu-mlx calibrate --model benchmarks/model/tiny-qwen3
+#: --out benchmarks/model/tiny-qwen3.palu-calibration.safetensors``): adds the ``+cal`` tiers
+PALU_CALIBRATION = ROOT / "benchmarks" / "model" / "tiny-qwen3.palu-calibration.safetensors"
+
+#: (name, module, result stem, sizes, extra arguments)
 JOBS = (
-    ("palu-mlx", "palu_mlx.compare", "compare_palu"),
-    ("flashcodec", "flashcodec.compare", "compare_flashcodec"),
+    ("palu-mlx", "palu_mlx.compare", "compare_palu", PALU_SIZES, ["--calibration", str(PALU_CALIBRATION)]),
+    ("flashcodec", "flashcodec.compare", "compare_flashcodec", SIZES, []),
 )
 
 
@@ -81,17 +90,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--quick", action="store_true", help="tiny sizes, results in a temporary folder, docs untouched"
     )
-    parser.add_argument("--only", choices=[name for name, _, _ in JOBS], help="run one comparison only")
+    parser.add_argument("--only", choices=[job[0] for job in JOBS], help="run one comparison only")
     args, extra = parser.parse_known_args(argv)
     out_dir = Path(tempfile.mkdtemp(prefix="kv-main-job-")) if args.quick else RESULTS
-    sizes = QUICK if args.quick else SIZES
     started = time.perf_counter()
     written: list[Path] = []
-    for name, module, stem in JOBS:
+    for name, module, stem, sizes, job_extra in JOBS:
         if args.only and name != args.only:
             continue
         print(f"\n=== {name}: python -m {module} ===", flush=True)
-        code = run_job(module, stem, out_dir, sizes, extra)
+        code = run_job(module, stem, out_dir, QUICK if args.quick else sizes, job_extra + extra)
         if code != 0:
             print(f"main job: {module} failed with exit code {code}", file=sys.stderr)
             return code

@@ -11,6 +11,7 @@ import numpy as np
 from palu_mlx import KVCacheConfig, NaiveQuantKVCache, PaluKVCache
 from palu_mlx.calibrated import calibrated_caches
 from palu_mlx.calibration import Calibration, TensorCalibration
+from palu_mlx.config import REFERENCE_SPLIT
 from palu_mlx.rope import Rotary
 
 B, H, D = 1, 2, 32
@@ -68,7 +69,9 @@ KINDS = {
     "palu-fixed": (lambda: palu(palu_bits=2.0), 12),
     "palu-pre-rope": (
         lambda: PaluKVCache(
-            KVCacheConfig(head_dim=D, palu_n_head_groups=1, palu_min_fit_tokens=8), rotary=rotary()
+            # the reference's split: 16-bit per-token scales (the fixed coder is "palu-fixed")
+            KVCacheConfig(head_dim=D, palu_n_head_groups=1, palu_min_fit_tokens=8, **REFERENCE_SPLIT),
+            rotary=rotary(),
         ),
         12,
     ),

@@ -5,12 +5,22 @@ from __future__ import annotations
 import pytest
 from kvspec import KVConfigError
 from palu_mlx import KVCacheConfig
+from palu_mlx.config import DEFAULT_PALU_BITS
 
 
 def test_defaults():
     cfg = KVCacheConfig(method="palu", head_dim=128)
-    assert (cfg.palu_rank, cfg.palu_energy_threshold, cfg.palu_n_head_groups) == (None, 0.90, 4)
-    assert (cfg.palu_hi_bit, cfg.palu_lo_bit, cfg.palu_hi_fraction) == (4, 2, 0.25)
+    assert (cfg.palu_rank, cfg.palu_energy_threshold, cfg.palu_n_head_groups) == (None, None, 4)
+    assert (cfg.palu_hi_bit, cfg.palu_lo_bit, cfg.palu_hi_fraction, cfg.palu_bits) == (None, None, None, None)
+    # nothing asked: water-filling at the default budget
+    assert not cfg.uses_split and cfg.coder_bits == DEFAULT_PALU_BITS
+    # any split field asks for the reference's split, the rest from REFERENCE_SPLIT
+    split = KVCacheConfig(head_dim=128, palu_hi_bit=8)
+    assert split.uses_split and split.coder_bits is None
+    assert (split.hi_bit, split.lo_bit, split.hi_fraction, split.energy_threshold) == (8, 2, 0.25, 0.90)
+    assert KVCacheConfig(head_dim=128, palu_rank=8).uses_split
+    # palu_bits wins over the split fields (as saved configs of older versions carry them)
+    assert KVCacheConfig(head_dim=128, palu_bits=1.5, palu_hi_bit=4).coder_bits == 1.5
     assert (cfg.palu_group_size, cfg.palu_quantize_values) == (32, True)
     assert cfg.min_fit_tokens(128) == 128  # default minimum before fitting = head_dim
 

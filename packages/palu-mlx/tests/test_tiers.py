@@ -10,6 +10,7 @@ import pytest
 from kvspec import KVConfigError, KVSpecError
 from palu_helpers import planted_lowrank, rel_err
 from palu_mlx import TIERS, KVCacheConfig, PaluKVCache, Tier, tier
+from palu_mlx.config import REFERENCE_SPLIT
 from palu_mlx.spec import PaluAdapter
 
 
@@ -33,7 +34,7 @@ def test_registry_is_keyed_by_tier_name_in_display_order():
 def test_reference_default_is_the_config_defaults_with_one_head_group_after_rope():
     # the reference cached post-RoPE keys: its tier keeps doing so, so the change shows in results
     assert tier("reference-default").config == KVCacheConfig(
-        method="palu", palu_n_head_groups=1, palu_pre_rope=False
+        method="palu", palu_n_head_groups=1, palu_pre_rope=False, **REFERENCE_SPLIT
     )
 
 

@@ -222,7 +222,7 @@ class PaluKVCache(CacheLayer):
             head_var = mx.mean(latents * latents, axis=(0, 2))  # [H, r]; latents are centred per group
             fitted.append((proj, np.array(head_var, dtype=np.float64)))
         dims = keys.shape[-1] + values.shape[-1]
-        widths = water_fill([v.mean(axis=0) for _, v in fitted], int(round(cfg.palu_bits * dims)))
+        widths = water_fill([v.mean(axis=0) for _, v in fitted], int(round(cfg.coder_bits * dims)))
         coders, projs = [], []
         for (proj, head_var), w in zip(fitted, widths, strict=True):
             # channels by mean variance, so the widths are non-increasing and 0-bit ones trail
@@ -514,9 +514,9 @@ class PaluKVCache(CacheLayer):
 
 def default_policy(config: KVCacheConfig) -> BitAllocationPolicy:
     """The policy a config implies: water-filling at ``palu_bits`` when set, else the hi/lo split."""
-    if config.palu_bits is not None:
-        return WaterFillingPolicy(config.palu_bits)
-    return FixedSplitPolicy(config.palu_hi_bit, config.palu_lo_bit, config.palu_hi_fraction)
+    if config.coder_bits is not None:
+        return WaterFillingPolicy(config.coder_bits)
+    return FixedSplitPolicy(config.hi_bit, config.lo_bit, config.hi_fraction)
 
 
 def _fit_and_allocate(
@@ -531,7 +531,7 @@ def _fit_and_allocate(
         rank = cfg.palu_rank if cfg.palu_rank is not None else x.shape[-1]
         projection = fit_group_projection(x, cfg.palu_n_head_groups, rank)
     else:
-        projection = fit_group_projection(x, cfg.palu_n_head_groups, cfg.palu_rank, cfg.palu_energy_threshold)
+        projection = fit_group_projection(x, cfg.palu_n_head_groups, cfg.palu_rank, cfg.energy_threshold)
     segments = tuple(s for s in policy.allocate(np.array(projection.singular_values)) if s.bits > 0)
     if not segments:
         segments = (Segment(0, 1, 1),)
@@ -590,7 +590,7 @@ class _FixedFields:
 
 def _fixed_mode(config: KVCacheConfig, policy: BitAllocationPolicy) -> bool:
     return (
-        config.palu_bits is not None
+        config.coder_bits is not None
         and config.palu_quantize_values
         and isinstance(policy, WaterFillingPolicy)
     )

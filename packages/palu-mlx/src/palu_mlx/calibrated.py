@@ -31,7 +31,7 @@ from kvspec import KVConfigError, KVDataError, KVShapeError
 
 from .attention import LatentStore
 from .calibration import Calibration, TensorCalibration
-from .config import KVCacheConfig
+from .config import DEFAULT_PALU_BITS, KVCacheConfig
 from .layer import SUPPORTED_DTYPES, CacheLayer, detached, write_rows
 from .lowrank import GroupProjection, project, reconstruct
 from .mixed_bit import water_fill
@@ -356,7 +356,7 @@ def calibrated_caches(
             "palu_calibration was fitted on pre-RoPE keys, but this model gets no pre-RoPE path "
             "(palu_pre_rope=False or an unsupported architecture)"
         )
-    bits = 2.0 if config.palu_bits is None else config.palu_bits
+    bits = config.coder_bits if config.coder_bits is not None else DEFAULT_PALU_BITS
     out: list[CalibratedKVCache | None] = []
     for i, widths in enumerate(allocate_widths(calibration, bits)):
         if widths is None:

@@ -15,7 +15,14 @@ from typing import Any
 
 from kvspec import KVConfigError
 
-__all__ = ["KVCacheConfig", "PACKABLE_BITS", "UNQUANTIZED_BITS", "METHODS"]
+__all__ = [
+    "KVCacheConfig",
+    "PACKABLE_BITS",
+    "UNQUANTIZED_BITS",
+    "METHODS",
+    "DEFAULT_PALU_BITS",
+    "REFERENCE_SPLIT",
+]
 
 #: Bit widths the mixed-bit coder can pack (the same set ``mx.quantize`` accepts).
 PACKABLE_BITS: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 8)
@@ -23,6 +30,19 @@ PACKABLE_BITS: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 8)
 UNQUANTIZED_BITS = 16
 #: ``"palu"`` is the low-rank latent cache; ``"naive"`` the uniform group-quant baseline.
 METHODS: tuple[str, ...] = ("palu", "naive")
+#: code bits per element of a config that names neither ``palu_bits`` nor the hi/lo split: the
+#: smallest uncalibrated water-filling tier whose KL to the uncompressed model is at most mlx-lm's
+#: ``QuantizedKVCache(bits=4)``'s at both short and long context on the embedded model
+#: (``benchmarks/results/compare_palu.json``; docs/palu-mlx.md)
+DEFAULT_PALU_BITS = 2.0
+#: the reference's rank and hi/lo split (the ``reference-default`` tier), for the fields a
+#: config leaves unset when it asks for the split
+REFERENCE_SPLIT: dict[str, float] = {
+    "palu_energy_threshold": 0.90,
+    "palu_hi_bit": 4,
+    "palu_lo_bit": 2,
+    "palu_hi_fraction": 0.25,
+}
 
 
 def _is_int(value: Any) -> bool:
@@ -47,15 +67,16 @@ class KVCacheConfig:
         palu_rank: explicit latent rank ``r`` in ``[1, head_dim]`` (and at most the value
             head dim); ``None`` selects the rank from ``palu_energy_threshold``.
         palu_energy_threshold: fraction in ``(0, 1]`` of the squared singular value
-            energy each head group must retain when ``palu_rank`` is None. One rank per
+            energy each head group must retain when ``palu_rank`` is None (hi/lo split only;
+            None: 0.90). One rank per
             tensor is used: the minimum over groups (buffers share one shape).
         palu_n_head_groups: NUMBER of contiguous head groups per layer; each group
             shares one projection. The layer's key/value head count must be divisible by it.
         palu_hi_bit, palu_lo_bit: bit widths of the top ``palu_hi_fraction`` latent
-            channels (by singular value) and of the rest. One of 1, 2, 3, 4, 5, 6, 8,
-            or 16 for "keep those channels unquantized".
+            channels (by singular value) and of the rest (hi/lo split only; None: 4 and 2).
+            One of 1, 2, 3, 4, 5, 6, 8, or 16 for "keep those channels unquantized".
         palu_hi_fraction: fraction in ``[0, 1]`` of latent channels coded at ``palu_hi_bit``
-            (``ceil(fraction * r)`` channels).
+            (``ceil(fraction * r)`` channels; hi/lo split only; None: 0.25).
         palu_group_size: channels sharing one scale/bias inside a bit-width segment
             (a positive integer; a segment whose width is not a multiple of it ends in a
             smaller group).
@@ -63,12 +84,15 @@ class KVCacheConfig:
             When set, :class:`~palu_mlx.mixed_bit.WaterFillingPolicy` replaces the rank, the
             energy threshold and the hi/lo split: projections are fitted at full rank (or
             ``palu_rank``) and each latent channel gets an integer width 0-8 from its variance
-            by reverse water-filling; 0 drops the channel. ``None`` (default) keeps the hi/lo split.
+            by reverse water-filling; 0 drops the channel. ``None`` (default): water-filling at
+            :data:`DEFAULT_PALU_BITS`, unless any of ``palu_rank``, ``palu_energy_threshold``,
+            ``palu_hi_bit``, ``palu_lo_bit``, ``palu_hi_fraction`` is set, which asks for the
+            reference's rank + hi/lo split (unset ones from :data:`REFERENCE_SPLIT`).
         palu_calibration: path of a calibration file written by ``palu-mlx calibrate``
             (:class:`~palu_mlx.calibration.Calibration`). When set, ``KVCacheBuilder.for_model``
             builds :class:`~palu_mlx.calibrated.CalibratedKVCache` layers: fixed per-KV-head
             projections and quantizers from the file, widths by one water-filling level across
-            all layers at ``palu_bits`` (2.0 when None); rank, energy, hi/lo and group-size fields
+            all layers at ``palu_bits`` (:data:`DEFAULT_PALU_BITS` when None); rank, energy, hi/lo and group-size fields
             are then unused. A file made for another model raises ``KVConfigError``.
         palu_quantize_values: False keeps value latents unquantized (input dtype; fp16
             for fp16 models), still low-rank.
@@ -89,11 +113,11 @@ class KVCacheConfig:
     method: str = "palu"
     head_dim: int | None = None
     palu_rank: int | None = None
-    palu_energy_threshold: float = 0.90
+    palu_energy_threshold: float | None = None
     palu_n_head_groups: int = 4
-    palu_hi_bit: int = 4
-    palu_lo_bit: int = 2
-    palu_hi_fraction: float = 0.25
+    palu_hi_bit: int | None = None
+    palu_lo_bit: int | None = None
+    palu_hi_fraction: float | None = None
     palu_group_size: int = 32
     palu_quantize_values: bool = True
     palu_bits: float | None = None
@@ -120,8 +144,8 @@ class KVCacheConfig:
                 f"palu_rank={self.palu_rank!r} must be None or an integer in [1, head_dim={self.head_dim}]"
             )
         t = self.palu_energy_threshold
-        if not _is_real(t) or not math.isfinite(t) or not 0.0 < t <= 1.0:
-            raise KVConfigError(f"palu_energy_threshold={t!r} must be a number in (0, 1]")
+        if t is not None and (not _is_real(t) or not math.isfinite(t) or not 0.0 < t <= 1.0):
+            raise KVConfigError(f"palu_energy_threshold={t!r} must be None or a number in (0, 1]")
         if not _is_int(self.palu_n_head_groups) or self.palu_n_head_groups < 1:
             raise KVConfigError(
                 f"palu_n_head_groups={self.palu_n_head_groups!r} must be a positive integer "
@@ -130,14 +154,14 @@ class KVCacheConfig:
         allowed = (*PACKABLE_BITS, UNQUANTIZED_BITS)
         for name in ("palu_hi_bit", "palu_lo_bit"):
             value = getattr(self, name)
-            if not _is_int(value) or value not in allowed:
+            if value is not None and (not _is_int(value) or value not in allowed):
                 raise KVConfigError(
-                    f"{name}={value!r} cannot be packed; allowed: {', '.join(map(str, allowed))} "
+                    f"{name}={value!r} cannot be packed; allowed: None, {', '.join(map(str, allowed))} "
                     "(16 = keep unquantized)"
                 )
         f = self.palu_hi_fraction
-        if not _is_real(f) or not math.isfinite(f) or not 0.0 <= f <= 1.0:
-            raise KVConfigError(f"palu_hi_fraction={f!r} must be a number in [0, 1]")
+        if f is not None and (not _is_real(f) or not math.isfinite(f) or not 0.0 <= f <= 1.0):
+            raise KVConfigError(f"palu_hi_fraction={f!r} must be None or a number in [0, 1]")
         if not _is_int(self.palu_group_size) or self.palu_group_size < 1:
             raise KVConfigError(f"palu_group_size={self.palu_group_size!r} must be a positive integer")
         b = self.palu_bits
@@ -168,6 +192,55 @@ class KVCacheConfig:
             )
         if self.naive_group_size not in (32, 64, 128) or not _is_int(self.naive_group_size):
             raise KVConfigError(f"naive_group_size={self.naive_group_size!r} must be 32, 64 or 128")
+
+    @property
+    def uses_split(self) -> bool:
+        """Whether the latents are coded by the reference's rank + hi/lo split.
+
+        True when ``palu_bits`` is None and any of ``palu_rank``, ``palu_energy_threshold``,
+        ``palu_hi_bit``, ``palu_lo_bit`` or ``palu_hi_fraction`` is set (the unset ones take
+        :data:`REFERENCE_SPLIT`'s values); otherwise water-filling at :attr:`coder_bits`.
+        """
+        split = (
+            self.palu_rank,
+            self.palu_energy_threshold,
+            self.palu_hi_bit,
+            self.palu_lo_bit,
+            self.palu_hi_fraction,
+        )
+        return self.palu_bits is None and any(v is not None for v in split)
+
+    @property
+    def coder_bits(self) -> float | None:
+        """Code bits per element of the water-filling coder: ``palu_bits``, else
+        :data:`DEFAULT_PALU_BITS` unless the config asks for the hi/lo split (then None)."""
+        if self.palu_bits is not None:
+            return self.palu_bits
+        return None if self.uses_split else DEFAULT_PALU_BITS
+
+    def _split(self, name: str) -> float:
+        value = getattr(self, name)
+        return REFERENCE_SPLIT[name] if value is None else value
+
+    @property
+    def energy_threshold(self) -> float:
+        """``palu_energy_threshold``, or the reference's 0.90 when unset."""
+        return self._split("palu_energy_threshold")
+
+    @property
+    def hi_bit(self) -> int:
+        """``palu_hi_bit``, or the reference's 4 when unset."""
+        return self._split("palu_hi_bit")
+
+    @property
+    def lo_bit(self) -> int:
+        """``palu_lo_bit``, or the reference's 2 when unset."""
+        return self._split("palu_lo_bit")
+
+    @property
+    def hi_fraction(self) -> float:
+        """``palu_hi_fraction``, or the reference's 0.25 when unset."""
+        return self._split("palu_hi_fraction")
 
     def min_fit_tokens(self, dim: int) -> int:
         """Tokens held exactly before fitting: ``palu_min_fit_tokens``, or the key head dim ``dim``."""

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from kvspec import KVConfigError
 
-from .config import UNQUANTIZED_BITS, KVCacheConfig
+from .config import REFERENCE_SPLIT, UNQUANTIZED_BITS, KVCacheConfig
 
 __all__ = ["Tier", "TIERS", "tier"]
 
@@ -68,7 +68,7 @@ TIERS: dict[str, Tier] = {
             "reference-default",
             "the reference's settings: keys after RoPE, rank keeping 90% of singular-value energy, "
             "top 25% of latent channels at 4 bits, the rest at 2 bits",
-            _palu(palu_pre_rope=False),
+            _palu(palu_pre_rope=False, **REFERENCE_SPLIT),
         ),
         Tier(
             "r8-4bit",
