@@ -20,13 +20,16 @@ model in bfloat16:
   cache was filled: cache, the step's transient arrays and activations).
 
 palu caches are built by ``KVCacheBuilder.for_model``, so their attention runs on the latent
-codes (:mod:`palu_mlx.attention`). The ``palu-*-rebuild`` rows run the same caches through the
-older path that rebuilds the whole history for SDPA, for comparison.
+codes (:mod:`palu_mlx.attention`). The ``-rebuild`` row runs one tier's caches through the older
+path that rebuilds the whole history for SDPA, for comparison. ``+cal`` rows use the embedded
+model's calibration file (``--calibration``): their per-model constants (bases, means, steps) are
+not in the bytes held, as weights are not.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import sys
@@ -46,7 +49,11 @@ from palu_mlx.compare import load_model, tier_config
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 CHUNK = 512
-PALU_TIERS = ("palu-1.5bit", "palu-2bit")
+PALU_TIERS = ("palu-2bit", "palu-1.5bit", "palu-1bit")
+#: the tier also run through the path that rebuilds the whole history (for comparison)
+REBUILD_TIER = "palu-1.5bit"
+#: the embedded model's calibration file: adds ``<tier>+cal`` rows
+CALIBRATION = Path(__file__).resolve().parents[1] / "model" / "tiny-qwen3.palu-calibration.safetensors"
 
 
 def stamp() -> dict:
@@ -78,7 +85,7 @@ def fill(caches: list[Any], kv: list[tuple[mx.array, mx.array]]) -> list[Any]:
     return caches
 
 
-def candidates(model: Any) -> dict[str, Callable[[], list[Any]]]:
+def candidates(model: Any, calibration: str | None) -> dict[str, Callable[[], list[Any]]]:
     head_dim, n_kv = model_kv_dims(model)
     out: dict[str, Callable[[], list[Any]]] = {
         "baseline": lambda: [KVCache() for _ in model.layers],
@@ -87,6 +94,9 @@ def candidates(model: Any) -> dict[str, Callable[[], list[Any]]]:
     for tier in PALU_TIERS:
         config = tier_config(tier, head_dim, n_kv)
         out[tier] = lambda config=config: KVCacheBuilder.for_model(model, config)
+        if calibration is not None:
+            cal = dataclasses.replace(config, palu_calibration=calibration)
+            out[f"{tier}+cal"] = lambda cal=cal: KVCacheBuilder.for_model(model, cal)
     return out
 
 
@@ -98,9 +108,11 @@ def step(model: Any, cache: list[Any], token: mx.array, routed: bool) -> None:
     mx.eval(model(token, cache=cache))
 
 
-def measure_context(model: Any, kv: list[tuple[mx.array, mx.array]], steps: int, rounds: int) -> dict:
-    names = candidates(model)
-    runs = [(name, True) for name in names] + [(f"{t}-rebuild", False) for t in PALU_TIERS]
+def measure_context(
+    model: Any, kv: list[tuple[mx.array, mx.array]], steps: int, rounds: int, calibration: str | None
+) -> dict:
+    names = candidates(model, calibration)
+    runs = [(name, True) for name in names] + [(f"{REBUILD_TIER}-rebuild", False)]
     token = mx.array([[11]])
     rows: dict[str, dict] = {}
     for name, routed in runs:
@@ -147,10 +159,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=8, help="decode steps per candidate per round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default=str(RESULTS / "palu_long_decode.json"))
+    parser.add_argument(
+        "--calibration",
+        default=str(CALIBRATION),
+        help="palu-mlx calibrate file for the embedded model ('' for none): adds the +cal rows",
+    )
     args = parser.parse_args(argv)
     model, tokenizer, info = load_model(None, "bfloat16")
     text_tokens = tokenizer.encode(default_text_path().read_text(encoding="utf-8"))
     result: dict[str, Any] = {
+        "calibration": args.calibration or None,
         **stamp(),
         "model": info,
         "chunk": CHUNK,
@@ -161,7 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     for n in args.contexts:
         tokens = mx.array((text_tokens * (n // len(text_tokens) + 1))[:n])[None]
         kv = context_kv(model, tokens)
-        result["contexts"][str(n)] = measure_context(model, kv, args.steps, args.rounds)
+        result["contexts"][str(n)] = measure_context(
+            model, kv, args.steps, args.rounds, args.calibration or None
+        )
         print(json.dumps({n: result["contexts"][str(n)]}, indent=1), flush=True)
         del kv
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -20,12 +20,14 @@ from typing import Any
 
 from kvbench.report import LEGEND, format_bytes, render_markdown
 from kvbench.results import read_json
+from palu_long_block import PALU_LONG_END, PALU_LONG_FILE, PALU_LONG_START, render_palu_long_block
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
 DOC = ROOT / "docs" / "benchmarks.md"
 README = ROOT / "README.md"
 MODEL_DOC = ROOT / "docs" / "embedded-model.md"
+PALU_DOC = ROOT / "docs" / "palu-mlx.md"
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 MODEL_START, MODEL_END = "<!-- model:start -->", "<!-- model:end -->"
 
@@ -52,10 +54,11 @@ SECTIONS = (
 
 #: how each method works, where it explains the figures (descriptions of the code, no figures)
 MECHANISMS = {
-    "compare_palu": "palu stores low-rank latents and, at every step, reconstructs the whole history to "
-    "full K/V before mlx's attention (there is no fused low-rank attention kernel yet): the bytes held "
-    "shrink, the work per decode step does not, and it grows with the context. mlx-lm's "
-    "`QuantizedKVCache` instead attends on its quantized keys and values directly.",
+    "compare_palu": "palu stores low-rank latent codes and attends on them: values stay latent (the "
+    "softmax weights multiply the latents, one small product maps the result back), keys are rebuilt, "
+    "rotated and scored 256 tokens at a time with an online softmax, in plain MLX operations (no fused "
+    "kernel). The bytes held shrink; each decode step still rebuilds every key, so its work grows with "
+    "the context. mlx-lm's `QuantizedKVCache` attends on its quantized keys and values directly.",
     "compare_flashcodec": "flashcodec's materialized tiers keep a decoded view of the whole history beside "
     "their archive and attend over it; the `-mf` tier attends on the stored coefficients and releases "
     "that view. transformers' `QuantizedCache` dequantizes its stored states at every step (its hqq and "
@@ -475,6 +478,13 @@ def main(argv: list[str] | None = None) -> int:
         updated = replace_block(current, render_model_block(*model_inputs), MODEL_START, MODEL_END)
         if updated is not None:
             targets.append((MODEL_DOC, updated))
+    long_file = args.results / PALU_LONG_FILE
+    if PALU_DOC.is_file() and long_file.is_file():
+        current = PALU_DOC.read_text(encoding="utf-8")
+        block = render_palu_long_block(read_json(long_file))
+        updated = replace_block(current, block, PALU_LONG_START, PALU_LONG_END)
+        if updated is not None:
+            targets.append((PALU_DOC, updated))
     stale = []
     for path, text in targets:
         old = path.read_text(encoding="utf-8") if path.is_file() else None
