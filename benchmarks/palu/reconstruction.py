@@ -55,7 +55,12 @@ def palu_on_vector(vector, config) -> dict:
     elements = int(np.prod(vector.shape) + np.prod(vector.values_shape))
     state = cache.state
     state_bytes = sum(a.nbytes for a in state.values())
-    token_bytes = sum(a.nbytes for name, a in state.items() if ".seg" in name or name.startswith("exact_"))
+    # arrays with a token axis: exact tokens, the mixed-bit coder's segments, the fixed coder's codes
+    token_bytes = sum(
+        a.nbytes
+        for name, a in state.items()
+        if ".seg" in name or name.endswith(".codes") or name.startswith("exact_")
+    )
     return {
         "key_rel_err": rel_err(to_np(keys), vector.keys),
         "value_rel_err": rel_err(to_np(values), vector.values),
