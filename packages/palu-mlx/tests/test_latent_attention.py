@@ -75,12 +75,14 @@ def test_array_masks_as_mlx_lm_passes_them(kind):
     assert rel_err(got, reference(q, cache, 0.2, mask)) < TOL
 
 
-def test_a_chunk_masked_out_for_a_row_contributes_nothing():
+@pytest.mark.parametrize("kind", ["bool", "additive-inf"])
+def test_a_chunk_masked_out_for_a_row_contributes_nothing(kind):
     cache = filled_cache(1, 80, CONFIGS["hi-lo-split"], pre_rope=True)
     q = mx.random.normal((1, 8, 3, D), key=mx.random.key(5))
     keep = mx.zeros((1, 1, 3, 80), dtype=mx.bool_)
     keep[..., 60:] = True  # the first three 16-token chunks are masked for every row
-    got = latent_attention(q, cache.latent_store(), 0.3, keep, chunk=16)
+    mask = keep if kind == "bool" else mx.where(keep, 0.0, -float("inf"))
+    got = latent_attention(q, cache.latent_store(), 0.3, mask, chunk=16)
     assert mx.all(mx.isfinite(got)).item()
     assert rel_err(got, reference(q, cache, 0.3, keep)) < TOL
 

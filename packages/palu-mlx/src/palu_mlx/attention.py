@@ -120,7 +120,10 @@ def latent_attention(
         m = _chunk_mask(mask, start, stop, n_q, store.length, rep)
         if m is not None:
             s5 = scores.reshape(b, h, rep, n_q, stop - start)
-            s5 = mx.where(m, s5, _MASKED) if m.dtype == mx.bool_ else s5 + m.astype(mx.float32)
+            if m.dtype == mx.bool_:
+                s5 = mx.where(m, s5, _MASKED)
+            else:  # additive; -inf entries are floored like boolean ones (no inf - inf = NaN)
+                s5 = mx.maximum(s5 + m.astype(mx.float32), _MASKED)
             scores = s5.reshape(b, h, rows, stop - start)
         v_lat = store.value_latents(start, stop)
         chunk_max = mx.max(scores, axis=-1, keepdims=True)
