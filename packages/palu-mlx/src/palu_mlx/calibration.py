@@ -9,6 +9,14 @@ values, and fits, per layer and per KV head, the eigenbasis of their covariance:
 model (architecture, layer count, KV heads, head dims and a digest of the weights that make keys
 and values); :meth:`Calibration.check_model` rejects a file made for another model.
 
+``weighting="attention"`` (``palu-mlx calibrate --weighting attention``) weighs coding errors
+by what attention makes of them instead of by their plain size: a key error ``e`` moves the
+scores by ``q·e`` (``E[(q·e)²] = eᵀ E[qqᵀ] e``, summed over the query heads sharing the KV
+head, averaged over RoPE's rotation when keys are coded before it), a value error by ``W_o``
+(``eᵀ Σ W_hᵀW_h e`` over the heads' slices of ``o_proj``). The file's format is unchanged (the
+header records ``weighting``; files without it read as ``"none"``), so the cache reads it as
+any other; :func:`_fit` says what the weighting changes and what it cannot.
+
 ``KVCacheConfig(palu_calibration=FILE)`` makes :meth:`KVCacheBuilder.for_model` build
 :class:`~palu_mlx.calibrated.CalibratedKVCache` layers from such a file.
 """
@@ -23,13 +31,14 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 from kvspec import KVConfigError, KVDataError, KVSpecError
 from mlx.utils import tree_flatten
 from mlx_lm.models import cache as mlx_cache
 
 from .integrity import CHECKSUM_KEY, UnverifiedFileWarning, digest
-from .rope import Rotary, model_rotaries
+from .rope import Rotary, _pair_index, model_rotaries
 
 __all__ = [
     "Calibration",
@@ -40,10 +49,14 @@ __all__ = [
     "kv_weights_fingerprint",
     "model_identity",
     "CALIBRATION_FORMAT",
+    "WEIGHTINGS",
     "UnverifiedCalibrationWarning",
 ]
 
 CALIBRATION_FORMAT = "palu-mlx.calibration.v1"
+#: how calibration weighs coding errors: "none" (plain squared error of keys and values) or
+#: "attention" (key errors as the queries see them, value errors as ``o_proj`` does)
+WEIGHTINGS: tuple[str, ...] = ("none", "attention")
 _DATA = Path(__file__).parent / "data" / "calibration.txt"
 
 
@@ -167,6 +180,8 @@ class Calibration:
         pre_rope: whether the keys were recorded before RoPE.
         tokens: calibration tokens seen per layer.
         text_sha256: sha256 of the calibration text.
+        weighting: one of :data:`WEIGHTINGS`, how the bases were fitted (files from before the
+            option read as ``"none"``).
     """
 
     model: dict[str, Any]
@@ -175,6 +190,13 @@ class Calibration:
     pre_rope: bool
     tokens: int
     text_sha256: str
+    weighting: str = "none"
+
+    def __post_init__(self) -> None:
+        if self.weighting not in WEIGHTINGS:
+            raise KVConfigError(
+                f"weighting={self.weighting!r} must be one of {', '.join(map(repr, WEIGHTINGS))}"
+            )
 
     def save(self, path: str | Path) -> None:
         """Write safetensors: ``<layer>.<key|value>.<basis|mean|variance>`` and a JSON header."""
@@ -189,6 +211,7 @@ class Calibration:
             "pre_rope": json.dumps(self.pre_rope),
             "tokens": str(self.tokens),
             "text_sha256": self.text_sha256,
+            "weighting": self.weighting,
         }
         meta[CHECKSUM_KEY] = digest(arrays, meta)
         if not isinstance(path, (str, Path)) or not str(path):
@@ -246,6 +269,9 @@ class Calibration:
         if not isinstance(pre_rope, bool):
             raise KVDataError(f"the header's pre_rope={pre_rope!r} is not true or false")
         tokens = int(meta["tokens"])
+        weighting = meta.get("weighting", "none")  # files from before the option were fitted unweighted
+        if weighting not in WEIGHTINGS:
+            raise KVDataError(f"the header's weighting={weighting!r} is not one of {', '.join(WEIGHTINGS)}")
         tensors: dict[tuple[int, str], dict[str, mx.array]] = {}
         for key, arr in arrays.items():
             parts = key.split(".")
@@ -285,7 +311,7 @@ class Calibration:
             raise KVDataError("the file holds no layer's arrays")
         if not mx.all(mx.stack([mx.all(mx.isfinite(a)) for a in present])).item():
             raise KVDataError("an array contains NaN or infinity")
-        return cls(model, keys, values, pre_rope, tokens, str(meta["text_sha256"]))
+        return cls(model, keys, values, pre_rope, tokens, str(meta["text_sha256"]), weighting)
 
     def check_model(self, model: Any, source: str = "palu_calibration") -> None:
         """Raise ``KVConfigError`` naming what differs if ``model`` is not the calibrated model."""
@@ -309,27 +335,146 @@ class Calibration:
             raise KVConfigError(f"{source}: the calibration was made for another model: {'; '.join(diffs)}")
 
 
-class _Recorder(mlx_cache.KVCache):
-    """mlx-lm's KVCache that also accumulates per-head first and second moments of K (pre-RoPE) and V."""
+def _accumulate(stats: dict[str, list], name: str, x: mx.array) -> None:
+    """Add the per-head count, sum and sum of outer products of ``x [B, H, S, D]`` to ``stats[name]``."""
+    x = np.array(x.astype(mx.float32), dtype=np.float64)
+    x = x.transpose(1, 0, 2, 3).reshape(x.shape[1], -1, x.shape[3])  # [H, N, D]
+    entry = stats.setdefault(name, [0, 0.0, 0.0])
+    entry[0] += x.shape[1]
+    entry[1] = entry[1] + x.sum(axis=1)
+    entry[2] = entry[2] + x.transpose(0, 2, 1) @ x
 
-    def __init__(self, rotary: Rotary | None, stats: dict[str, list]):
+
+class _QueryTap(nn.Module):
+    """Stands in for an attention layer's ``rope`` during calibration and remembers its calls.
+
+    mlx-lm's attention rotates the queries, then the keys, then hands the keys to the cache,
+    so at ``update_and_fetch`` the call before the keys' is the queries': its input is the
+    pre-RoPE query, its output the post-RoPE one.
+    """
+
+    def __init__(self, rope: Any):
+        super().__init__()
+        self.inner = rope
+        object.__setattr__(self, "calls", [])  # not a child module or parameter
+
+    def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
+        out = self.inner(x, offset=offset)
+        self.calls.append((x, out))
+        return out
+
+
+class _Recorder(mlx_cache.KVCache):
+    """mlx-lm's KVCache that also accumulates per-head first and second moments of K (pre-RoPE) and V,
+    and, given the layer's :class:`_QueryTap`, of the queries (pre-RoPE when the keys are)."""
+
+    def __init__(self, rotary: Rotary | None, stats: dict[str, list], tap: _QueryTap | None = None):
         super().__init__()
         self._rotary = rotary
         self._stats = stats
+        self._tap = tap
 
     def update_and_fetch(self, keys, values):
         k = keys if self._rotary is None else self._rotary.unrotate(keys, self.offset)
-        for name, x in (("key", k), ("value", values)):
-            x = np.array(x.astype(mx.float32), dtype=np.float64)  # [B, H, S, D]
-            x = x.transpose(1, 0, 2, 3).reshape(x.shape[1], -1, x.shape[3])  # [H, N, D]
-            entry = self._stats.setdefault(name, [0, 0.0, 0.0])
-            entry[0] += x.shape[1]
-            entry[1] = entry[1] + x.sum(axis=1)
-            entry[2] = entry[2] + x.transpose(0, 2, 1) @ x
+        _accumulate(self._stats, "key", k)
+        _accumulate(self._stats, "value", values)
+        if self._tap is not None:
+            calls, self._tap.calls[:] = list(self._tap.calls), []
+            if len(calls) < 2 or calls[-2][0].shape[2] != keys.shape[2]:
+                raise KVConfigError(
+                    "weighting='attention' could not see this layer's queries (its attention does not "
+                    "rotate queries then keys right before the cache, as mlx-lm's llama / qwen families do)"
+                )
+            pre, post = calls[-2]
+            _accumulate(self._stats, "query", pre if self._rotary is not None else post)
         return super().update_and_fetch(keys, values)
 
 
-def _fit(stats: list) -> TensorCalibration:
+def _install_taps(model: Any, full: list[bool]) -> list[_QueryTap | None]:
+    """Put a :class:`_QueryTap` in place of each recorded layer's ``self_attn.rope`` (undo: :func:`_remove_taps`)."""
+    taps: list[_QueryTap | None] = []
+    for i, layer in enumerate(model.layers):
+        attn = getattr(layer, "self_attn", None)
+        if not full[i]:
+            taps.append(None)
+            continue
+        if not isinstance(getattr(attn, "rope", None), nn.Module) or getattr(attn, "o_proj", None) is None:
+            _remove_taps(model, taps)
+            raise KVConfigError(
+                f"weighting='attention' needs each layer's self_attn.rope and self_attn.o_proj "
+                f"(mlx-lm's llama / qwen families); layer {i} ({type(attn).__name__}) lacks them"
+            )
+        taps.append(_QueryTap(attn.rope))
+        attn.rope = taps[-1]
+    return taps
+
+
+def _remove_taps(model: Any, taps: list[_QueryTap | None]) -> None:
+    for layer, tap in zip(model.layers, taps, strict=False):
+        if tap is not None:
+            layer.self_attn.rope = tap.inner
+
+
+def _group_sum(per_head: np.ndarray, n_kv: int) -> np.ndarray:
+    """``[H_q, D, D]`` -> ``[H_kv, D, D]``: query head ``h`` reads KV head ``h // (H_q / H_kv)`` (mlx's GQA)."""
+    h_q, d, _ = per_head.shape
+    if h_q % n_kv:
+        raise KVConfigError(f"{h_q} query heads cannot share {n_kv} KV heads evenly")
+    return per_head.reshape(n_kv, h_q // n_kv, d, d).sum(axis=1)
+
+
+def _query_metric(stats: list, n_kv: int, rotary: Rotary | None) -> np.ndarray:
+    """``[H_kv, D, D]``: how the queries of each KV head's group probe a key error ``e``, ``E[(q·e)²] = eᵀMe``.
+
+    ``M`` sums ``E[q qᵀ]`` over the query heads that share the KV head (GQA). For keys coded
+    before RoPE (``rotary`` given) the query meets the key rotated by their relative position,
+    so ``M`` is averaged over that rotation: each rotated channel pair gets the pair's mean
+    query energy on both channels, cross terms between pairs vanish, and the unrotated channels
+    keep their block.
+    """
+    n, _, s2 = stats
+    metric = _group_sum(s2 / n, n_kv)  # uncentred: the score uses the query itself
+    if rotary is None:
+        return metric
+    first, second = _pair_index(np.arange(rotary.dims // 2), rotary.dims, rotary.traditional)
+    pair_energy = (metric[:, first, first] + metric[:, second, second]) / 2  # [H_kv, dims / 2]
+    rotated = np.zeros(metric.shape[1], dtype=bool)
+    rotated[first] = rotated[second] = True
+    averaged = np.where(rotated[:, None] | rotated[None, :], 0.0, metric)  # unrotated block kept
+    averaged[:, first, first] = averaged[:, second, second] = pair_energy
+    return averaged
+
+
+def _output_metric(o_proj: Any, n_kv: int, dim: int) -> np.ndarray:
+    """``[H_kv, Dv, Dv]``: ``Σ W_hᵀ W_h`` over the query heads ``h`` sharing each KV head, ``W_h`` the
+    head's column slice of ``o_proj`` (a value error ``e`` moves the layer's output by ``W_h (p·e)``)."""
+    if hasattr(o_proj, "scales"):  # QuantizedLinear: the weights it multiplies by
+        w = mx.dequantize(
+            o_proj.weight, o_proj.scales, getattr(o_proj, "biases", None), o_proj.group_size, o_proj.bits
+        )
+    else:
+        w = o_proj.weight
+    w = np.array(w.astype(mx.float32), dtype=np.float64)  # [hidden, H_q * Dv]
+    dv = dim
+    if w.shape[1] % dv:
+        raise KVConfigError(f"o_proj takes {w.shape[1]} inputs, not a multiple of the value head dim {dv}")
+    heads = w.reshape(w.shape[0], -1, dv).transpose(1, 2, 0)  # [H_q, Dv, hidden]
+    return _group_sum(heads @ heads.transpose(0, 2, 1), n_kv)
+
+
+def _fit(stats: list, metric: np.ndarray | None = None) -> TensorCalibration:
+    """The eigenbasis of the recorded covariance, per head; with ``metric`` ``[H, D, D]``, weighted.
+
+    Weighted, the basis stays the covariance's eigenbasis: the cache rebuilds with the
+    transpose of the basis it projects with, so only an orthonormal basis rebuilds exactly
+    (the metric's own whitened basis ``M^-1/2 U`` would need a separate decoder). What changes is
+    the variance the file gives each channel: ``(m / max m) σ²``, ``m = vᵀ M v`` the metric's
+    weight on the channel's direction ``v``, ``max m`` the head's largest. The cache's reverse
+    water-filling reads these, so bits go where attention sees the error; its quantizer steps
+    (``σ`` times a Gaussian step) read them too, so the most-probed channel keeps its exact step
+    and a less-probed one gets a finer step over a narrower range (never a coarser one). Columns
+    are reordered by the head-averaged weighted variance: the water-filling keeps a prefix.
+    """
     n, s1, s2 = stats
     mean = s1 / n
     cov = s2 / n - np.einsum("hd,he->hde", mean, mean)
@@ -337,6 +482,12 @@ def _fit(stats: list) -> TensorCalibration:
     order = np.argsort(-eigenvalues, axis=-1, kind="stable")
     variance = np.take_along_axis(np.maximum(eigenvalues, 0.0), order, axis=-1)
     basis = np.take_along_axis(vectors, order[:, None, :], axis=-1)
+    if metric is not None:
+        weight = np.maximum(np.einsum("hdi,hde,hei->hi", basis, metric, basis), 0.0)
+        top = weight.max(axis=-1, keepdims=True)
+        variance = variance * np.where(top > 0, weight / np.where(top > 0, top, 1.0), 1.0)
+        order = np.argsort(-variance.mean(axis=0), kind="stable")
+        variance, basis = variance[:, order], basis[:, :, order]
     return TensorCalibration(
         basis=mx.array(basis.astype(np.float32)),
         mean=mx.array(mean.astype(np.float32)),
@@ -351,6 +502,7 @@ def calibrate(
     window: int = 512,
     max_tokens: int | None = None,
     progress: bool = True,
+    weighting: str = "none",
 ) -> Calibration:
     """Fit a :class:`Calibration` for ``model`` on ``text`` (default: the shipped calibration text).
 
@@ -358,6 +510,9 @@ def calibrate(
     positions), each run through the model from position 0 with fresh recording caches;
     ``max_tokens`` caps the tokens used. Keys are recorded before RoPE when the architecture
     supports it (else after, with a :class:`~palu_mlx.rope.PreRopeFallbackWarning`).
+    ``weighting`` is one of :data:`WEIGHTINGS`: ``"attention"`` also records the queries (by
+    standing in for each layer's ``self_attn.rope`` while it runs, restored after) and weighs
+    the channels by the queries (keys) and ``o_proj`` (values), see :func:`_fit`.
     """
     from tqdm import tqdm
 
@@ -377,6 +532,8 @@ def calibrate(
         raise KVConfigError(f"max_tokens={max_tokens!r} must be None (all tokens) or an integer >= 2")
     if not isinstance(progress, bool):
         raise KVConfigError(f"progress={progress!r} must be True or False")
+    if weighting not in WEIGHTINGS:
+        raise KVConfigError(f"weighting={weighting!r} must be one of {', '.join(map(repr, WEIGHTINGS))}")
     head_dim, _ = model_kv_dims(model)
     rotaries = model_rotaries(model, head_dim)
     limit = getattr(getattr(model, "args", None), "max_position_embeddings", None)
@@ -388,21 +545,39 @@ def calibrate(
     defaults = _default_caches(model)
     full = [type(c) is mlx_cache.KVCache for c in defaults]
     stats: list[dict[str, list]] = [{} for _ in defaults]
-    starts = range(0, len(tokens), window)
-    for start in tqdm(starts, desc="palu-mlx calibrate", unit="window", disable=not progress):
-        chunk = tokens[start : start + window]
-        caches = [
-            _Recorder(None if rotaries is None else rotaries[i], stats[i]) if full[i] else c
-            for i, c in enumerate(_default_caches(model))
-        ]
-        mx.eval(model(mx.array(chunk)[None], cache=caches))
-    keys = [_fit(s["key"]) if s else None for s in stats]
-    values = [_fit(s["value"]) if s else None for s in stats]
+    taps = _install_taps(model, full) if weighting == "attention" else [None] * len(defaults)
+    try:
+        starts = range(0, len(tokens), window)
+        for start in tqdm(starts, desc="palu-mlx calibrate", unit="window", disable=not progress):
+            chunk = tokens[start : start + window]
+            caches = [
+                _Recorder(None if rotaries is None else rotaries[i], stats[i], taps[i]) if full[i] else c
+                for i, c in enumerate(_default_caches(model))
+            ]
+            mx.eval(model(mx.array(chunk)[None], cache=caches))
+    finally:
+        _remove_taps(model, taps)
+    if weighting == "none":
+        keys = [_fit(s["key"]) if s else None for s in stats]
+        values = [_fit(s["value"]) if s else None for s in stats]
+    else:
+        keys, values = [], []
+        for i, s in enumerate(stats):
+            if not s:
+                keys.append(None)
+                values.append(None)
+                continue
+            attn = model.layers[i].self_attn
+            n_kv, dv = s["value"][1].shape
+            key_metric = _query_metric(s["query"], n_kv, None if rotaries is None else rotaries[i])
+            keys.append(_fit(s["key"], key_metric))
+            values.append(_fit(s["value"], _output_metric(attn.o_proj, n_kv, dv)))
     return Calibration(
         model=model_identity(model),
         keys=keys,
         values=values,
         pre_rope=rotaries is not None,
         tokens=len(tokens),
+        weighting=weighting,
         text_sha256=hashlib.sha256(text.encode("utf-8")).hexdigest(),
     )

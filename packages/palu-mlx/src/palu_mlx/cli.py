@@ -1,7 +1,8 @@
 """The ``palu-mlx`` command.
 
-* ``palu-mlx calibrate --model PATH_OR_ID --out FILE [--text FILE]``: fit per-layer, per-KV-head
-  projections on calibration text (:mod:`palu_mlx.calibration`); needs only palu-mlx.
+* ``palu-mlx calibrate --model PATH_OR_ID --out FILE [--text FILE] [--weighting none|attention]``:
+  fit per-layer, per-KV-head projections on calibration text (:mod:`palu_mlx.calibration`); needs
+  only palu-mlx.
 * ``palu-mlx compare [options]`` (see :mod:`palu_mlx.compare`): needs the ``compare`` extra
   (kvbench); without it, it says how to install it.
 """
@@ -19,6 +20,8 @@ _CALIBRATE_HELP = "fit per-layer, per-KV-head projections for a model on calibra
 
 def calibrate_main(argv: Sequence[str]) -> int:
     """``palu-mlx calibrate``: returns the exit code (1 with a one-line error on a user mistake)."""
+    from .calibration import WEIGHTINGS
+
     parser = argparse.ArgumentParser(prog="palu-mlx calibrate", description=_CALIBRATE_HELP)
     parser.add_argument("--model", required=True, help="mlx-lm model: a local path or a Hugging Face id")
     parser.add_argument("--out", required=True, help="calibration file to write (.safetensors)")
@@ -29,6 +32,13 @@ def calibrate_main(argv: Sequence[str]) -> int:
     )
     parser.add_argument("--window", type=int, default=512, help="tokens per calibration window (default 512)")
     parser.add_argument("--max-tokens", type=int, default=None, help="use at most this many tokens")
+    parser.add_argument(
+        "--weighting",
+        default="none",
+        choices=WEIGHTINGS,
+        help="none (default): channels ranked by their variance; attention: key channels weighted by how "
+        "the queries probe them, value channels by how o_proj sees them (recorded in the file)",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(list(argv))
 
@@ -49,7 +59,13 @@ def calibrate_main(argv: Sequence[str]) -> int:
         return 1
     try:
         result = calibrate(
-            model, tokenizer, text, window=args.window, max_tokens=args.max_tokens, progress=not args.quiet
+            model,
+            tokenizer,
+            text,
+            window=args.window,
+            max_tokens=args.max_tokens,
+            progress=not args.quiet,
+            weighting=args.weighting,
         )
         result.save(args.out)
     except (KVSpecError, ValueError, OSError) as exc:
@@ -58,7 +74,8 @@ def calibrate_main(argv: Sequence[str]) -> int:
     m = result.model
     print(
         f"wrote {args.out}: {m['architecture']}, {m['n_layers']} layers x {m['n_kv_heads']} KV heads x "
-        f"head dim {m['head_dim']}, {result.tokens} tokens, keys {'before' if result.pre_rope else 'after'} RoPE"
+        f"head dim {m['head_dim']}, {result.tokens} tokens, keys {'before' if result.pre_rope else 'after'} RoPE, "
+        f"weighting {result.weighting}"
     )
     return 0
 
