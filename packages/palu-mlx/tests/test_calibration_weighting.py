@@ -89,7 +89,9 @@ def test_attention_calibration_restores_the_model_and_drives_calibrated_caches(t
     result = calibrate(
         model, _ByteTokenizer(), window=128, max_tokens=256, progress=False, weighting="attention"
     )
-    assert [layer.self_attn.rope for layer in model.layers] == ropes  # the query taps are gone
+    assert all(
+        layer.self_attn.rope is rope for layer, rope in zip(model.layers, ropes, strict=True)
+    )  # taps gone
     assert [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=6)] == before
     assert result.weighting == "attention" and result.pre_rope
     path = tmp_path / "attention.safetensors"
@@ -244,3 +246,12 @@ def test_bad_weighting_values_get_a_clear_error(tmp_path, capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "--weighting" in err and "'none', 'attention'" in err
+
+
+def test_attention_weighting_refuses_a_model_whose_queries_it_cannot_see():
+    model = make_tiny_qwen3()
+    first = model.layers[0].self_attn.rope
+    model.layers[1].self_attn.rope = lambda x, offset=0: x  # not a RoPE module palu can stand in for
+    with pytest.raises(KVConfigError, match="weighting='attention' needs .*layer 1"):
+        calibrate(model, _ByteTokenizer(), "abc" * 10, progress=False, weighting="attention")
+    assert model.layers[0].self_attn.rope is first  # the tap put on layer 0 was taken off again
