@@ -33,6 +33,7 @@ ATTN_TIERS = [
     "jpeg-k4",
     "jpeg-k8-int8",
     "jpeg-k8-int4",
+    "jpeg-k8-int4z",
     "png-keep1",
     "png-keep0.5",
 ]

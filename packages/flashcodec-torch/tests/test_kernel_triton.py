@@ -28,7 +28,7 @@ pytest.importorskip("triton")
 from conftest import CODECS  # noqa: E402
 from flashcodec import CodecKVCache, JPEGCodec, PNGCodec  # noqa: E402
 from flashcodec.attention import codec_decode_attention, coded_rows, materialized_decode_attention  # noqa: E402
-from flashcodec.codecs import MixedJPEGCodec  # noqa: E402
+from flashcodec.codecs import MixedJPEGCodec, ZeroPointJPEGCodec  # noqa: E402
 from flashcodec.kernels import triton_attention as ta  # noqa: E402
 from flashcodec.kernels.naive import combine_partials, decode_attention_partials  # noqa: E402
 
@@ -52,6 +52,8 @@ CASES = {
     "no-tail-default-split": (CODECS["jpeg-k2-int8"], 1, 1, 4, 48, 16, torch.float32, None, 16, False),
     "jpeg-k8-int8": (JPEGCodec(8, 8, quant_bits=8), 1, 1, 2, 21, 16, torch.float32, 1, 2, False),
     "jpeg-k4-int4-masked": (JPEGCodec(4, 4, quant_bits=4), 2, 1, 2, 19, 16, torch.float32, 2, 2, True),
+    "jpeg-zp-int4-masked": (ZeroPointJPEGCodec(4), 2, 2, 2, 27, 16, torch.float32, 2, 2, True),
+    "jpeg-zp-k2-bf16": (ZeroPointJPEGCodec(8, 2), 1, 1, 3, 29, 16, torch.bfloat16, 1, 2, False),
     "mixed-int8-int4": (MixedJPEGCodec(4, (4, 8, 0, 4)), 1, 2, 2, 22, 16, torch.float32, 2, 2, False),
 }
 
@@ -145,7 +147,7 @@ def test_cuda_kernel_matches_reference(case):
 
 
 @needs_cuda
-@pytest.mark.parametrize("tier", ["jpeg-k2-int8", "jpeg-k2", "png-keep1"])
+@pytest.mark.parametrize("tier", ["jpeg-k2-int8", "jpeg-k2", "jpeg-k8-int4z", "png-keep1"])
 def test_cuda_kernel_matches_materialized_at_length(tier):
     gen = torch.Generator().manual_seed(0)
     b, h, g, s, d = 2, 8, 2, 4096 + 5, 128

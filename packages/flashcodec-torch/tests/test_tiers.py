@@ -6,6 +6,7 @@ import pytest
 import torch
 from conftest import CODECS, random_walk
 from flashcodec import CodecKVCache, JPEGCodec, PNGCodec, Tier
+from flashcodec.codecs import ZeroPointJPEGCodec
 from flashcodec.spec import FlashCodecAdapter, conformance_tiers
 from flashcodec.tiers import TIERS, tier
 from kvspec import KVConfigError
@@ -17,6 +18,8 @@ NAMES = [
     "jpeg-k8-int8-mf",
     "jpeg-k8-int4",
     "jpeg-k8-int4-mf",
+    "jpeg-k8-int4z",
+    "jpeg-k8-int4z-mf",
     "jpeg-k4",
     "jpeg-k2",
     "jpeg-k2-int8",
@@ -31,9 +34,11 @@ def test_names_order_and_codecs():
     assert TIERS["jpeg-k8"].codec == JPEGCodec(8, 8)
     assert TIERS["jpeg-k2-int8"].codec == JPEGCodec(8, 2, 8)
     assert TIERS["jpeg-k8-int4"].codec == JPEGCodec(8, 8, 4)
+    assert TIERS["jpeg-k8-int4z"].codec == ZeroPointJPEGCodec(8, 8)
     assert [t.name for t in TIERS.values() if t.materialization_free] == [
         "jpeg-k8-int8-mf",
         "jpeg-k8-int4-mf",
+        "jpeg-k8-int4z-mf",
         "jpeg-k2-int8-mf",
     ]
 

@@ -68,13 +68,15 @@ def coded_rows(stream: CodecStream) -> CodedRows:
     """The stored rows of ``stream`` as the kernels read them: nothing decoded.
 
     The codec says how its parts are addressed (:meth:`flashcodec.BlockCodec.row_segments`; jpeg:
-    the coefficients, int8 or not, and their scales; png: the anchors and the deltas, as views)
-    and gives its synthesis matrix ``A [r, R]`` in fp32.
+    the coefficients, int8 or not, and their scales; png: the anchors and the deltas, as views),
+    its zero points if it has any (:meth:`flashcodec.BlockCodec.row_offsets`, jpeg-zp) and its
+    synthesis matrix ``A [r, R]`` in fp32.
     """
     codec = stream.codec
-    segments, scales = codec.row_segments(stream.archived_parts())
+    parts = stream.archived_parts()
+    segments, scales = codec.row_segments(parts)
     synthesis = codec.synthesis_matrix(torch.float32, stream.device)
-    return CodedRows(segments, scales, synthesis, stream.tail())
+    return CodedRows(segments, scales, synthesis, stream.tail(), codec.row_offsets(parts))
 
 
 def additive_key_mask(key_mask: torch.Tensor | None, batch: int, seq_len: int) -> torch.Tensor | None:

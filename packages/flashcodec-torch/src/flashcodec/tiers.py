@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from kvspec import KVConfigError
 
-from .codecs import BlockCodec, JPEGCodec, PNGCodec
+from .codecs import BlockCodec, JPEGCodec, PNGCodec, ZeroPointJPEGCodec
 
 __all__ = ["Tier", "TIERS", "tier"]
 
@@ -96,6 +96,17 @@ TIERS: dict[str, Tier] = _registry(
         "jpeg-k8-int4-mf",
         "jpeg-k8-int4 with materialization-free attention (decode on the packed int4 codes, prefill in chunks)",
         JPEGCodec(8, keep_freqs=8, quant_bits=4),
+        materialization_free=True,
+    ),
+    Tier(
+        "jpeg-k8-int4z",
+        "jpeg, all 8 coefficients int4 with an fp16 scale and zero point per (block, frequency)",
+        ZeroPointJPEGCodec(8),
+    ),
+    Tier(
+        "jpeg-k8-int4z-mf",
+        "jpeg-k8-int4z with materialization-free attention (decode on the int4 codes, prefill in chunks)",
+        ZeroPointJPEGCodec(8),
         materialization_free=True,
     ),
     Tier("jpeg-k4", "jpeg, lowest 4 of 8 coefficients", JPEGCodec(8, keep_freqs=4)),

@@ -19,6 +19,7 @@ from kvspec import KVConfigError
 from .base import BlockCodec, PartSpec
 from .jpeg import JPEGCodec, dct_matrix
 from .jpeg_mixed import MixedJPEGCodec, allocate_freq_bits, frequency_variances
+from .jpeg_zero import ZeroPointJPEGCodec
 from .png import PNGCodec, delta_variance_ratio
 from .quant import dequantize_int8, quantize_int8
 
@@ -27,6 +28,7 @@ __all__ = [
     "PartSpec",
     "JPEGCodec",
     "MixedJPEGCodec",
+    "ZeroPointJPEGCodec",
     "PNGCodec",
     "CODECS",
     "allocate_freq_bits",
@@ -47,6 +49,7 @@ CODECS: dict[str, type[BlockCodec]] = {
     "jpeg": JPEGCodec,
     "png": PNGCodec,
     "jpeg-mixed": MixedJPEGCodec,
+    "jpeg-zp": ZeroPointJPEGCodec,
 }
 
 

@@ -149,6 +149,12 @@ class BlockCodec(ABC):
         """
         return (self.stored_rows(parts, torch.float32),), None
 
+    def row_offsets(self, parts: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
+        """fp32 ``[..., n, R]`` added to every element of each stored row after its scale (a zero
+        point), or None (the default: rows are ``codes * scale`` only). The kernels add
+        ``offset * sum(q)`` to a row's dot product and ``offset`` times the row's weight to the output."""
+        return None
+
     def check_parts(self, parts: object) -> None:
         """``KVShapeError`` unless ``parts`` is a tuple / list of as many tensors as :meth:`encode`
         returns (what :meth:`decode`, :meth:`stored_rows` and :meth:`row_segments` take)."""

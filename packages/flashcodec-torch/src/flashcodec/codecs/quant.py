@@ -1,4 +1,5 @@
-"""Symmetric int8 / int4 quantization with one fp32 scale per row (pure tensor maps).
+"""int8 / int4 quantization with one scale per row (pure tensor maps): symmetric with an fp32
+scale, or (int4 only) asymmetric with an fp16 scale and an fp16 zero point at the same bytes.
 
 Used by the jpeg codec with ``quant_bits=8`` or ``4``: one scale per (block, frequency), i.e. the
 reduction runs over the head dimension ``D`` (``dim=-1``). Scales are kept in fp32 whatever
@@ -9,6 +10,11 @@ int4 layout: codes ``q`` in ``-7..7`` stored as the nibble ``q + 8`` (``1..15``;
 per ``uint8`` byte along the last axis: element ``2i`` in the low nibble of byte ``i``, element
 ``2i + 1`` in its high nibble. An odd ``D`` is padded with one zero code. Every kernel that reads
 packed rows recognizes them by their dtype (``torch.uint8``).
+
+Asymmetric int4 (:func:`quantize_int4_zero`): ``x ~ scale * q + zero`` with ``q`` in ``-8..7``
+(all 16 nibbles used), packed exactly as above, and ``scale`` and ``zero`` in fp16: 2 + 2 bytes
+a row, the bytes of one fp32 scale. A row whose values are not centred on 0 (a key channel
+offset in a DC row) then spends its 16 levels on its own range instead of ``[-max, max]``.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ __all__ = [
     "pack_int4",
     "unpack_int4",
     "packed_width",
+    "quantize_int4_zero",
+    "dequantize_int4_zero",
 ]
 
 #: symmetric range: -127..127 (-128 unused, so negation never overflows)
@@ -112,3 +120,42 @@ def dequantize_int4(
 ) -> torch.Tensor:
     """``unpack_int4(packed, dim) * scale`` in ``dtype``; ``scale`` fp32 broadcastable to ``[..., dim]``."""
     return (unpack_int4(packed, dim).to(torch.float32) * scale).to(dtype)
+
+
+#: largest finite fp16: scales and zero points are stored in fp16 and saturate here
+_FP16_MAX = float(torch.finfo(torch.float16).max)
+
+
+def quantize_int4_zero(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize ``x [..., D]`` to packed int4 with an fp16 scale and an fp16 zero point per row.
+
+    Returns ``(packed, scale, zero)``: ``packed`` uint8 ``[..., ceil(D/2)]`` (codes ``q`` in
+    ``-8..7``, layout above), ``scale`` and ``zero`` fp16 ``[..., 1]`` with ``q * scale + zero``
+    within ``scale / 2`` of ``x`` (computed from the stored fp16 values, so the bound holds for
+    what is decoded). The zero point is rounded to fp16 first and the scale is then chosen to
+    cover ``[min, max]`` around that rounded zero, rounded up. Rows with magnitudes beyond fp16's
+    range (65504) saturate there; no K/V activation of a real model comes near it.
+    """
+    xf = x.to(torch.float32)
+    lo, hi = torch.aminmax(xf, dim=-1, keepdim=True)
+    # the zero sits at code 0: lo is code -8 and hi code 7, 15 steps apart
+    zero = (lo + 8.0 * (hi - lo) / 15.0).clamp(-_FP16_MAX, _FP16_MAX).to(torch.float16).float()
+    need = torch.maximum((zero - lo) / 8.0, (hi - zero) / 7.0).clamp(0.0, _FP16_MAX / 2)
+    # round up to fp16: a scale rounded down could push an end of the row past code -8 or 7
+    scale = (need * (1.0 + 2.0**-10)).to(torch.float16)
+    safe = torch.where(scale > 0, scale.float(), torch.ones_like(need))
+    q = torch.round((xf - zero) / safe).clamp_(-8, 7)
+    return _pack_int4(q), scale, zero.to(torch.float16)
+
+
+def dequantize_int4_zero(
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    dim: int,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """``unpack_int4(packed, dim) * scale + zero`` in fp32, cast to ``dtype``; ``scale`` and
+    ``zero`` (fp16 ``[..., 1]``) broadcast over the row."""
+    codes = unpack_int4(packed, dim).to(torch.float32)
+    return (codes * scale.float() + zero.float()).to(dtype)

@@ -53,12 +53,15 @@ class CodedRows(NamedTuple):
         scales: ``[B, H, n, R]`` fp32 dequantization scales per (block, row), or None (float rows).
         synthesis: ``A [r, R]`` fp32 with ``block = A @ rows``.
         tail: raw tail tokens ``[B, H, t, D]`` (``t < r``), after the archived blocks.
+        offsets: ``[B, H, n, R]`` fp32 zero points added to every element of a row after its
+            scale (row = ``codes * scale + offset``), or None (the default; jpeg-zp has them).
     """
 
     segments: tuple[torch.Tensor, ...]
     scales: torch.Tensor | None
     synthesis: torch.Tensor
     tail: torch.Tensor
+    offsets: torch.Tensor | None = None
 
     @property
     def n_blocks(self) -> int:
@@ -98,6 +101,8 @@ def dense_rows(rows: CodedRows, start: int, stop: int) -> torch.Tensor:
     dense = torch.cat([as_float(seg[:, :, start:stop]) for seg in rows.segments], dim=3)
     if rows.scales is not None:
         dense = dense * rows.scales[:, :, start:stop, :, None]
+    if rows.offsets is not None:
+        dense = dense + rows.offsets[:, :, start:stop, :, None]
     return dense
 
 
@@ -137,11 +142,18 @@ def _row_dots(q: torch.Tensor, rows: CodedRows, start: int, stop: int) -> torch.
     out = dots[0] if len(dots) == 1 else torch.cat(dots, dim=-1)
     if rows.scales is not None:
         out = out * rows.scales[:, :, None, start:stop]
+    if rows.offsets is not None:
+        # q . (offset * ones) = offset * sum(q): the zero point costs one product per row
+        out = out + rows.offsets[:, :, None, start:stop] * q.sum(-1)[..., None, None]
     return out
 
 
 def _weighted_rows(weights: torch.Tensor, rows: CodedRows, start: int, stop: int) -> torch.Tensor:
     """``sum_{n, j} weights[..., n, j] * rows[n, j]``: ``weights [B, Hkv, G, nb, R]`` -> ``[B, Hkv, G, D]``."""
+    # zero points: every element of row j carries offset_j, so the output gains sum(w * offset)
+    shift = None
+    if rows.offsets is not None:
+        shift = (weights * rows.offsets[:, :, None, start:stop]).sum(dim=(-1, -2))[..., None]
     if rows.scales is not None:
         weights = weights * rows.scales[:, :, None, start:stop]
     b, h, g, nb, _ = weights.shape
@@ -157,7 +169,7 @@ def _weighted_rows(weights: torch.Tensor, rows: CodedRows, start: int, stop: int
         out = term if out is None else out + term
         offset += count
     assert out is not None
-    return out
+    return out if shift is None else out + shift
 
 
 def _softmax_partial(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -276,6 +288,8 @@ def decoded_chunk(rows: CodedRows, start: int, stop: int) -> torch.Tensor:
     if rows.scales is not None:
         # out of place: an fp32 / fp64 segment's .to() is a view of the archive itself
         dense = dense * rows.scales[:, :, start:stop, :, None].to(cdt)
+    if rows.offsets is not None:
+        dense = dense + rows.offsets[:, :, start:stop, :, None].to(cdt)
     blocks = torch.matmul(rows.synthesis.to(cdt), dense)  # [B, H, nb, r, D]
     b, h, nb, r, d = blocks.shape
     return blocks.reshape(b, h, nb * r, d).to(rows.tail.dtype)

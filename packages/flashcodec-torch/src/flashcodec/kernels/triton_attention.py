@@ -4,7 +4,8 @@ Two kernels:
 
 * ``_codec_partial_kernel``, grid ``(B * Hkv, n_splits + 1)``: program ``(b*Hkv + h, s)`` walks the
   archived blocks of split ``s`` in tiles of ``TILE`` blocks, reading the stored rows as they are
-  (int8 coefficients and their fp32 scales, or float coefficients, or png anchors + deltas),
+  (int8 coefficients and their fp32 scales, packed int4 with scales and optional zero points,
+  or float coefficients, or png anchors + deltas),
   forms the token scores ``(q . S^T) @ A_k^T`` for the ``G`` query heads of kv head ``h``, runs an
   online softmax and accumulates ``((p @ A_v) * scales_v) @ S_v``; it writes the partial max,
   sum and accumulator. The last split (``s = n_splits``) covers the raw tail tokens.
@@ -55,10 +56,12 @@ def _codec_partial_kernel(
     K0, sk0b, sk0h, sk0n, sk0j, sk0d,
     K1, sk1b, sk1h, sk1n, sk1j, sk1d,
     KS, sksb, sksh, sksn, sksj,
+    KO, skob, skoh, skon, skoj,
     AK,
     V0, sv0b, sv0h, sv0n, sv0j, sv0d,
     V1, sv1b, sv1h, sv1n, sv1j, sv1d,
     VS, svsb, svsh, svsn, svsj,
+    VO, svob, svoh, svon, svoj,
     AV,
     KT, sktb, skth, sktt, sktd,
     VT, svtb, svth, svtt, svtd,
@@ -69,6 +72,7 @@ def _codec_partial_kernel(
     RP: tl.constexpr,
     GP: tl.constexpr, DP: tl.constexpr, DVP: tl.constexpr, TILE: tl.constexpr,
     HAS_KS: tl.constexpr, HAS_VS: tl.constexpr, HAS_MASK: tl.constexpr,
+    HAS_KO: tl.constexpr, HAS_VO: tl.constexpr,
     PACKED_K0: tl.constexpr, PACKED_K1: tl.constexpr, PACKED_V0: tl.constexpr, PACKED_V1: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
@@ -93,6 +97,7 @@ def _codec_partial_kernel(
         other=0.0,
     ).to(tl.float32)
     q = q * scale  # [GP, DP]
+    q_sum = tl.sum(q, axis=1)  # [GP]: a zero point z adds z * sum(q) to a row's dot product
 
     m_i = tl.full([GP], _EMPTY, tl.float32)
     l_i = tl.zeros([GP], tl.float32)
@@ -126,6 +131,9 @@ def _codec_partial_kernel(
                 if HAS_KS:
                     ks = tl.load(KS + b * sksb + h * sksh + n * sksn + j * sksj, mask=n_ok, other=0.0)
                     qs = qs * ks[None, :]
+                if HAS_KO:
+                    ko = tl.load(KO + b * skob + h * skoh + n * skon + j * skoj, mask=n_ok, other=0.0)
+                    qs += q_sum[:, None] * ko[None, :]
                 a_col = tl.load(AK + p * RK + j, mask=p < R, other=0.0)  # [RP]
                 scores += qs[:, :, None] * a_col[None, None, :]
             visible = n_ok[:, None] & (p[None, :] < R)  # [TILE, RP]
@@ -142,6 +150,9 @@ def _codec_partial_kernel(
             for j in tl.static_range(RV):
                 a_col = tl.load(AV + p * RV + j, mask=p < R, other=0.0)  # [RP]
                 w = tl.sum(probs * a_col[None, None, :], axis=2)  # [GP, TILE]
+                if HAS_VO:  # every element of the row carries its zero point: one shift per row
+                    vo = tl.load(VO + b * svob + h * svoh + n * svon + j * svoj, mask=n_ok, other=0.0)
+                    acc += tl.sum(w * vo[None, :], axis=1)[:, None]
                 if HAS_VS:
                     vs = tl.load(VS + b * svsb + h * svsh + n * svsn + j * svsj, mask=n_ok, other=0.0)
                     w = w * vs[None, :]
@@ -254,6 +265,14 @@ def _scale_args(rows: CodedRows) -> tuple:
     return (s, *s.stride())
 
 
+def _offset_args(rows: CodedRows) -> tuple:
+    """Pointer + strides of the ``[B, H, n, R]`` zero points (a dummy pointer when there are none)."""
+    if rows.offsets is None:
+        return (rows.synthesis, 0, 0, 0, 0)
+    o = rows.offsets
+    return (o, *o.stride())
+
+
 def _segment_args(rows: CodedRows) -> tuple:
     """Pointers + strides of the (one or two) row segments; a lone segment is passed twice."""
     if len(rows.segments) > 2:
@@ -309,9 +328,11 @@ def decode_attention_partials_triton(
         query, *query.stride(),
         *_segment_args(keys),
         *_scale_args(keys),
+        *_offset_args(keys),
         a_k,
         *_segment_args(values),
         *_scale_args(values),
+        *_offset_args(values),
         a_v,
         keys.tail, *keys.tail.stride(),
         values.tail, *values.tail.stride(),
@@ -322,6 +343,7 @@ def decode_attention_partials_triton(
         RP=_pow2(r),
         GP=_pow2(groups), DP=_pow2(d), DVP=_pow2(dv), TILE=tile,
         HAS_KS=keys.scales is not None, HAS_VS=values.scales is not None, HAS_MASK=key_mask is not None,
+        HAS_KO=keys.offsets is not None, HAS_VO=values.offsets is not None,
         PACKED_K0=keys.segments[0].dtype == torch.uint8, PACKED_K1=keys.segments[-1].dtype == torch.uint8,
         PACKED_V0=values.segments[0].dtype == torch.uint8, PACKED_V1=values.segments[-1].dtype == torch.uint8,
     )  # fmt: skip

@@ -1,0 +1,126 @@
+"""JPEG with asymmetric int4: block DCT-II, every kept row quantized with its own scale and zero point.
+
+Same transform as :class:`~flashcodec.codecs.jpeg.JPEGCodec` (``C = M X`` per block of ``r``
+tokens, keep the lowest ``K`` frequencies) and the same bytes as its ``quant_bits=4``: ``D / 2``
+bytes of codes plus 4 bytes per (block, frequency) row. Where ``JPEGCodec`` spends those 4 bytes
+on one fp32 scale of a symmetric range ``[-max, max]`` (15 levels), this codec spends them on an
+fp16 scale and an fp16 zero point (16 levels over ``[min, max]``). On the embedded model's K/V
+that halves the KL of the int4 tier (``benchmarks/flashcodec/int4_study.py``): a row is rarely
+centred on 0, above all the DC row of the keys, which carries each channel's offset.
+
+Stored parts per block (``PartSpec``): ``coeffs [K, ceil(D/2)]`` uint8 (packed int4, codes
+``-8..7``, see :mod:`flashcodec.codecs.quant`), ``scales [K, 1]`` fp16, ``zeros [K, 1]`` fp16;
+row ``j`` is ``coeffs[j] * scales[j] + zeros[j]``.
+
+Attention on the codes: the zero point adds ``zero_j * sum(q)`` to the dot product of a query with
+row ``j`` and ``zero_j`` times the row's weight to every output element, which the kernels add
+from :meth:`row_offsets` (``flashcodec.kernels.naive.CodedRows.offsets``) without unpacking more.
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from kvspec import KVConfigError, KVShapeError
+
+from .base import BlockCodec, PartSpec, check_block_size, compute_dtype, from_blocks, to_blocks, to_output
+from .jpeg import JPEGCodec
+from .quant import dequantize_int4_zero, packed_width, quantize_int4_zero
+
+__all__ = ["ZeroPointJPEGCodec"]
+
+
+@dataclass(frozen=True)
+class ZeroPointJPEGCodec(BlockCodec):
+    """Block DCT-II codec, ``K`` rows per block in asymmetric int4 (fp16 scale and zero per row).
+
+    Args:
+        block_size: ``r``, tokens per block (>= 1).
+        keep_freqs: ``K`` in ``1..r``; ``None`` (the default) means ``r``. Stored resolved.
+
+    ``D`` must be even (two codes a byte). Arithmetic in fp32; :meth:`decode` returns the
+    requested dtype.
+    """
+
+    mode: ClassVar[str] = "jpeg-zp"
+
+    block_size: int = 8
+    keep_freqs: int | None = None
+
+    def __post_init__(self) -> None:
+        r = check_block_size(self.block_size)
+        k = r if self.keep_freqs is None else self.keep_freqs
+        if isinstance(k, bool) or not isinstance(k, numbers.Integral) or not 1 <= k <= r:
+            raise KVConfigError(
+                f"keep_freqs must be an integer in 1..block_size={r}; got {self.keep_freqs!r}"
+            )
+        object.__setattr__(self, "block_size", r)
+        object.__setattr__(self, "keep_freqs", int(k))
+
+    @property
+    def _dct(self) -> JPEGCodec:
+        return JPEGCodec(self.block_size, self.keep_freqs)
+
+    @property
+    def rows(self) -> int:
+        return self.keep_freqs
+
+    @property
+    def lossless(self) -> bool:
+        return False
+
+    def part_specs(self, dim: int) -> tuple[PartSpec, ...]:
+        return (
+            PartSpec("coeffs", (self.keep_freqs, packed_width(dim)), torch.uint8),
+            PartSpec("scales", (self.keep_freqs, 1), torch.float16),
+            PartSpec("zeros", (self.keep_freqs, 1), torch.float16),
+        )
+
+    def check_dim(self, dim: int) -> None:
+        if dim % 2:
+            raise KVShapeError(f"jpeg-zp packs two int4 codes a byte along D: D must be even; got D={dim}")
+
+    def analysis_matrix(self, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
+        """``M [K, r]`` (encode: ``C = M @ block``)."""
+        return self._dct.analysis_matrix(dtype, device)
+
+    def synthesis_matrix(self, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
+        """``A = M^T [r, K]`` (decode: ``block = A @ rows``)."""
+        return self._dct.synthesis_matrix(dtype, device)
+
+    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``x [..., n*r, D]`` -> ``(uint8 coeffs [..., n, K, D/2], fp16 scales, fp16 zeros [..., n, K, 1])``."""
+        blocks = to_blocks(x, self.block_size)
+        cdt = compute_dtype(x.dtype)
+        coeffs = torch.matmul(self.analysis_matrix(cdt, x.device), blocks.to(cdt))
+        return quantize_int4_zero(coeffs)
+
+    def stored_rows(self, parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Coefficients ``[..., n, K, D]`` in ``dtype`` (codes times scale plus zero)."""
+        self.check_parts(parts)
+        q, scale, zero = parts
+        return dequantize_int4_zero(q, scale, zero, 2 * q.shape[-1], dtype)
+
+    def row_segments(
+        self, parts: tuple[torch.Tensor, ...]
+    ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
+        """``((packed coeffs,), fp32 scales [..., n, K])``: the codes as stored; the zero points
+        come from :meth:`row_offsets`."""
+        self.check_parts(parts)
+        q, scale, _ = parts
+        return (q,), scale[..., 0].float()
+
+    def row_offsets(self, parts: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
+        """fp32 ``[..., n, K]``: the zero point added to every element of each row."""
+        self.check_parts(parts)
+        return parts[2][..., 0].float()
+
+    def decode(self, parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Parts for ``n`` blocks -> ``[..., n*r, D]`` in ``dtype`` (one batched GEMM in fp32)."""
+        cdt = compute_dtype(dtype)
+        coeffs = self.stored_rows(parts, cdt)
+        blocks = torch.matmul(self.synthesis_matrix(cdt, coeffs.device), coeffs)
+        return to_output(from_blocks(blocks), dtype)
