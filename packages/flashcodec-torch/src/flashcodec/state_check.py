@@ -102,13 +102,16 @@ def _check_stream(
                 f"{name} part {spec.name!r} must be {want_shape} {want_dtype} on {tail.device} for {codec!r}; "
                 f"got {tuple(part.shape)} {part.dtype} on {part.device}"
             )
-        _check_contents(f"{name} part {spec.name!r}", spec.name, part, check_finite)
+        _check_contents(f"{name} part {spec.name!r}", spec.name, part, check_finite, codec.int4_zero_nibble)
     if check_finite and not all_finite(tail):
         raise KVDataError(f"{name} tail holds NaN or infinity (the cache was built with check_finite=True)")
 
 
-def _check_contents(where: str, part_name: str, part: torch.Tensor, check_finite: bool) -> None:
-    """What the codecs write: finite floats, scales >= 0, int8 codes in -127..127, int4 nibbles 1..15."""
+def _check_contents(
+    where: str, part_name: str, part: torch.Tensor, check_finite: bool, zero_nibble: bool = False
+) -> None:
+    """What the codecs write: finite floats, scales >= 0, int8 codes in -127..127, int4 nibbles 1..15
+    (0..15 when the codec says its codes reach -8: ``zero_nibble``)."""
     if part.numel() == 0:
         return
     if part.is_floating_point():
@@ -119,7 +122,7 @@ def _check_contents(where: str, part_name: str, part: torch.Tensor, check_finite
     elif part.dtype == torch.int8:
         if int(part.min()) < -QMAX:
             raise KVDataError(f"{where} holds the int8 code -128; codes lie in -{QMAX}..{QMAX}")
-    elif part.dtype == torch.uint8:
+    elif part.dtype == torch.uint8 and not zero_nibble:
         # int4 codes q in -7..7 are stored as q + 8 (1..15); an odd D pads with 8, so 0 never occurs
         if bool(((part & 15) == 0).any()) or bool(((part >> 4) == 0).any()):
             raise KVDataError(f"{where} holds a 0 nibble; packed int4 codes are stored as 1..15")

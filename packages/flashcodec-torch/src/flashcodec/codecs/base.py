@@ -104,6 +104,9 @@ class BlockCodec(ABC):
     mode: ClassVar[str]
     #: tokens per block ``r``
     block_size: int
+    #: whether packed int4 codes may be -8 (the nibble 0): symmetric codecs never write it, so a
+    #: restored state holding one is refused (``state_check``); jpeg-zp uses all 16 levels
+    int4_zero_nibble: ClassVar[bool] = False
 
     @property
     @abstractmethod

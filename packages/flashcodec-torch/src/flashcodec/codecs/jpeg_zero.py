@@ -46,6 +46,7 @@ class ZeroPointJPEGCodec(BlockCodec):
     """
 
     mode: ClassVar[str] = "jpeg-zp"
+    int4_zero_nibble: ClassVar[bool] = True
 
     block_size: int = 8
     keep_freqs: int | None = None
