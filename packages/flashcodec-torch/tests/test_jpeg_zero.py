@@ -8,7 +8,7 @@ from conftest import random_walk
 from flashcodec import CodecKVCache, JPEGCodec
 from flashcodec.codecs import CODECS, ZeroPointJPEGCodec, make_codec
 from flashcodec.codecs.quant import dequantize_int4_zero, quantize_int4_zero, unpack_int4
-from kvspec import KVConfigError, KVShapeError
+from kvspec import KVConfigError, KVDataError, KVShapeError
 
 
 @pytest.mark.parametrize("shift", [0.0, 5.0, -300.0])
@@ -83,3 +83,20 @@ def test_odd_head_dim_is_refused_before_anything_changes():
 def test_parts_are_checked():
     with pytest.raises(KVShapeError, match="jpeg-zp codec parts"):
         ZeroPointJPEGCodec(8).row_offsets((torch.zeros(1),))
+
+
+def test_state_with_the_lowest_code_restores():
+    # the minimum of every spread row is code -8 (nibble 0), which symmetric int4 never writes
+    cache = CodecKVCache(codec=ZeroPointJPEGCodec(8))
+    x = random_walk(s=21, d=8)
+    cache.append(x, x + 1)
+    codes = cache.keys.archived_parts()[0]
+    assert bool(((codes & 15) == 0).any())
+    back = CodecKVCache.from_state(cache.state, cache.meta_state)
+    assert all(torch.equal(a, b) for a, b in zip(back.state, cache.state, strict=True))
+    with pytest.raises(KVDataError, match="0 nibble"):
+        sym = CodecKVCache(codec=JPEGCodec(8, 8, quant_bits=4))
+        sym.append(x, x)
+        state = list(sym.state)
+        state[0] = state[0] & 0xF0  # low nibbles 0: not something symmetric int4 writes
+        CodecKVCache.from_state(state, sym.meta_state)
