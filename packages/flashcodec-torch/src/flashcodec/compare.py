@@ -9,9 +9,10 @@ Candidates:
 
 * ``baseline``: transformers' ``DynamicCache`` (uncompressed, the model's dtype);
 * tiers: :data:`flashcodec.tiers.TIERS` (same names) as a :class:`flashcodec.hf.FlashCodecCache`
-  on every full-attention layer; a tier with ``materialization_free`` runs with decode attention
-  on the stored codes (:func:`flashcodec.hf.codec_attention.apply_codec_attention`, removed again
-  after each of its runs);
+  on every full-attention layer; a tier with ``materialization_free`` runs with attention on the
+  stored codes for decode steps and over the archive in chunks for multi-token steps
+  (:func:`flashcodec.hf.codec_attention.apply_codec_attention`, removed again after each of its
+  runs; its details count both kinds of step and any fallback);
 * peers: transformers' ``QuantizedCache`` with each backend that works here (``hqq`` 8 and 4
   bits, ``quanto`` 4 bits: optional packages; ``fp8``: built in). A backend that cannot be built
   is listed under ``absent`` with the exact error.
@@ -375,7 +376,11 @@ def _codec_attention(model: Any) -> tuple[Any, Any]:
 
     def details() -> dict[str, Any]:
         s = stats["stats"]
-        return {"decode_steps_on_codes": s.coded, "fallbacks": dict(s.fallbacks)}
+        return {
+            "decode_steps_on_codes": s.coded,
+            "multi_token_steps_chunked": s.chunked,
+            "fallbacks": dict(s.fallbacks),
+        }
 
     return patched, details
 

@@ -3,7 +3,8 @@
 The configurations are the tiers of :mod:`flashcodec.tiers` (r = 8, easiest first), each as its
 codec object; this module only adds what each tier promises. The materialization-free (``-mf``)
 tiers store exactly what their base tier stores and differ only in the transformers backend's
-decode attention, which the conformance suite does not drive, so they are not repeated here.
+attention (decode on the codes, multi-token steps in chunks), which the conformance suite does not
+drive, so they are not repeated here.
 Capability flags claim exactly what the cache guarantees:
 
 * ``png-keep1``: exact (fp64 deltas; see ``codecs/png.py`` for the proof and its bounds) and

@@ -12,7 +12,8 @@ command lines, benchmarks and tests read them from here.
     cache = FlashCodecCache.from_config(model.config, codec=TIERS["png-keep1"].codec)
 
 A ``-mf`` tier stores exactly what the tier named without the suffix stores (the same codec);
-only the decode attention differs. Adding a tier is one line below.
+only the attention differs (decode steps on the stored codes, multi-token steps over the archive
+in chunks). Adding a tier is one line below.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ TIERS: dict[str, Tier] = _registry(
     ),
     Tier(
         "jpeg-k8-int8-mf",
-        "jpeg-k8-int8 with materialization-free decode attention (attention on the stored int8 coefficients)",
+        "jpeg-k8-int8 with materialization-free attention (decode on the int8 codes, prefill in chunks)",
         JPEGCodec(8, keep_freqs=8, quant_bits=8),
         materialization_free=True,
     ),
@@ -114,7 +115,7 @@ TIERS: dict[str, Tier] = _registry(
     Tier("jpeg-k2-int8", "jpeg, lowest 2 of 8 coefficients, int8", JPEGCodec(8, keep_freqs=2, quant_bits=8)),
     Tier(
         "jpeg-k2-int8-mf",
-        "jpeg-k2-int8 with materialization-free decode attention (attention on the stored coefficients)",
+        "jpeg-k2-int8 with materialization-free attention (decode on the int8 codes, prefill in chunks)",
         JPEGCodec(8, keep_freqs=2, quant_bits=8),
         materialization_free=True,
     ),

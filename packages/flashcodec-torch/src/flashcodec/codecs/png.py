@@ -174,7 +174,11 @@ class PNGCodec(BlockCodec):
 def delta_variance_ratio(x: torch.Tensor) -> float:
     """``Var(x_i - x_{i-1}) / Var(x)`` along the sequence axis (``dim=-2``) of ``x [..., S, D]``.
 
-    Below 1: neighbouring tokens are positively correlated (deltas shrink); above 1: anti-correlated.
+    For a stationary sequence with lag-1 correlation ``rho`` this is ``2 (1 - rho)``: below 1 the
+    deltas are smaller than the values (``rho > 1/2``), 2 means uncorrelated neighbours, and only
+    above 2 are they anti-correlated (between 1 and 2 they are positively correlated, but too weakly
+    for deltas to shrink). Both variances run over every element, so a constant per-channel offset
+    counts as variance of ``x`` and lowers the ratio.
     """
     if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() < 2 or x.shape[-2] < 2:
         got = f"shape {tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
