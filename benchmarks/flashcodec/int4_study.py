@@ -285,6 +285,8 @@ def compare(compare_json: Path | None) -> dict:
     result = json.loads(compare_json.read_text())
     return {
         "command": "python -m flashcodec.compare " + " ".join(COMPARE_ARGS),
+        "stamp": result.get("stamp"),
+        "settings": {run["name"]: run["settings"] for run in result["runs"]},
         "runs": {
             run["name"]: [{k: row.get(k) for k in KEPT} for row in run["rows"]] for run in result["runs"]
         },
