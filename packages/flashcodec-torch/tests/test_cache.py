@@ -89,6 +89,7 @@ def test_storage_is_measured_and_split(tier):
         "jpeg-k8": 8 * d * 4,
         "jpeg-k8-int8": 8 * d + 8 * 4,  # int8 coefficients + fp32 scales
         "jpeg-k8-int4": 8 * d // 2 + 8 * 4,  # two int4 codes a byte + fp32 scales
+        "jpeg-k8-int4z": 8 * d // 2 + 8 * (2 + 2),  # two int4 codes a byte + fp16 scales and zeros
         "jpeg-mixed-84": 2 * d + 5 * d // 2 + 7 * 4,  # 2 int8 rows, 5 int4 rows, 7 fp32 scales
         "jpeg-k4": 4 * d * 4,
         "jpeg-k2": 2 * d * 4,

@@ -16,7 +16,7 @@ import torch
 from conftest import gaussian
 from flashcodec import CodecKVCache, JPEGCodec, PNGCodec
 from flashcodec.attention import codec_decode_attention, materialized_decode_attention
-from flashcodec.codecs import CODECS, BlockCodec, MixedJPEGCodec, PartSpec, make_codec
+from flashcodec.codecs import CODECS, BlockCodec, MixedJPEGCodec, PartSpec, ZeroPointJPEGCodec, make_codec
 from flashcodec.codecs.base import check_block_size, from_blocks, to_blocks
 from kvspec import KVConfigError
 
@@ -63,13 +63,18 @@ def raw_registered(monkeypatch):
 
 # ---------------------------------------------------------------- the registry
 def test_every_registry_key_is_its_class_mode():
-    assert CODECS == {"jpeg": JPEGCodec, "png": PNGCodec, "jpeg-mixed": MixedJPEGCodec}
+    assert CODECS == {
+        "jpeg": JPEGCodec,
+        "png": PNGCodec,
+        "jpeg-mixed": MixedJPEGCodec,
+        "jpeg-zp": ZeroPointJPEGCodec,
+    }
     assert all(cls.mode == mode and issubclass(cls, BlockCodec) for mode, cls in CODECS.items())
 
 
 def test_an_unregistered_mode_names_the_registered_ones():
     with pytest.raises(
-        KVConfigError, match=r"mode must be one of \('jpeg', 'png', 'jpeg-mixed'\); got 'raw'"
+        KVConfigError, match=r"mode must be one of \('jpeg', 'png', 'jpeg-mixed', 'jpeg-zp'\); got 'raw'"
     ):
         CodecKVCache(mode="raw", block_size=4)
 
