@@ -4,9 +4,10 @@ Same transform as :class:`~flashcodec.codecs.jpeg.JPEGCodec` (``C = M X`` per bl
 tokens, keep the lowest ``K`` frequencies) and the same bytes as its ``quant_bits=4``: ``D / 2``
 bytes of codes plus 4 bytes per (block, frequency) row. Where ``JPEGCodec`` spends those 4 bytes
 on one fp32 scale of a symmetric range ``[-max, max]`` (15 levels), this codec spends them on an
-fp16 scale and an fp16 zero point (16 levels over ``[min, max]``). On the embedded model's K/V
-that halves the KL of the int4 tier (``benchmarks/flashcodec/int4_study.py``): a row is rarely
-centred on 0, above all the DC row of the keys, which carries each channel's offset.
+fp16 scale and an fp16 zero point (16 levels over ``[min, max]``). On the embedded model that
+halves the KL of the int4 tier at the same bytes (2.2e-3 to 1.1e-3,
+``benchmarks/results/flashcodec_int4_study.json``); a likely reason, not measured on its own, is
+the DC row of the keys, which carries each channel's offset and is far from centred on 0.
 
 Stored parts per block (``PartSpec``): ``coeffs [K, ceil(D/2)]`` uint8 (packed int4, codes
 ``-8..7``, see :mod:`flashcodec.codecs.quant`), ``scales [K, 1]`` fp16, ``zeros [K, 1]`` fp16;
