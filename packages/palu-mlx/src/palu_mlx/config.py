@@ -31,10 +31,11 @@ UNQUANTIZED_BITS = 16
 #: ``"palu"`` is the low-rank latent cache; ``"naive"`` the uniform group-quant baseline.
 METHODS: tuple[str, ...] = ("palu", "naive")
 #: code bits per element of a config that names neither ``palu_bits`` nor the hi/lo split: the
-#: smallest uncalibrated water-filling tier whose KL to the uncompressed model is at most mlx-lm's
-#: ``QuantizedKVCache(bits=4)``'s at both short and long context on the embedded model
-#: (``benchmarks/results/compare_palu.json``; docs/palu-mlx.md)
-DEFAULT_PALU_BITS = 2.0
+#: smallest uncalibrated water-filling tier (``palu-1.5bit``) whose KL to the uncompressed model is
+#: at most mlx-lm's ``QuantizedKVCache(bits=4)``'s at long context (2,048 tokens) on the embedded
+#: model (``benchmarks/results/compare_palu.json``, long run). At a few hundred tokens the
+#: projections fitted per sequence cost more and it is not: see docs/palu-mlx.md.
+DEFAULT_PALU_BITS = 1.5
 #: the reference's rank and hi/lo split (the ``reference-default`` tier), for the fields a
 #: config leaves unset when it asks for the split
 REFERENCE_SPLIT: dict[str, float] = {
@@ -92,7 +93,8 @@ class KVCacheConfig:
             (:class:`~palu_mlx.calibration.Calibration`). When set, ``KVCacheBuilder.for_model``
             builds :class:`~palu_mlx.calibrated.CalibratedKVCache` layers: fixed per-KV-head
             projections and quantizers from the file, widths by one water-filling level across
-            all layers at ``palu_bits`` (:data:`DEFAULT_PALU_BITS` when None); rank, energy, hi/lo and group-size fields
+            all layers at ``palu_bits`` (:data:`DEFAULT_PALU_BITS` when None); rank, energy, hi/lo and
+            group-size fields
             are then unused. A file made for another model raises ``KVConfigError``.
         palu_quantize_values: False keeps value latents unquantized (input dtype; fp16
             for fp16 models), still low-rank.
