@@ -9,8 +9,9 @@ with the sizes below, writing ``benchmarks/results/compare_palu.{json,png}`` and
 ``compare_flashcodec.{json,png}``; then regenerates docs/benchmarks.md (and README.md's results
 block) with ``benchmarks/tools/make_docs.py`` and prints where everything is. Nothing is downloaded.
 Both run kvbench's protocol in bfloat16 at short context (16 windows of 192 + 128 tokens: 2,048
-scored positions) and at long context (2 windows of 2,048 tokens, the last 256 scored); palu with
-8 short windows and 1 long one (:data:`PALU_SIZES`) and its calibration file (the ``+cal`` tiers).
+scored positions) and at long context (2 windows of 2,048 tokens, the last 256 scored) by default
+(:data:`SIZES`); the main job runs 8 short windows and 1 long one (:data:`RUN_SIZES`), and palu with
+its calibration file (the ``+cal`` tiers).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
 
-#: the sizes of the committed run (kvbench's defaults, spelled out so the command says them)
+#: kvbench's defaults, spelled out so the command says them
 SIZES = {
     "--windows": "16",
     "--context-tokens": "192",
@@ -52,9 +53,10 @@ QUICK = {
     "--speed-steps": "4",
 }
 
-#: palu runs fewer windows: every palu decode step attends over codes in Python-driven chunks and
-#: mlx-lm's quantized peers prefill slowly on a CPU, so SIZES take over 40 minutes for palu here
-PALU_SIZES = {**SIZES, "--windows": "8", "--long-windows": "1", "--speed-rounds": "2"}
+#: what both comparisons run: fewer windows than SIZES, because with every tier, peer and calibrated
+#: variant SIZES take over 40 minutes per comparison on a 2-core CPU (palu's decode steps attend over
+#: codes in Python-driven chunks, mlx-lm's quantized peers prefill slowly, flashcodec has 16 caches)
+RUN_SIZES = {**SIZES, "--windows": "8", "--long-windows": "1", "--speed-rounds": "2"}
 
 #: the embedded model's palu calibration (``palu-mlx calibrate --model benchmarks/model/tiny-qwen3
 #: --out benchmarks/model/tiny-qwen3.palu-calibration.safetensors``): adds the ``+cal`` tiers
@@ -62,8 +64,8 @@ PALU_CALIBRATION = ROOT / "benchmarks" / "model" / "tiny-qwen3.palu-calibration.
 
 #: (name, module, result stem, sizes, extra arguments)
 JOBS = (
-    ("palu-mlx", "palu_mlx.compare", "compare_palu", PALU_SIZES, ["--calibration", str(PALU_CALIBRATION)]),
-    ("flashcodec", "flashcodec.compare", "compare_flashcodec", SIZES, []),
+    ("palu-mlx", "palu_mlx.compare", "compare_palu", RUN_SIZES, ["--calibration", str(PALU_CALIBRATION)]),
+    ("flashcodec", "flashcodec.compare", "compare_flashcodec", RUN_SIZES, []),
 )
 
 
