@@ -1,8 +1,8 @@
 """palu-mlx: a low-rank latent KV cache for mlx-lm.
 
 Keys and values of each layer are projected onto group-head low-rank bases
-fitted on the first tokens (PALU-style group-head SVD), coded with a mixed-bit
-latent coder, and reconstructed only at attention time. Named configurations
+fitted on the first tokens (PALU-style group-head SVD) or read from a calibration
+file, coded by bit budget, and attended on as codes (:mod:`palu_mlx.attention`). Named configurations
 (tiers) are in :data:`TIERS`::
 
     from palu_mlx import KVCacheConfig, KVCacheBuilder
@@ -12,10 +12,23 @@ latent coder, and reconstructed only at attention time. Named configurations
     mlx_lm.generate(model, tokenizer, prompt, prompt_cache=caches)
 """
 
-from .builder import KVCacheBuilder, load_prompt_cache, model_kv_dims, save_prompt_cache
+from .attention import latent_attention
+from .builder import (
+    KVCacheBuilder,
+    UnverifiedPromptCacheWarning,
+    load_prompt_cache,
+    model_kv_dims,
+    save_prompt_cache,
+)
 from .cache import PaluKVCache
 from .calibrated import CalibratedKVCache, FixedQuantCoder
-from .calibration import Calibration, TensorCalibration, calibrate, default_calibration_text
+from .calibration import (
+    Calibration,
+    TensorCalibration,
+    UnverifiedCalibrationWarning,
+    calibrate,
+    default_calibration_text,
+)
 from .config import KVCacheConfig
 from .lowrank import GroupProjection, fit_group_projection, project, reconstruct, select_rank
 from .mixed_bit import (
@@ -67,4 +80,7 @@ __all__ = [
     "PreRopeFallbackWarning",
     "PRE_ROPE_ARCHITECTURES",
     "model_rotaries",
+    "latent_attention",
+    "UnverifiedPromptCacheWarning",
+    "UnverifiedCalibrationWarning",
 ]
