@@ -4,10 +4,13 @@ buffers, after the key buffers were written) leaves the cache exactly as it was 
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 import palu_mlx.cache
 import palu_mlx.calibrated
 import palu_mlx.naive
 import pytest
+from kvspec import KVConfigError
+from palu_mlx import KVCacheConfig, PaluKVCache
 from palu_reliability_helpers import build, kv, snapshot
 
 MODULES = {"naive": palu_mlx.naive, "palu-fitted": palu_mlx.cache, "calibrated": palu_mlx.calibrated}
@@ -59,9 +62,6 @@ def test_failure_while_writing_values_leaves_the_cache_as_it_was(kind, monkeypat
 
 
 def test_keys_returned_before_the_fit_are_copies():
-    import numpy as np
-    from palu_mlx import KVCacheConfig, PaluKVCache
-
     cache = PaluKVCache(KVCacheConfig(head_dim=None, palu_n_head_groups=1))
     keys, values = cache.update_and_fetch(*kv(3, 7))
     assert not cache.fitted
@@ -72,8 +72,5 @@ def test_keys_returned_before_the_fit_are_copies():
 
 
 def test_palu_cache_refuses_an_allocation_policy_that_is_not_one():
-    from kvspec import KVConfigError
-    from palu_mlx import KVCacheConfig, PaluKVCache
-
     with pytest.raises(KVConfigError, match="allocation_policy must be a BitAllocationPolicy"):
         PaluKVCache(KVCacheConfig(head_dim=64), allocation_policy="water")

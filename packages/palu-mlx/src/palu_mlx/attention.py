@@ -112,7 +112,9 @@ def latent_attention(
     rep = hq // h
     rows = rep * n_q
     q = (queries.astype(mx.float32) * scale).reshape(b, h, rows, d)
-    running_max = running_sum = acc = None
+    # the running max starts at the masked-score floor and the sums at zero, so the first chunk
+    # goes through the same update as every other (its correction factor is exp(floor - max) = 0)
+    running_max, running_sum, acc = mx.array(_MASKED), mx.array(0.0), mx.array(0.0)
     several = store.length > chunk
     for start in range(0, store.length, chunk):
         stop = min(store.length, start + chunk)
@@ -125,20 +127,12 @@ def latent_attention(
             else:  # additive; -inf entries are floored like boolean ones (no inf - inf = NaN)
                 s5 = mx.maximum(s5 + m.astype(mx.float32), _MASKED)
             scores = s5.reshape(b, h, rows, stop - start)
-        v_lat = store.value_latents(start, stop)
-        chunk_max = mx.max(scores, axis=-1, keepdims=True)
-        if running_max is None:
-            running_max = chunk_max
-            p = mx.exp(scores - running_max)
-            running_sum = mx.sum(p, axis=-1, keepdims=True)
-            acc = p @ v_lat
-        else:
-            new_max = mx.maximum(running_max, chunk_max)
-            p = mx.exp(scores - new_max)
-            correction = mx.exp(running_max - new_max)
-            running_sum = running_sum * correction + mx.sum(p, axis=-1, keepdims=True)
-            acc = acc * correction + p @ v_lat
-            running_max = new_max
+        new_max = mx.maximum(running_max, mx.max(scores, axis=-1, keepdims=True))
+        p = mx.exp(scores - new_max)
+        correction = mx.exp(running_max - new_max)
+        running_sum = running_sum * correction + mx.sum(p, axis=-1, keepdims=True)
+        acc = acc * correction + p @ store.value_latents(start, stop)
+        running_max = new_max
         if several:
             # MLX would otherwise build every chunk's graph and may hold all their transients at
             # once; evaluating chunk by chunk keeps one chunk's keys alive (a sync point, so a
