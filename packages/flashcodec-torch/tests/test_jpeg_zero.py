@@ -63,6 +63,7 @@ def test_registry_keyword_form_and_config():
         "mode": "jpeg-zp",
         "block_size": 8,
         "keep_freqs": 6,
+        "raw_window": 0,
     }
     assert ZeroPointJPEGCodec(8) == ZeroPointJPEGCodec(8, 8)
 

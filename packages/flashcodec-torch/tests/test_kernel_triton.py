@@ -54,6 +54,19 @@ CASES = {
     "jpeg-k4-int4-masked": (JPEGCodec(4, 4, quant_bits=4), 2, 1, 2, 19, 16, torch.float32, 2, 2, True),
     "jpeg-zp-int4-masked": (ZeroPointJPEGCodec(4), 2, 2, 2, 27, 16, torch.float32, 2, 2, True),
     "jpeg-zp-k2-bf16": (ZeroPointJPEGCodec(8, 2), 1, 1, 3, 29, 16, torch.bfloat16, 1, 2, False),
+    # a raw window: the tail split reads 20-23 raw tokens, more than one block
+    "jpeg-zp-window-masked": (
+        ZeroPointJPEGCodec(4, raw_window=20),
+        1,
+        2,
+        2,
+        43,
+        16,
+        torch.float32,
+        2,
+        2,
+        True,
+    ),
     "mixed-int8-int4": (MixedJPEGCodec(4, (4, 8, 0, 4)), 1, 2, 2, 22, 16, torch.float32, 2, 2, False),
 }
 

@@ -20,6 +20,8 @@ NAMES = [
     "jpeg-k8-int4-mf",
     "jpeg-k8-int4z",
     "jpeg-k8-int4z-mf",
+    "jpeg-k8-int4z-w64",
+    "jpeg-k8-int4z-w64-mf",
     "jpeg-k4",
     "jpeg-k2",
     "jpeg-k2-int8",
@@ -35,10 +37,12 @@ def test_names_order_and_codecs():
     assert TIERS["jpeg-k2-int8"].codec == JPEGCodec(8, 2, 8)
     assert TIERS["jpeg-k8-int4"].codec == JPEGCodec(8, 8, 4)
     assert TIERS["jpeg-k8-int4z"].codec == ZeroPointJPEGCodec(8, 8)
+    assert TIERS["jpeg-k8-int4z-w64"].codec == ZeroPointJPEGCodec(8, 8, raw_window=64)
     assert [t.name for t in TIERS.values() if t.materialization_free] == [
         "jpeg-k8-int8-mf",
         "jpeg-k8-int4-mf",
         "jpeg-k8-int4z-mf",
+        "jpeg-k8-int4z-w64-mf",
         "jpeg-k2-int8-mf",
     ]
 

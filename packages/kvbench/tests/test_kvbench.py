@@ -171,6 +171,26 @@ def greedy(prompt, lossy, n):
     return out
 
 
+class FlushingRunner(ToyRunner):
+    """A lossy cache that keeps up to 3 newest tokens at 8 bytes and the rest at 1 (a flushed window)."""
+
+    def kv_bytes(self, cache):
+        if not cache.lossy:
+            return super().kv_bytes(cache)
+        raw = len(cache.tokens) % 4
+        return KVBytes(held=8 * raw + (len(cache.tokens) - raw))
+
+
+def test_decode_mean_charges_a_cache_whose_size_jumps_its_average():
+    windows = text_windows(TOKENS, SETTINGS)
+    rows = measure(FlushingRunner(), candidates(), windows, [[1, 2], [5]], SETTINGS, progress=False)
+    held = [8 * (n % 4) + n - n % 4 for n in range(4, 9)]  # 4..8 tokens at the 5 scored positions
+    raw = [8 * n for n in range(4, 9)]
+    assert rows[1]["kv_ratio_decode_mean"] == pytest.approx(sum(held) / sum(raw))
+    assert rows[1]["resident_ratio_decode_mean"] == rows[1]["kv_ratio_decode_mean"]  # no resident: held
+    assert rows[1]["kv_ratio"] == pytest.approx((8 * 1 + 8) / 72)  # 9 tokens at the end: one flush behind
+
+
 def test_measure_rows_follow_the_protocol():
     events: list[str] = []
     runner = ToyRunner()
@@ -198,6 +218,10 @@ def test_measure_rows_follow_the_protocol():
     # bytes after the first window: 9 tokens; raw comes from the baseline; 8 bytes an element
     assert base["kv_bytes"] == base["kv_raw_bytes"] == even["kv_raw_bytes"] == 8 * 9
     assert even["kv_bytes"] == 9 and even["kv_ratio"] == pytest.approx(1 / 8)
+    # averaged over the first window's decode positions (4..8 tokens held when each is scored)
+    assert base["kv_ratio_decode_mean"] == pytest.approx(1.0)
+    assert even["kv_ratio_decode_mean"] == pytest.approx(1 / 8)
+    assert even["resident_ratio_decode_mean"] == pytest.approx(2 / 8)
     assert even["bits_per_element"] == pytest.approx(8.0) and base["bits_per_element"] == pytest.approx(64.0)
     assert even["kv_resident_bytes"] == 18 and base["kv_resident_bytes"] is None
     assert even["resident_ratio"] == pytest.approx(18 / 72) and base["resident_ratio"] == 1

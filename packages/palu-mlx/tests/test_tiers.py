@@ -23,6 +23,7 @@ def test_registry_is_keyed_by_tier_name_in_display_order():
         "palu-3bit",
         "palu-2bit",
         "palu-1.5bit",
+        "palu-1.25bit",
         "palu-1bit",
     ]
     for name, entry in TIERS.items():
@@ -38,7 +39,7 @@ def test_reference_default_is_the_config_defaults_with_one_head_group_after_rope
     )
 
 
-@pytest.mark.parametrize("name", ["palu-3bit", "palu-2bit", "palu-1.5bit", "palu-1bit"])
+@pytest.mark.parametrize("name", ["palu-3bit", "palu-2bit", "palu-1.5bit", "palu-1.25bit", "palu-1bit"])
 def test_water_filling_tiers_spend_their_bits_with_fixed_quantizers(name):
     config = tier(name).config
     cache = PaluKVCache(config)
@@ -90,7 +91,7 @@ def test_every_tier_caches_and_errors_grow_down_the_list():
     # two families, each from easiest to hardest
     for family in (
         ["full-rank-fp16", "r16-fp16", "reference-default", "r8-4bit"],
-        ["palu-3bit", "palu-2bit", "palu-1.5bit", "palu-1bit"],
+        ["palu-3bit", "palu-2bit", "palu-1.5bit", "palu-1.25bit", "palu-1bit"],
     ):
         assert [errors[n] for n in family] == sorted(errors[n] for n in family)
     assert errors["full-rank-fp16"] < 1e-2

@@ -80,10 +80,11 @@ def _check_stream(
     check_finite: bool,
 ) -> None:
     *parts, tail = arrays
-    r = codec.block_size
-    if tail.dim() != 4 or tail.shape[2] >= r or 0 in (tail.shape[0], tail.shape[1], tail.shape[3]):
+    r, w = codec.block_size, codec.raw_window
+    if tail.dim() != 4 or tail.shape[2] >= r + w or 0 in (tail.shape[0], tail.shape[1], tail.shape[3]):
+        bound = f"block_size={r}" if not w else f"block_size + raw_window={r + w}"
         raise KVDataError(
-            f"{name} tail must be [B, H, t, D] with B, H, D >= 1 and t < block_size={r}; got {tuple(tail.shape)}"
+            f"{name} tail must be [B, H, t, D] with B, H, D >= 1 and t < {bound}; got {tuple(tail.shape)}"
         )
     if tail.dtype not in supported_dtypes:
         allowed = ", ".join(str(dt).removeprefix("torch.") for dt in supported_dtypes)

@@ -27,8 +27,10 @@ A stream with batch ``B``, heads ``H``, head dimension ``D``, input dtype ``dt``
   ``codec.synthesis_matrix()`` the ``A [r, R]`` with ``block = A @ rows``
   (jpeg: ``A = M^T``, rows = coefficients, dequantized; png: ``A`` = lower-triangular ones,
   rows = ``[anchor; deltas]``), hence ``q . K[b*r + p] = (q . rows[b]^T) @ A[p]``.
-* **tail**: ``[B, H, r, D]`` in ``dt``; its first ``tail_len < r`` tokens are the raw, full-fidelity
-  tokens after the last complete block (``tail()`` returns them).
+* **tail**: ``[B, H, r + w, D]`` in ``dt``; its first ``tail_len < r + w`` tokens are the raw,
+  full-fidelity tokens after the last complete block (``tail()`` returns them). ``w`` is the codec's
+  ``raw_window`` (0 for most codecs): a block is coded only once ``w`` newer tokens follow it, so
+  the newest ``w`` tokens (up to ``w + r - 1``) always stay raw, as in KIVI's residual window.
 * **view** (memoized reconstruction): ``[B, H, view_capacity, D]`` in ``dt``, or None. Its first
   ``view_blocks * r`` tokens are decoded blocks; ``read()`` decodes only blocks archived since the
   last read (one batched decode), copies the tail behind them and returns the first ``seq_len``
@@ -64,11 +66,12 @@ SPARE_BLOCKS = 16
 
 @dataclass(frozen=True)
 class AppendPlan:
-    """What :meth:`CodecStream.prepare_append` computed: the input (canonical), how many of its tokens
-    complete blocks, their encoded parts, and the grown archive (None when the old one has room)."""
+    """What :meth:`CodecStream.prepare_append` computed: the input (canonical), the raw tokens the
+    tail holds afterwards when blocks complete (None when none does: the input is appended to the
+    tail), the completed blocks' encoded parts, and the grown archive (None when the old one has room)."""
 
     x: torch.Tensor
-    taken: int
+    rest: torch.Tensor | None
     parts: tuple[torch.Tensor, ...]
     archive: tuple[torch.Tensor, ...] | None
 
@@ -131,7 +134,12 @@ class CodecStream:
         self.max_spare_blocks = check_int("max_spare_blocks", max_spare_blocks, low=0)
         self._archive: tuple[torch.Tensor, ...] = ()
         self.n_blocks = 0
-        self._tail = torch.zeros(batch, heads, codec.block_size, dim, dtype=dtype, device=self.device)
+        #: newest tokens always kept raw (the codec's ``raw_window``); the tail holds fewer than
+        #: ``raw_window + r`` tokens
+        self.raw_window = codec.raw_window
+        self._tail = torch.zeros(
+            batch, heads, codec.block_size + self.raw_window, dim, dtype=dtype, device=self.device
+        )
         self.tail_len = 0
         self._view: torch.Tensor | None = None
         self._view_version: int | None = None  # the view's version counter after this stream's last write
@@ -208,14 +216,20 @@ class CodecStream:
     def prepare_append(self, x: torch.Tensor) -> AppendPlan:
         """Encode the blocks ``x [B, H, s, D]`` completes and allocate any archive growth; changes nothing."""
         x = self.codec.canonical(x)  # png: -0.0 -> +0.0, so the raw tail equals what the archive returns
-        r, t, s = self.codec.block_size, self.tail_len, x.shape[2]
-        n_new = (t + s) // r
+        r, t, s, w = self.codec.block_size, self.tail_len, x.shape[2], self.raw_window
+        # blocks complete only from raw tokens older than the newest w (the raw window)
+        n_new = max(0, (t + s - w) // r)
         if n_new == 0:
-            return AppendPlan(x=x, taken=0, parts=(), archive=None)
-        taken = n_new * r - t  # tokens of x that complete blocks
-        seq = torch.cat([self._tail[:, :, :t], x[:, :, :taken]], dim=2) if t else x[:, :, :taken]
+            return AppendPlan(x=x, rest=None, parts=(), archive=None)
+        cut = n_new * r
+        if cut >= t:  # the blocks take the whole tail and the first cut - t tokens of x
+            seq = torch.cat([self._tail[:, :, :t], x[:, :, : cut - t]], dim=2) if t else x[:, :, :cut]
+            rest = x[:, :, cut - t :]
+        else:  # a window: the blocks are the oldest tail tokens, the rest of the tail moves forward
+            seq = self._tail[:, :, :cut]
+            rest = torch.cat([self._tail[:, :, cut:t], x], dim=2)
         parts = self.codec.encode(seq)
-        return AppendPlan(x=x, taken=taken, parts=parts, archive=self._grown_archive(self.n_blocks + n_new))
+        return AppendPlan(x=x, rest=rest, parts=parts, archive=self._grown_archive(self.n_blocks + n_new))
 
     @torch.no_grad()
     def commit_append(self, plan: AppendPlan) -> Callable[[], None]:
@@ -238,9 +252,9 @@ class CodecStream:
         for buf, part in zip(self._archive, plan.parts, strict=True):
             buf[:, :, start : start + n_new].copy_(part)
         self.n_blocks = start + n_new
-        rest = x.shape[2] - plan.taken
-        self._tail[:, :, :rest].copy_(x[:, :, plan.taken :])
-        self.tail_len = rest
+        assert plan.rest is not None
+        self._tail[:, :, : plan.rest.shape[2]].copy_(plan.rest)
+        self.tail_len = plan.rest.shape[2]
         return undo
 
     def _undo_append(self, plan: AppendPlan) -> Callable[[], None]:

@@ -110,6 +110,17 @@ TIERS: dict[str, Tier] = _registry(
         ZeroPointJPEGCodec(8),
         materialization_free=True,
     ),
+    Tier(
+        "jpeg-k8-int4z-w64",
+        "jpeg-k8-int4z, the newest 64 to 71 tokens kept raw (a sliding window, as KIVI's residual)",
+        ZeroPointJPEGCodec(8, raw_window=64),
+    ),
+    Tier(
+        "jpeg-k8-int4z-w64-mf",
+        "jpeg-k8-int4z-w64 with materialization-free attention (decode on the int4 codes and the raw window)",
+        ZeroPointJPEGCodec(8, raw_window=64),
+        materialization_free=True,
+    ),
     Tier("jpeg-k4", "jpeg, lowest 4 of 8 coefficients", JPEGCodec(8, keep_freqs=4)),
     Tier("jpeg-k2", "jpeg, lowest 2 of 8 coefficients", JPEGCodec(8, keep_freqs=2)),
     Tier("jpeg-k2-int8", "jpeg, lowest 2 of 8 coefficients, int8", JPEGCodec(8, keep_freqs=2, quant_bits=8)),

@@ -65,6 +65,11 @@ MEASURES: dict[str, str] = {
     "run's dtype (its K/V arrays cut to the tokens held, no spare capacity)",
     "kv_ratio": "kv_bytes / kv_raw_bytes (below 1: fewer bytes than the uncompressed cache needs)",
     "resident_ratio": "kv_resident_bytes (or kv_bytes) / kv_raw_bytes",
+    "kv_ratio_decode_mean": "mean held bytes / mean raw bytes over the decode positions of the first window "
+    "(after the prefill and after each scored token): a cache whose size jumps (a raw window flushed into "
+    "codes every N tokens, capacity grown in steps) is charged its average, not one phase of its cycle",
+    "resident_ratio_decode_mean": "the same mean for resident bytes (or held where the cache cannot tell "
+    "them apart)",
     "bits_per_element": "8 * kv_bytes / number of K/V elements held (the uncompressed cache spends its "
     "dtype's width, e.g. 16)",
     "kl_mean": "mean KL(baseline || candidate) in nats of the next-token distributions at every scored "
@@ -318,6 +323,9 @@ class _Tally:
     peak_decode: int | None = None
     kv: KVBytes | None = None
     raw: int | None = None
+    # (held, resident or held, raw) sums over the decode positions of the first window, and their count
+    decode_bytes: tuple[int, int, int] = (0, 0, 0)
+    decode_samples: int = 0
     seconds: float = 0.0
 
     def peak(self, which: str, value: int | None) -> None:
@@ -399,6 +407,7 @@ def measure(
     finally:
         bar.close()
     raw = tallies[0].raw
+    base_raw = tallies[0].decode_bytes[2]
     elements = raw // runner.kv_itemsize if raw else None
     rows = []
     for i, (cand, tally) in enumerate(zip(candidates, tallies, strict=True)):
@@ -416,6 +425,9 @@ def measure(
             "kv_raw_bytes": raw,
             "kv_ratio": held / raw if raw else None,
             "resident_ratio": (held if resident is None else resident) / raw if raw else None,
+            # the raw bytes are the baseline's at the same positions; held counts equal samples
+            "kv_ratio_decode_mean": tally.decode_bytes[0] / base_raw if base_raw else None,
+            "resident_ratio_decode_mean": tally.decode_bytes[1] / base_raw if base_raw else None,
             "bits_per_element": 8 * held / elements if elements else None,
             "kl_mean": float(kl.mean()),
             "kl_p99": float(np.quantile(kl, 0.99)),
@@ -467,6 +479,8 @@ def _score_window(runner, cand, window, ctx, tally: _Tally, first: bool, bar) ->
         logp = log_softmax(logits)
         tally.nll -= float(logp[token])
         out.append(logp.astype(np.float32))
+        if first:  # the cache every scored position of this window reads (bytes are off the peak's clock)
+            _sample_bytes(runner, cache, tally, cand.kind == "baseline")
         logits = runner.step(cache, int(token))
         bar.update()
     tally.peak("peak_decode", runner.peak_bytes())
@@ -478,6 +492,18 @@ def _score_window(runner, cand, window, ctx, tally: _Tally, first: bool, bar) ->
     del cache
     tally.seconds += time.perf_counter() - started
     return np.stack(out)
+
+
+def _sample_bytes(runner: Runner, cache: Any, tally: _Tally, baseline: bool) -> None:
+    kv = runner.kv_bytes(cache)
+    raw = runner.raw_bytes(cache) if baseline else 0
+    held, resident, raws = tally.decode_bytes
+    tally.decode_bytes = (
+        held + kv.held,
+        resident + (kv.held if kv.resident is None else kv.resident),
+        raws + raw,
+    )
+    tally.decode_samples += 1
 
 
 def _compare(tally: _Tally, base: np.ndarray, cand: np.ndarray) -> None:

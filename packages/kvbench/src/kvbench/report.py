@@ -66,6 +66,7 @@ _COLUMNS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
     ("bits/el", lambda r: _fmt(r["bits_per_element"], ".2f")),
     ("held x", lambda r: _fmt(r["kv_ratio"], ".3f")),
     ("resident x", lambda r: _fmt(r["resident_ratio"], ".3f")),
+    ("resident x decoding", lambda r: _fmt(r.get("resident_ratio_decode_mean"), ".3f")),
     ("peak decode", lambda r: format_bytes(r["peak_decode_bytes"])),
     ("KL", lambda r: _fmt(r["kl_mean"], ".2e")),
     ("top-1", lambda r: _fmt(100 * r["top1_agreement"], ".1f") + "%"),
@@ -79,7 +80,8 @@ _COLUMNS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
 LEGEND = (
     "bits/el: bits held per K/V element (the uncompressed cache spends its dtype's width); "
     "held x / resident x: bytes held (compressed representation) / everything the cache object keeps, "
-    "over the uncompressed cache's bytes; peak decode: peak memory during decode above the level "
+    "over the uncompressed cache's bytes, after the first window; resident x decoding: the same, averaged "
+    "over that window's decode positions (a cache whose size jumps is charged its average); peak decode: peak memory during decode above the level "
     "before the cache existed; KL: mean KL(baseline || cache) of the next-token distributions, "
     "nats; top-1: positions whose most likely next token matches the baseline's; d ppl: perplexity "
     "increase; token match: greedy tokens equal to the baseline's (an illustration); decode x: "

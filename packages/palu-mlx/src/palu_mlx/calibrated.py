@@ -140,7 +140,10 @@ class _TensorCode:
     coder: FixedQuantCoder
 
     def arrays(self) -> dict[str, mx.array]:
-        return {"basis": self.projection.basis, "mean": self.projection.mean, "steps": self.coder.steps}
+        out = {"basis": self.projection.basis, "mean": self.projection.mean, "steps": self.coder.steps}
+        if self.projection.decoder is not None:
+            out["decoder"] = self.projection.decoder
+        return out
 
 
 def _tensor_code(t: TensorCalibration, widths: np.ndarray) -> _TensorCode:
@@ -149,7 +152,10 @@ def _tensor_code(t: TensorCalibration, widths: np.ndarray) -> _TensorCode:
     sigma = mx.sqrt(mx.maximum(t.variance[:, :keep], 1e-12))
     steps = sigma * mx.array([GAUSSIAN_STEP[w] for w in widths], dtype=mx.float32)
     basis = mx.contiguous(t.basis[:, :, :keep])
-    projection = GroupProjection(basis=basis, mean=t.mean, singular_values=t.variance[:, :keep])
+    decoder = None if t.decoder is None else mx.contiguous(t.decoder[:, :, :keep])
+    projection = GroupProjection(
+        basis=basis, mean=t.mean, singular_values=t.variance[:, :keep], decoder=decoder
+    )
     return _TensorCode(projection, FixedQuantCoder(widths, steps))
 
 
@@ -283,11 +289,17 @@ class CalibratedKVCache(CacheLayer):
             basis = arrays.take(name, (h, d, r), SUPPORTED_DTYPES)
             mean = arrays.take(f"{prefix}.mean", (h, d), SUPPORTED_DTYPES)
             steps = arrays.take(f"{prefix}.steps", (h, r), mx.float32, positive=True)
+            # a weighted calibration's decoder; states of unweighted ones have none
+            decoder = (
+                arrays.take(f"{prefix}.decoder", (h, d, r), SUPPORTED_DTYPES)
+                if f"{prefix}.decoder" in arrays
+                else None
+            )
             codes = None
             if shape is not None:
                 row_bytes = -(-sum(widths) // 8)
                 codes = arrays.take(f"{prefix}.codes", (shape[0], h, offset, row_bytes), mx.uint8)
-            taken[prefix] = (widths, basis, mean, steps, codes)
+            taken[prefix] = (widths, basis, mean, steps, codes, decoder)
         key_heads, value_heads = taken["key"][1].shape[0], taken["value"][1].shape[0]
         if key_heads != value_heads:
             raise KVDataError(
@@ -297,9 +309,14 @@ class CalibratedKVCache(CacheLayer):
         inv_freq = None if rope is None else arrays.take("rope.inv_freq", (rope[0] // 2,), mx.float32)
         arrays.finish()
         tensor_codes = {}
-        for prefix, (widths, basis, mean, steps, _) in taken.items():
+        for prefix, (widths, basis, mean, steps, _, decoder) in taken.items():
             steps = detached(steps)
-            proj = GroupProjection(basis=detached(basis), mean=detached(mean), singular_values=steps)
+            proj = GroupProjection(
+                basis=detached(basis),
+                mean=detached(mean),
+                singular_values=steps,
+                decoder=None if decoder is None else detached(decoder),
+            )
             tensor_codes[prefix] = _TensorCode(proj, FixedQuantCoder(widths, steps))
         rotary = None if rope is None else Rotary(detached(inv_freq), *rope)
         cache = cls(config, tensor_codes["key"], tensor_codes["value"], rotary)

@@ -13,9 +13,11 @@ and values); :meth:`Calibration.check_model` rejects a file made for another mod
 by what attention makes of them instead of by their plain size: a key error ``e`` moves the
 scores by ``q·e`` (``E[(q·e)²] = eᵀ E[qqᵀ] e``, summed over the query heads sharing the KV
 head, averaged over RoPE's rotation when keys are coded before it), a value error by ``W_o``
-(``eᵀ Σ W_hᵀW_h e`` over the heads' slices of ``o_proj``). The file's format is unchanged (the
-header records ``weighting``; files without it read as ``"none"``), so the cache reads it as
-any other; :func:`_fit` says what the weighting changes and what it cannot.
+(``eᵀ Σ W_hᵀW_h e`` over the heads' slices of ``o_proj``). The weighted transform whitens that
+metric (:func:`_fit`), so its encoder is not orthonormal and the file also holds each tensor's
+decoder (``<layer>.<key|value>.decoder``); the header records ``weighting`` (files without it
+read as ``"none"``). On the embedded model it halves the KL of a calibrated tier at the same
+bits (``benchmarks/results/palu_calibration_weighting.json``).
 
 ``KVCacheConfig(palu_calibration=FILE)`` makes :meth:`KVCacheBuilder.for_model` build
 :class:`~palu_mlx.calibrated.CalibratedKVCache` layers from such a file.
@@ -143,14 +145,18 @@ class TensorCalibration:
     """Keys or values of one layer.
 
     Attributes:
-        basis: ``[H, D, D]`` float32, per KV head, orthonormal columns by descending variance.
+        basis: ``[H, D, D]`` float32, per KV head: the encoder, columns by descending latent
+            variance (orthonormal when unweighted).
         mean: ``[H, D]`` float32.
         variance: ``[H, D]`` float32, variance of the latents along each basis column (descending).
+        decoder: ``[H, D, D]`` float32 or None: rebuilds ``x = μ + latents decoderᵀ`` (weighted
+            fits); None rebuilds with ``basis`` (orthonormal, unweighted fits).
     """
 
     basis: mx.array
     mean: mx.array
     variance: mx.array
+    decoder: mx.array | None = None
 
     def __post_init__(self) -> None:
         for name, arr in self.arrays().items():
@@ -165,9 +171,16 @@ class TensorCalibration:
                 f"TensorCalibration: basis {self.basis.shape} needs mean [{h}, {d}] and variance [{h}, {r}]; "
                 f"got {self.mean.shape} and {self.variance.shape}"
             )
+        if self.decoder is not None and tuple(self.decoder.shape) != tuple(self.basis.shape):
+            raise KVDataError(
+                f"TensorCalibration: decoder must have the basis' shape {self.basis.shape}; got {self.decoder.shape}"
+            )
 
     def arrays(self) -> dict[str, mx.array]:
-        return {"basis": self.basis, "mean": self.mean, "variance": self.variance}
+        out = {"basis": self.basis, "mean": self.mean, "variance": self.variance}
+        if self.decoder is not None:
+            out["decoder"] = self.decoder
+        return out
 
 
 @dataclass(frozen=True)
@@ -199,7 +212,7 @@ class Calibration:
             )
 
     def save(self, path: str | Path) -> None:
-        """Write safetensors: ``<layer>.<key|value>.<basis|mean|variance>`` and a JSON header."""
+        """Write safetensors: ``<layer>.<key|value>.<basis|mean|variance[|decoder]>`` and a JSON header."""
         arrays = {}
         for i, (k, v) in enumerate(zip(self.keys, self.values, strict=True)):
             for prefix, t in (("key", k), ("value", v)):
@@ -280,16 +293,17 @@ class Calibration:
                 or not parts[0].isdigit()
                 or int(parts[0]) >= n
                 or parts[1] not in ("key", "value")
-                or parts[2] not in ("basis", "mean", "variance")
+                or parts[2] not in ("basis", "mean", "variance", "decoder")
             ):
                 raise KVDataError(
-                    f"array {key!r} is not '<layer below {n}>.<key|value>.<basis|mean|variance>'"
+                    f"array {key!r} is not '<layer below {n}>.<key|value>.<basis|mean|variance|decoder>'"
                 )
             tensors.setdefault((int(parts[0]), parts[1]), {})[parts[2]] = arr
         for (layer, prefix), fields in sorted(tensors.items()):
-            if set(fields) != {"basis", "mean", "variance"}:
+            if set(fields) - {"decoder"} != {"basis", "mean", "variance"}:
                 raise KVDataError(
-                    f"layer {layer} {prefix}: has arrays {sorted(fields)}; needs basis, mean, variance"
+                    f"layer {layer} {prefix}: has arrays {sorted(fields)}; needs basis, mean, variance "
+                    "(and a decoder for weighted fits)"
                 )
             if (layer, "value" if prefix == "key" else "key") not in tensors:
                 raise KVDataError(f"layer {layer} has {prefix} arrays but not the other tensor's")
@@ -462,36 +476,52 @@ def _output_metric(o_proj: Any, n_kv: int, dim: int) -> np.ndarray:
     return _group_sum(heads @ heads.transpose(0, 2, 1), n_kv)
 
 
-def _fit(stats: list, metric: np.ndarray | None = None) -> TensorCalibration:
-    """The eigenbasis of the recorded covariance, per head; with ``metric`` ``[H, D, D]``, weighted.
+#: ridge added to a weighting metric, as a share of its mean eigenvalue: directions the metric
+#: barely sees still cost a little, so its inverse (the decoder) stays bounded
+METRIC_RIDGE = 1e-3
 
-    Weighted, the basis stays the covariance's eigenbasis: the cache rebuilds with the
-    transpose of the basis it projects with, so only an orthonormal basis rebuilds exactly
-    (the metric's own whitened basis ``M^-1/2 U`` would need a separate decoder). What changes is
-    the variance the file gives each channel: ``(m / max m) σ²``, ``m = vᵀ M v`` the metric's
-    weight on the channel's direction ``v``, ``max m`` the head's largest. The cache's reverse
-    water-filling reads these, so bits go where attention sees the error; its quantizer steps
-    (``σ`` times a Gaussian step) read them too, so the most-probed channel keeps its exact step
-    and a less-probed one gets a finer step over a narrower range (never a coarser one). Columns
-    are reordered by the head-averaged weighted variance: the water-filling keeps a prefix.
+
+def _fit(stats: list, metric: np.ndarray | None = None) -> TensorCalibration:
+    """Per head: the latent transform of the recorded keys or values; with ``metric`` ``[H, D, D]``, weighted.
+
+    Unweighted, it is the covariance ``C``'s eigenbasis (orthonormal: the transpose rebuilds).
+    Weighted, coding errors are measured as ``eᵀ M e`` (:func:`_query_metric`, :func:`_output_metric`),
+    with ``M`` scaled so that ``tr(M C) = tr(C)`` (a head's total variance, hence its share of the
+    water-filled bits, is what it would be unweighted; only where the bits go inside it changes)
+    plus a small ridge (:data:`METRIC_RIDGE`). With ``L = M^½`` and ``L C L = U Λ Uᵀ`` the
+    latents ``z = Uᵀ L (x - μ)`` are uncorrelated with variances ``Λ`` and ``eᵀ M e = |δz|²``: the
+    error attention sees is the plain squared error of the latents, which the water-filling and
+    the Gaussian quantizer steps minimise. The encoder is ``L U`` and the decoder ``L⁻¹ U``.
     """
     n, s1, s2 = stats
     mean = s1 / n
     cov = s2 / n - np.einsum("hd,he->hde", mean, mean)
-    eigenvalues, vectors = np.linalg.eigh(cov)
+    decoder = None
+    if metric is None:
+        eigenvalues, vectors = np.linalg.eigh(cov)
+        basis = vectors
+    else:
+        dim = cov.shape[-1]
+        seen = np.einsum("hde,hed->h", metric, cov)
+        total = np.trace(cov, axis1=1, axis2=2)
+        metric = metric * np.where(seen > 0, total / np.where(seen > 0, seen, 1.0), 1.0)[:, None, None]
+        ridge = METRIC_RIDGE * np.trace(metric, axis1=1, axis2=2) / dim
+        metric = metric + np.maximum(ridge, 1e-12)[:, None, None] * np.eye(dim)
+        w, v = np.linalg.eigh(metric)
+        root = np.einsum("hij,hj,hkj->hik", v, np.sqrt(w), v)
+        inverse_root = np.einsum("hij,hj,hkj->hik", v, 1.0 / np.sqrt(w), v)
+        eigenvalues, vectors = np.linalg.eigh(root @ cov @ root)
+        basis, decoder = root @ vectors, inverse_root @ vectors
     order = np.argsort(-eigenvalues, axis=-1, kind="stable")
     variance = np.take_along_axis(np.maximum(eigenvalues, 0.0), order, axis=-1)
-    basis = np.take_along_axis(vectors, order[:, None, :], axis=-1)
-    if metric is not None:
-        weight = np.maximum(np.einsum("hdi,hde,hei->hi", basis, metric, basis), 0.0)
-        top = weight.max(axis=-1, keepdims=True)
-        variance = variance * np.where(top > 0, weight / np.where(top > 0, top, 1.0), 1.0)
-        order = np.argsort(-variance.mean(axis=0), kind="stable")
-        variance, basis = variance[:, order], basis[:, :, order]
+    basis = np.take_along_axis(basis, order[:, None, :], axis=-1)
+    if decoder is not None:
+        decoder = mx.array(np.take_along_axis(decoder, order[:, None, :], axis=-1).astype(np.float32))
     return TensorCalibration(
         basis=mx.array(basis.astype(np.float32)),
         mean=mx.array(mean.astype(np.float32)),
         variance=mx.array(variance.astype(np.float32)),
+        decoder=decoder,
     )
 
 
@@ -502,7 +532,7 @@ def calibrate(
     window: int = 512,
     max_tokens: int | None = None,
     progress: bool = True,
-    weighting: str = "none",
+    weighting: str = "attention",
 ) -> Calibration:
     """Fit a :class:`Calibration` for ``model`` on ``text`` (default: the shipped calibration text).
 

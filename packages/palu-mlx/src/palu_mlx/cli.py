@@ -1,6 +1,6 @@
 """The ``palu-mlx`` command.
 
-* ``palu-mlx calibrate --model PATH_OR_ID --out FILE [--text FILE] [--weighting none|attention]``:
+* ``palu-mlx calibrate --model PATH_OR_ID --out FILE [--text FILE] [--weighting attention|none]``:
   fit per-layer, per-KV-head projections on calibration text (:mod:`palu_mlx.calibration`); needs
   only palu-mlx.
 * ``palu-mlx compare [options]`` (see :mod:`palu_mlx.compare`): needs the ``compare`` extra
@@ -34,10 +34,11 @@ def calibrate_main(argv: Sequence[str]) -> int:
     parser.add_argument("--max-tokens", type=int, default=None, help="use at most this many tokens")
     parser.add_argument(
         "--weighting",
-        default="none",
+        default="attention",
         choices=WEIGHTINGS,
-        help="none (default): channels ranked by their variance; attention: key channels weighted by how "
-        "the queries probe them, value channels by how o_proj sees them (recorded in the file)",
+        help="attention (default): key errors weighed by how the queries probe them, value errors by how "
+        "o_proj sees them; none: plain squared error (the transform is the covariance's eigenbasis). "
+        "Recorded in the file",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(list(argv))

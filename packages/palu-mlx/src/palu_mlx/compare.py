@@ -231,7 +231,7 @@ def build_candidates(
                 Candidate(
                     f"{name}+cal",
                     "tier",
-                    f"{TIERS[name].description}; calibrated ({calibration}): fixed projections and quantizers",
+                    f"{TIERS[name].description}; calibrated ({Path(calibration).name}): fixed projections and quantizers",
                     lambda cal=cal: KVCacheBuilder.for_model(model, cal),
                     dataclasses.asdict(cal),
                 )

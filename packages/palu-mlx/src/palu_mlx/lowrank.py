@@ -36,14 +36,19 @@ class GroupProjection:
     """Shared per-group projections of one tensor (keys or values) of one layer.
 
     Attributes:
-        basis: ``[G, D, r]`` float32, orthonormal columns ordered by singular value.
+        basis: ``[G, D, r]`` float32, orthonormal columns ordered by singular value (or, with a
+            ``decoder``, any encoder: latents are ``(x - μ) basis``).
         mean: ``[G, D]`` float32, the per-group mean subtracted before projecting.
         singular_values: ``[G, r]`` float32, descending, of the centred stacked rows.
+        decoder: ``[G, D, r]`` or None: rebuild with ``latents decoderᵀ + μ``; None rebuilds with
+            ``basis`` (exact for an orthonormal basis). A weighted calibration (see
+            :mod:`palu_mlx.calibration`) fits a non-orthonormal encoder and its own decoder.
     """
 
     basis: mx.array
     mean: mx.array
     singular_values: mx.array
+    decoder: mx.array | None = None
 
     def __post_init__(self) -> None:
         # shapes only (no device sync): a projection whose arrays disagree fails here, not in a matmul
@@ -60,6 +65,10 @@ class GroupProjection:
             raise KVShapeError(
                 f"GroupProjection: basis {self.basis.shape} needs mean [{g}, {d}] and singular_values "
                 f"[{g}, {r}]; got {self.mean.shape} and {self.singular_values.shape}"
+            )
+        if self.decoder is not None and tuple(self.decoder.shape) != tuple(self.basis.shape):
+            raise KVShapeError(
+                f"GroupProjection: decoder must have the basis' shape {self.basis.shape}; got {self.decoder.shape}"
             )
 
     @property
@@ -88,9 +97,17 @@ class GroupProjection:
             )
         return GroupProjection(**arrays)
 
+    @property
+    def synthesis(self) -> mx.array:
+        """``[G, D, r]``: what rebuilds the rows (the decoder, else the basis)."""
+        return self.basis if self.decoder is None else self.decoder
+
     def arrays(self) -> dict[str, mx.array]:
-        """``{"basis", "mean", "singular_values"}``: every array the projection holds."""
-        return {"basis": self.basis, "mean": self.mean, "singular_values": self.singular_values}
+        """``{"basis", "mean", "singular_values"}`` and ``"decoder"`` when set: every array held."""
+        out = {"basis": self.basis, "mean": self.mean, "singular_values": self.singular_values}
+        if self.decoder is not None:
+            out["decoder"] = self.decoder
+        return out
 
 
 _FLOATS = (mx.float16, mx.bfloat16, mx.float32)
@@ -226,7 +243,8 @@ def project(x: mx.array, projection: GroupProjection) -> mx.array:
 
 
 def reconstruct(latents: mx.array, projection: GroupProjection, dtype: mx.Dtype) -> mx.array:
-    """``L V_gᵀ + μ_g``: ``[B, H, S, r]`` float32 -> ``[B, H, S, D]`` in ``dtype``."""
+    """``L V_gᵀ + μ_g`` (``V_g``: the decoder when the projection has one): ``[B, H, S, r]`` float32 ->
+    ``[B, H, S, D]`` in ``dtype``."""
     _check_projection(projection)
     if not isinstance(latents, mx.array) or latents.ndim != 4 or latents.shape[-1] != projection.rank:
         got = latents.shape if isinstance(latents, mx.array) else type(latents).__name__
@@ -240,7 +258,7 @@ def reconstruct(latents: mx.array, projection: GroupProjection, dtype: mx.Dtype)
     # the basis over a 5-D latent array (the transposes are free when B = 1)
     rows = latents.astype(mx.float32).reshape(b, g, per_group * s, r).transpose(1, 0, 2, 3)
     rows = rows.reshape(g, b * per_group * s, r)
-    basis_t = mx.contiguous(projection.basis.astype(mx.float32).transpose(0, 2, 1))
+    basis_t = mx.contiguous(projection.synthesis.astype(mx.float32).transpose(0, 2, 1))
     full = rows @ basis_t + projection.mean.astype(mx.float32)[:, None, :]
     full = full.reshape(g, b, per_group * s, projection.dim).transpose(1, 0, 2, 3)
     return full.reshape(b, h, s, projection.dim).astype(dtype)

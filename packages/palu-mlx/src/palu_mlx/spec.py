@@ -53,6 +53,8 @@ _PROMISES: dict[str, tuple[Capabilities, float, dict[str, float]]] = {
     "palu-3bit": (_COMPRESSING, 0.48, {"planted_lowrank": 0.05, "edge": 0.05, "real": 0.22}),
     "palu-2bit": (_COMPRESSING, 0.54, {"planted_lowrank": 0.08, "edge": 0.08, "real": 0.33}),
     "palu-1.5bit": (_COMPRESSING, 0.65, {"planted_lowrank": 0.11, "edge": 0.11, "real": 0.43}),
+    # 1.25 bits: between its neighbours' bounds
+    "palu-1.25bit": (_COMPRESSING, 0.72, {"planted_lowrank": 0.11, "edge": 0.11, "real": 0.52}),
     # 1 bit: measured worst gaussian 0.63, random walk 0.50, real 0.47, planted low-rank and edge 0.077
     "palu-1bit": (_COMPRESSING, 0.8, {"planted_lowrank": 0.1, "edge": 0.1, "real": 0.6}),
 }

@@ -94,6 +94,12 @@ TIERS: dict[str, Tier] = {
             _palu(palu_bits=1.5),
         ),
         Tier(
+            "palu-1.25bit",
+            "keys before RoPE where supported, 1.25 code bits per element by water-filling, "
+            "fixed quantizers fitted at the prefill",
+            _palu(palu_bits=1.25),
+        ),
+        Tier(
             "palu-1bit",
             "keys before RoPE where supported, 1 code bit per element by water-filling, "
             "fixed quantizers fitted at the prefill",

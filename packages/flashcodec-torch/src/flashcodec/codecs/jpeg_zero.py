@@ -41,6 +41,10 @@ class ZeroPointJPEGCodec(BlockCodec):
     Args:
         block_size: ``r``, tokens per block (>= 1).
         keep_freqs: ``K`` in ``1..r``; ``None`` (the default) means ``r``. Stored resolved.
+        raw_window: newest tokens kept raw (uncoded), an integer >= 0; default 0. A block is coded
+            once ``raw_window`` newer tokens follow it, so attention always sees the newest
+            ``raw_window`` to ``raw_window + r - 1`` tokens exactly (KIVI's residual window; unlike
+            transformers' ``residual_length`` it slides, it is never flushed).
 
     ``D`` must be even (two codes a byte). Arithmetic in fp32; :meth:`decode` returns the
     requested dtype.
@@ -51,9 +55,19 @@ class ZeroPointJPEGCodec(BlockCodec):
 
     block_size: int = 8
     keep_freqs: int | None = None
+    raw_window: int = 0
 
     def __post_init__(self) -> None:
         r = check_block_size(self.block_size)
+        if (
+            isinstance(self.raw_window, bool)
+            or not isinstance(self.raw_window, numbers.Integral)
+            or self.raw_window < 0
+        ):
+            raise KVConfigError(
+                f"raw_window must be an integer >= 0 (tokens kept raw); got {self.raw_window!r}"
+            )
+        object.__setattr__(self, "raw_window", int(self.raw_window))
         k = r if self.keep_freqs is None else self.keep_freqs
         if isinstance(k, bool) or not isinstance(k, numbers.Integral) or not 1 <= k <= r:
             raise KVConfigError(

@@ -52,7 +52,7 @@ class CodedRows(NamedTuple):
             of byte ``i``, element ``2i + 1`` in the high nibble, each nibble the code plus 8.
         scales: ``[B, H, n, R]`` fp32 dequantization scales per (block, row), or None (float rows).
         synthesis: ``A [r, R]`` fp32 with ``block = A @ rows``.
-        tail: raw tail tokens ``[B, H, t, D]`` (``t < r``), after the archived blocks.
+        tail: raw tail tokens ``[B, H, t, D]`` (``t < r + raw_window``), after the archived blocks.
         offsets: ``[B, H, n, R]`` fp32 zero points added to every element of a row after its
             scale (row = ``codes * scale + offset``), or None (the default; jpeg-zp has them).
     """
@@ -226,7 +226,7 @@ def decode_attention_partials(
         row_weights = p.reshape(b, hkv, g, nb, r) @ a_v  # [B, Hkv, G, nb, Rv]
         acc = _weighted_rows(row_weights, values, start, stop)
         ms.append(m), ls.append(denom), accs.append(acc)
-    # the raw tail: ordinary attention over at most r - 1 tokens
+    # the raw tail: ordinary attention over fewer than r + raw_window tokens
     tail_k, tail_v = keys.tail.float(), values.tail.float()
     scores = torch.einsum("bhgd,bhtd->bhgt", q, tail_k)
     if key_mask is not None:

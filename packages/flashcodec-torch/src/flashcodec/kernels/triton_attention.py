@@ -69,7 +69,7 @@ def _codec_partial_kernel(
     M_OUT, L_OUT, ACC_OUT, smob, smoh, smos, saob, saoh, saos, saod,
     n_blocks, tail_len, n_splits, blocks_per_split, hkv, groups, dim, dim_v, scale,
     R: tl.constexpr, RK: tl.constexpr, RK0: tl.constexpr, RV: tl.constexpr, RV0: tl.constexpr,
-    RP: tl.constexpr,
+    RP: tl.constexpr, TP: tl.constexpr,
     GP: tl.constexpr, DP: tl.constexpr, DVP: tl.constexpr, TILE: tl.constexpr,
     HAS_KS: tl.constexpr, HAS_VS: tl.constexpr, HAS_MASK: tl.constexpr,
     HAS_KO: tl.constexpr, HAS_VO: tl.constexpr,
@@ -174,23 +174,24 @@ def _codec_partial_kernel(
                 acc += tl.sum(w[:, :, None] * row[None, :, :], axis=1)
             m_i = m_new
     else:
-        # the raw tail (fewer than r tokens): plain attention
-        t_ok = p < tail_len
+        # the raw tail (fewer than r + the codec's raw_window tokens): plain attention
+        tp = tl.arange(0, TP)
+        t_ok = tp < tail_len
         kt = tl.load(
-            KT + b * sktb + h * skth + p[:, None] * sktt + d[None, :] * sktd,
+            KT + b * sktb + h * skth + tp[:, None] * sktt + d[None, :] * sktd,
             mask=t_ok[:, None] & d_ok[None, :],
             other=0.0,
         ).to(tl.float32)
-        scores = tl.sum(q[:, None, :] * kt[None, :, :], axis=2)  # [GP, RP]
+        scores = tl.sum(q[:, None, :] * kt[None, :, :], axis=2)  # [GP, TP]
         if HAS_MASK:
-            pos = n_blocks * R + p
+            pos = n_blocks * R + tp
             scores += tl.load(MASK + b * smb + pos * sms, mask=t_ok, other=0.0)[None, :]
         scores = tl.where(t_ok[None, :], scores, float("-inf"))
         m_i = tl.maximum(m_i, tl.max(scores, axis=1))
         probs = tl.exp(scores - m_i[:, None])
         l_i = tl.sum(probs, axis=1)
         vt = tl.load(
-            VT + b * svtb + h * svth + p[:, None] * svtt + dv[None, :] * svtd,
+            VT + b * svtb + h * svth + tp[:, None] * svtt + dv[None, :] * svtd,
             mask=t_ok[:, None] & dv_ok[None, :],
             other=0.0,
         ).to(tl.float32)
@@ -340,7 +341,7 @@ def decode_attention_partials_triton(
         m, denom, acc, *m.stride(), *acc.stride(),
         n_blocks, keys.tail.shape[2], n_splits, per, hkv, groups, d, dv, float(scale),
         R=r, RK=a_k.shape[1], RK0=keys.segments[0].shape[3], RV=a_v.shape[1], RV0=values.segments[0].shape[3],
-        RP=_pow2(r),
+        RP=_pow2(r), TP=_pow2(max(r, keys.tail.shape[2])),
         GP=_pow2(groups), DP=_pow2(d), DVP=_pow2(dv), TILE=tile,
         HAS_KS=keys.scales is not None, HAS_VS=values.scales is not None, HAS_MASK=key_mask is not None,
         HAS_KO=keys.offsets is not None, HAS_VO=values.offsets is not None,
