@@ -49,7 +49,7 @@ from palu_mlx.compare import load_model, tier_config
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 CHUNK = 512
-PALU_TIERS = ("palu-2bit", "palu-1.5bit", "palu-1bit")
+PALU_TIERS = ("palu-2bit", "palu-1.5bit", "palu-1.25bit", "palu-1bit")
 #: the tier also run through the path that rebuilds the whole history (for comparison)
 REBUILD_TIER = "palu-1.5bit"
 #: the embedded model's calibration file: adds ``<tier>+cal`` rows
