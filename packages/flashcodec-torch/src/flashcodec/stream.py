@@ -134,11 +134,9 @@ class CodecStream:
         self.max_spare_blocks = check_int("max_spare_blocks", max_spare_blocks, low=0)
         self._archive: tuple[torch.Tensor, ...] = ()
         self.n_blocks = 0
-        #: newest tokens always kept raw (the codec's ``raw_window``); the tail holds fewer than
-        #: ``raw_window + r`` tokens
-        self.raw_window = codec.raw_window
+        # the tail holds fewer than r + raw_window tokens
         self._tail = torch.zeros(
-            batch, heads, codec.block_size + self.raw_window, dim, dtype=dtype, device=self.device
+            batch, heads, codec.block_size + codec.raw_window, dim, dtype=dtype, device=self.device
         )
         self.tail_len = 0
         self._view: torch.Tensor | None = None
@@ -164,6 +162,11 @@ class CodecStream:
     @property
     def block_size(self) -> int:
         return self.codec.block_size
+
+    @property
+    def raw_window(self) -> int:
+        """Newest tokens always kept raw (the codec's ``raw_window``)."""
+        return self.codec.raw_window
 
     @property
     def seq_len(self) -> int:

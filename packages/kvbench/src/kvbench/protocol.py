@@ -323,9 +323,8 @@ class _Tally:
     peak_decode: int | None = None
     kv: KVBytes | None = None
     raw: int | None = None
-    # (held, resident or held, raw) sums over the decode positions of the first window, and their count
+    # (held, resident or held, raw) sums over the decode positions of the first window
     decode_bytes: tuple[int, int, int] = (0, 0, 0)
-    decode_samples: int = 0
     seconds: float = 0.0
 
     def peak(self, which: str, value: int | None) -> None:
@@ -503,7 +502,6 @@ def _sample_bytes(runner: Runner, cache: Any, tally: _Tally, baseline: bool) -> 
         resident + (kv.held if kv.resident is None else kv.resident),
         raws + raw,
     )
-    tally.decode_samples += 1
 
 
 def _compare(tally: _Tally, base: np.ndarray, cand: np.ndarray) -> None:

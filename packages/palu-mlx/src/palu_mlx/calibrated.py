@@ -140,10 +140,9 @@ class _TensorCode:
     coder: FixedQuantCoder
 
     def arrays(self) -> dict[str, mx.array]:
-        out = {"basis": self.projection.basis, "mean": self.projection.mean, "steps": self.coder.steps}
-        if self.projection.decoder is not None:
-            out["decoder"] = self.projection.decoder
-        return out
+        # singular_values are left out of the state: from_state fills them with the steps
+        out = {n: a for n, a in self.projection.arrays().items() if n != "singular_values"}
+        return {**out, "steps": self.coder.steps}
 
 
 def _tensor_code(t: TensorCalibration, widths: np.ndarray) -> _TensorCode:
