@@ -64,6 +64,7 @@ def test_registry_keyword_form_and_config():
         "block_size": 8,
         "keep_freqs": 6,
         "raw_window": 0,
+        "window_bits": None,
     }
     assert ZeroPointJPEGCodec(8) == ZeroPointJPEGCodec(8, 8)
 

@@ -67,6 +67,19 @@ CASES = {
         2,
         True,
     ),
+    # the window stored in int8 (window_bits=8): the kernel reads the decoded bf16 tail
+    "jpeg-zp-int8-window-bf16": (
+        ZeroPointJPEGCodec(4, raw_window=12, window_bits=8),
+        1,
+        1,
+        2,
+        30,
+        16,
+        torch.bfloat16,
+        2,
+        2,
+        False,
+    ),
     "mixed-int8-int4": (MixedJPEGCodec(4, (4, 8, 0, 4)), 1, 2, 2, 22, 16, torch.float32, 2, 2, False),
 }
 

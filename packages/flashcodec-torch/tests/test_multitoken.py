@@ -174,7 +174,7 @@ def test_archive_spare_capacity_is_at_most_one_chunk():
         assert stream.capacity - stream.n_blocks <= SPARE_BLOCKS
         st = cache.storage_bytes()
         per_block = sum(b.nbytes for b in stream.archive) // stream.capacity
-        tail_buffer = 2 * stream._tail.nbytes
+        tail_buffer = 2 * sum(b.nbytes for b in stream._tail)
         assert st.resident - st.view <= st.held + 2 * SPARE_BLOCKS * per_block + tail_buffer
     assert cache.keys.n_blocks == 400 and cache.keys.capacity <= 400 + SPARE_BLOCKS
 

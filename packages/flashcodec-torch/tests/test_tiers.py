@@ -22,6 +22,8 @@ NAMES = [
     "jpeg-k8-int4z-mf",
     "jpeg-k8-int4z-w64",
     "jpeg-k8-int4z-w64-mf",
+    "jpeg-k8-int4z-w96i8",
+    "jpeg-k8-int4z-w96i8-mf",
     "jpeg-k4",
     "jpeg-k2",
     "jpeg-k2-int8",
@@ -38,11 +40,13 @@ def test_names_order_and_codecs():
     assert TIERS["jpeg-k8-int4"].codec == JPEGCodec(8, 8, 4)
     assert TIERS["jpeg-k8-int4z"].codec == ZeroPointJPEGCodec(8, 8)
     assert TIERS["jpeg-k8-int4z-w64"].codec == ZeroPointJPEGCodec(8, 8, raw_window=64)
+    assert TIERS["jpeg-k8-int4z-w96i8"].codec == ZeroPointJPEGCodec(8, 8, raw_window=96, window_bits=8)
     assert [t.name for t in TIERS.values() if t.materialization_free] == [
         "jpeg-k8-int8-mf",
         "jpeg-k8-int4-mf",
         "jpeg-k8-int4z-mf",
         "jpeg-k8-int4z-w64-mf",
+        "jpeg-k8-int4z-w96i8-mf",
         "jpeg-k2-int8-mf",
     ]
 

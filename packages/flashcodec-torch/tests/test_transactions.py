@@ -180,12 +180,13 @@ def test_transformers_cache_copies():
         assert cache.get_seq_length() == 13 and twin.get_seq_length() == 14
 
 
-def test_meta_state_without_offset_still_loads():
+@pytest.mark.parametrize("version,dropped", [(1, ("offset=", "dtype=")), (2, ("dtype=",))])
+def test_older_meta_state_formats_still_load(version, dropped):
     cache = _cache("jpeg-k2-int8")
     old = tuple(
-        "format=flashcodec-cache-1" if m.startswith("format=") else m
+        f"format=flashcodec-cache-{version}" if m.startswith("format=") else m
         for m in cache.meta_state
-        if not m.startswith("offset=")
+        if not m.startswith(dropped)
     )
     again = CodecKVCache.from_state(cache.state, old)
     assert again.offset == cache.offset

@@ -39,10 +39,11 @@ __all__ = ["CodecKVCache", "SUPPORTED_DTYPES"]
 #: input dtypes a cache accepts
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _DTYPE_BY_NAME = {str(dt).split(".")[-1]: dt for dt in SUPPORTED_DTYPES}
-#: meta_state format: version 2 records the offset, which from_state checks against the arrays
-_META_VERSION = "flashcodec-cache-2"
-#: the earlier format (no offset), still read
-_META_VERSIONS = ("flashcodec-cache-1", _META_VERSION)
+#: meta_state format: version 2 records the offset, which from_state checks against the arrays;
+#: version 3 also the dtype (an int8 tail does not carry it: ``window_bits=8``)
+_META_VERSION = "flashcodec-cache-3"
+#: the earlier formats (no dtype; version 1 no offset either), still read
+_META_VERSIONS = ("flashcodec-cache-1", "flashcodec-cache-2", _META_VERSION)
 
 
 class CodecKVCache:
@@ -384,9 +385,11 @@ class CodecKVCache:
     # ------------------------------------------------------------------ serialization
     @property
     def state(self) -> tuple[torch.Tensor, ...]:
-        """``(*key_parts, key_tail, *value_parts, value_tail)``: the used archive slices and raw tails.
+        """``(*key_parts, *key_tail, *value_parts, *value_tail)``: the used archive slices and tails.
 
-        Part order and shapes follow ``codec.part_specs`` (see :mod:`flashcodec.stream`). Empty cache: ``()``.
+        Part order and shapes follow ``codec.part_specs``, then ``codec.tail_coder.part_specs`` (one
+        ``tail`` array in the input dtype unless the codec's ``window_bits`` is set; see
+        :mod:`flashcodec.stream`). Empty cache: ``()``.
         Copies: writing into them never changes the cache.
         """
         if self.keys is None or self.values is None:
@@ -395,13 +398,15 @@ class CodecKVCache:
 
     @property
     def meta_state(self) -> tuple[str, ...]:
-        """Plain ``key=value`` strings: format version, codec config, check_finite, initial_blocks, offset.
+        """Plain ``key=value`` strings: format version, codec config, check_finite, initial_blocks,
+        offset, dtype (``None`` for an empty cache).
 
         :meth:`from_state` checks the arrays against all of it (the offset included), so a state
         paired with another cache's meta_state is refused instead of rebuilt wrong.
         """
         items = {"format": _META_VERSION, **self.codec.config()}
         items.update(check_finite=self.check_finite, initial_blocks=self.initial_blocks, offset=self.offset)
+        items["dtype"] = None if self.keys is None else str(self.keys.dtype).removeprefix("torch.")
         return tuple(f"{k}={v}" for k, v in items.items())
 
     @classmethod
@@ -412,7 +417,7 @@ class CodecKVCache:
         naming the array for a state that does not fit it (count, shapes, dtypes, devices, the
         recorded offset, non-finite values, scales or codes no codec writes).
         """
-        options, offset = _parse_meta(meta_state)
+        options, offset, dtype = _parse_meta(meta_state)
         cache = cls(**options)
         if isinstance(state, (str, bytes, torch.Tensor)) or not isinstance(state, Sequence):
             raise KVDataError(
@@ -425,13 +430,16 @@ class CodecKVCache:
             supported_dtypes=SUPPORTED_DTYPES,
             offset=offset,
             check_finite=cache.check_finite,
+            dtype=dtype,
         )
         if not arrays:
             return cache
-        n_parts = len(cache.codec.part_specs(1)) + 1
+        n_parts = len(cache.codec.part_specs(1)) + len(cache.codec.tail_coder.part_specs(1))
         k_arrays, v_arrays = arrays[:n_parts], arrays[n_parts:]
-        cache.keys = CodecStream.from_state(cache.codec, k_arrays, initial_blocks=cache.initial_blocks)
-        cache.values = CodecStream.from_state(cache.codec, v_arrays, initial_blocks=cache.initial_blocks)
+        dtype = dtype or k_arrays[-1].dtype  # formats 1 and 2: the raw tail's dtype (checked above)
+        common = dict(dtype=dtype, initial_blocks=cache.initial_blocks)
+        cache.keys = CodecStream.from_state(cache.codec, k_arrays, **common)
+        cache.values = CodecStream.from_state(cache.codec, v_arrays, **common)
         return cache
 
 
@@ -453,9 +461,10 @@ def _check_stored(name: str, codec: BlockCodec, parts: tuple[torch.Tensor, ...],
             )
 
 
-def _parse_meta(meta_state: Sequence[str]) -> tuple[dict, int | None]:
+def _parse_meta(meta_state: Sequence[str]) -> tuple[dict, int | None, torch.dtype | None]:
     """:attr:`CodecKVCache.meta_state` -> (the constructor's ``codec``, ``check_finite`` and
-    ``initial_blocks``; the recorded offset, None in the format without one)."""
+    ``initial_blocks``; the recorded offset, None in the format without one; the recorded dtype,
+    None for an empty cache and in the formats without one)."""
     if isinstance(meta_state, (str, bytes)) or not isinstance(meta_state, Sequence):
         raise KVConfigError(f"meta_state must be a sequence of 'key=value' strings; got {meta_state!r:.200}")
     try:
@@ -474,16 +483,21 @@ def _parse_meta(meta_state: Sequence[str]) -> tuple[dict, int | None]:
             raise KVConfigError(f"check_finite must be True or False; got {items.get('check_finite')!r}")
         check_finite = flags[items.pop("check_finite")]
         initial_blocks = check_int("initial_blocks", _literal(items.pop("initial_blocks")), low=1)
-        offset = None
-        if version == _META_VERSION:
+        offset = dtype = None
+        if version != _META_VERSIONS[0]:
             offset = check_int("offset", _literal(items.pop("offset")), low=0)
+        if version == _META_VERSION:
+            name = items.pop("dtype")
+            if name != "None" and name not in _DTYPE_BY_NAME:
+                raise KVConfigError(f"dtype must be None or one of {tuple(_DTYPE_BY_NAME)}; got {name!r}")
+            dtype = _DTYPE_BY_NAME.get(name)
         mode = items.pop("mode")
         codec = make_codec(mode, **{k: _literal(v) for k, v in items.items()})
     except KeyError as err:
         raise KVConfigError(f"meta_state is missing the entry {err}; got {meta_state!r:.200}") from err
     except KVConfigError as err:
         raise KVConfigError(f"meta_state has a bad entry: {err}") from err
-    return {"codec": codec, "check_finite": check_finite, "initial_blocks": initial_blocks}, offset
+    return {"codec": codec, "check_finite": check_finite, "initial_blocks": initial_blocks}, offset, dtype
 
 
 def _literal(text: str) -> object:

@@ -51,6 +51,8 @@ _CASES: dict[str, tuple[Capabilities, float, dict[str, float]]] = {
     "jpeg-k8-int4z": (_LOSSY, 0.125, {"random_walk": 0.14, "outlier_keys": 0.21}),
     # the same codes, the newest 64+ tokens raw: never more error than jpeg-k8-int4z
     "jpeg-k8-int4z-w64": (_LOSSY, 0.125, {"random_walk": 0.14, "outlier_keys": 0.21}),
+    # the same codes, the newest 96+ tokens in int8 per token (error at most 1/510 of a token's range)
+    "jpeg-k8-int4z-w96i8": (_LOSSY, 0.125, {"random_walk": 0.14, "outlier_keys": 0.21}),
     # truncation: the default (used for families not listed) is the uncorrelated-data level;
     # the embedded model's real K/V are only weakly correlated along the sequence (Var(delta)/Var(x)
     # 0.91 to 1.99, where 2 is uncorrelated; measured worst: k=4 0.71, k=2 0.86), so they sit there too

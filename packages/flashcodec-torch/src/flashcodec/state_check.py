@@ -27,10 +27,13 @@ def check_state(
     supported_dtypes: tuple[torch.dtype, ...],
     offset: int | None,
     check_finite: bool,
+    dtype: torch.dtype | None = None,
 ) -> None:
     """Raise ``KVDataError`` naming the array and what is wrong unless ``arrays`` is a state of
-    ``codec`` holding ``offset`` tokens (``offset=None``: not recorded, any length)."""
-    n_parts = len(codec.part_specs(1)) + 1
+    ``codec`` holding ``offset`` tokens (``offset=None``: not recorded, any length) in ``dtype``
+    (``None``: not recorded, then the raw tail's dtype; a coded tail needs it recorded)."""
+    n_tail = len(codec.tail_coder.part_specs(1))
+    n_parts = len(codec.part_specs(1)) + n_tail
     if not arrays:
         if offset:
             raise KVDataError(f"state is empty but meta_state records offset={offset}")
@@ -44,9 +47,14 @@ def check_state(
         if not isinstance(t, torch.Tensor):
             raise KVDataError(f"state[{i}] must be a torch.Tensor; got {type(t).__name__}")
     k_arrays, v_arrays = arrays[:n_parts], arrays[n_parts:]
-    _check_stream(codec, k_arrays, "keys", supported_dtypes, check_finite)  # type: ignore[arg-type]
-    _check_stream(codec, v_arrays, "values", supported_dtypes, check_finite)  # type: ignore[arg-type]
-    k_tail, v_tail = k_arrays[-1], v_arrays[-1]
+    if dtype is None and codec.window_bits is not None:
+        raise KVDataError(
+            f"meta_state must record the cache's dtype for {codec!r} (its tail is stored in int8); "
+            "this meta_state has none (an older format or an empty cache's?)"
+        )
+    _check_stream(codec, k_arrays, "keys", supported_dtypes, check_finite, dtype)  # type: ignore[arg-type]
+    _check_stream(codec, v_arrays, "values", supported_dtypes, check_finite, dtype)  # type: ignore[arg-type]
+    k_tail, v_tail = k_arrays[-n_tail], v_arrays[-n_tail]
     assert isinstance(k_tail, torch.Tensor) and isinstance(v_tail, torch.Tensor)
     k_blocks, v_blocks = k_arrays[0].shape[2], v_arrays[0].shape[2]  # type: ignore[union-attr]
     if k_tail.shape[:3] != v_tail.shape[:3] or k_blocks != v_blocks:
@@ -69,7 +77,7 @@ def check_state(
 
 
 def _names(codec: BlockCodec) -> str:
-    return ", ".join([*(spec.name for spec in codec.part_specs(1)), "tail"])
+    return ", ".join(spec.name for spec in (*codec.part_specs(1), *codec.tail_coder.part_specs(1)))
 
 
 def _check_stream(
@@ -78,34 +86,52 @@ def _check_stream(
     name: str,
     supported_dtypes: tuple[torch.dtype, ...],
     check_finite: bool,
+    dtype: torch.dtype | None,
 ) -> None:
-    *parts, tail = arrays
+    n_parts = len(codec.part_specs(1))
+    parts, tails = arrays[:n_parts], arrays[n_parts:]
+    tail = tails[0]
     r, w = codec.block_size, codec.raw_window
     if tail.dim() != 4 or tail.shape[2] >= r + w or 0 in (tail.shape[0], tail.shape[1], tail.shape[3]):
         bound = f"block_size={r}" if not w else f"block_size + raw_window={r + w}"
         raise KVDataError(
             f"{name} tail must be [B, H, t, D] with B, H, D >= 1 and t < {bound}; got {tuple(tail.shape)}"
         )
-    if tail.dtype not in supported_dtypes:
+    raw = codec.window_bits is None
+    if raw and tail.dtype not in supported_dtypes:
         allowed = ", ".join(str(dt).removeprefix("torch.") for dt in supported_dtypes)
         raise KVDataError(f"{name} tail dtype must be one of {allowed}; got {tail.dtype}")
-    b, h, _, d = tail.shape
+    if raw and dtype is not None and tail.dtype != dtype:
+        raise KVDataError(f"{name} tail dtype must be the recorded dtype {dtype}; got {tail.dtype}")
+    stream_dtype = tail.dtype if raw else dtype
+    b, h, t, d = tail.shape
     try:
         codec.check_dim(d)
     except ValueError as err:
         raise KVDataError(f"{name} tail: {err}") from err
+    for spec, part in zip(codec.tail_coder.part_specs(d), tails, strict=True):
+        want_shape, want_dtype = (b, h, t, *spec.shape), spec.dtype or stream_dtype
+        if tuple(part.shape) != want_shape or part.dtype != want_dtype or part.device != tail.device:
+            raise KVDataError(
+                f"{name} {spec.name} must be {want_shape} {want_dtype} on {tail.device} for {codec!r}; "
+                f"got {tuple(part.shape)} {part.dtype} on {part.device}"
+            )
+        if part.is_floating_point() and not all_finite(part) and (check_finite or not raw):
+            raise KVDataError(f"{name} {spec.name} holds NaN or infinity")
+        if spec.name == "tail_scales" and bool((part < 0).any()):
+            raise KVDataError(
+                f"{name} {spec.name} holds a negative scale (scales are (max - min) / 255, >= 0)"
+            )
     n = parts[0].shape[2] if parts[0].dim() >= 3 else -1
     for spec, part in zip(codec.part_specs(d), parts, strict=True):
         want_shape = (b, h, n, *spec.shape)
-        want_dtype = spec.dtype or tail.dtype
+        want_dtype = spec.dtype or stream_dtype
         if n < 0 or tuple(part.shape) != want_shape or part.dtype != want_dtype or part.device != tail.device:
             raise KVDataError(
                 f"{name} part {spec.name!r} must be {want_shape} {want_dtype} on {tail.device} for {codec!r}; "
                 f"got {tuple(part.shape)} {part.dtype} on {part.device}"
             )
         _check_contents(f"{name} part {spec.name!r}", spec.name, part, check_finite, codec.int4_zero_nibble)
-    if check_finite and not all_finite(tail):
-        raise KVDataError(f"{name} tail holds NaN or infinity (the cache was built with check_finite=True)")
 
 
 def _check_contents(

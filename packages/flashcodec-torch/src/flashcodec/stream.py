@@ -9,8 +9,8 @@ A stream with batch ``B``, heads ``H``, head dimension ``D``, input dtype ``dt``
   first ``n_blocks`` slots along dim 2 are in use (``archived_parts()`` returns those slices).
   Block ``b`` covers tokens ``b*r .. b*r + r - 1``. ``capacity`` starts at ``initial_blocks``
   (16) on the first archived block and doubles on overflow, but never reserves more than
-  ``max_spare_blocks`` (:data:`SPARE_BLOCKS`, 16) blocks beyond those needed: spare capacity is
-  at most 128 tokens' worth of stored rows (r = 8), less than one attention chunk, so resident
+  ``max_spare_blocks`` (:data:`SPARE_BLOCKS`, 4) blocks beyond those needed: spare capacity is
+  at most 32 tokens' worth of stored rows (r = 8), less than one attention chunk, so resident
   bytes stay within held bytes + one chunk + the tail buffer. A block is written once, in place, and never rewritten (``crop`` only lowers
   ``n_blocks``; later appends reuse the freed slots).
 
@@ -27,10 +27,13 @@ A stream with batch ``B``, heads ``H``, head dimension ``D``, input dtype ``dt``
   ``codec.synthesis_matrix()`` the ``A [r, R]`` with ``block = A @ rows``
   (jpeg: ``A = M^T``, rows = coefficients, dequantized; png: ``A`` = lower-triangular ones,
   rows = ``[anchor; deltas]``), hence ``q . K[b*r + p] = (q . rows[b]^T) @ A[p]``.
-* **tail**: ``[B, H, r + w, D]`` in ``dt``; its first ``tail_len < r + w`` tokens are the raw,
-  full-fidelity tokens after the last complete block (``tail()`` returns them). ``w`` is the codec's
-  ``raw_window`` (0 for most codecs): a block is coded only once ``w`` newer tokens follow it, so
-  the newest ``w`` tokens (up to ``w + r - 1``) always stay raw, as in KIVI's residual window.
+* **tail**: one buffer per part of the codec's tail coder (``codec.tail_coder``,
+  :mod:`flashcodec.codecs.tail`), ``[B, H, r + w, *part_shape]``; their first ``tail_len < r + w``
+  tokens are the tokens after the last complete block (``tail()`` decodes them). Raw (the default):
+  one ``[B, H, r + w, D]`` buffer in ``dt``, the tokens bit for bit; ``window_bits=8``: uint8 codes
+  with an fp32 scale and zero point per token. ``w`` is the codec's ``raw_window`` (0 for most
+  codecs): a block is coded only once ``w`` newer tokens follow it, so the newest ``w`` tokens (up
+  to ``w + r - 1``) are never block-coded, as in KIVI's residual window.
 * **view** (memoized reconstruction): ``[B, H, view_capacity, D]`` in ``dt``, or None. Its first
   ``view_blocks * r`` tokens are decoded blocks; ``read()`` decodes only blocks archived since the
   last read (one batched decode), copies the tail behind them and returns the first ``seq_len``
@@ -56,22 +59,26 @@ from .validate import check_int
 
 __all__ = ["AppendPlan", "CodecStream", "ReorderPlan", "SPARE_BLOCKS"]
 
-#: most archive blocks reserved beyond those in use (at most one attention chunk,
-#: :data:`flashcodec.attention.CHUNK_BLOCKS`): growth doubles while the archive is small, then by
-#: this many blocks. Each regrowth copies the archive, so a decode step pays one copy per
-#: ``SPARE_BLOCKS * r`` tokens (128 at r = 8); in exchange the reserve stays as small as the raw
-#: window transformers' quantized caches keep (their ``residual_length``, 128)
-SPARE_BLOCKS = 16
+#: most archive blocks reserved beyond those in use (well under one attention chunk,
+#: :data:`flashcodec.attention.CHUNK_BLOCKS`): the archive grows by this many blocks beyond what
+#: it needs. Each regrowth copies the archive, so decoding pays one archive copy per
+#: ``SPARE_BLOCKS * r`` tokens (32 at r = 8), about 1/32 of what attention reads in those steps;
+#: in exchange the reserve averages 16 tokens' codes (2 blocks), where 16 blocks (the earlier
+#: value) averaged 64: against a 4-bit cache of a few thousand tokens that difference is a few
+#: per cent of its bytes
+SPARE_BLOCKS = 4
 
 
 @dataclass(frozen=True)
 class AppendPlan:
-    """What :meth:`CodecStream.prepare_append` computed: the input (canonical), the raw tokens the
-    tail holds afterwards when blocks complete (None when none does: the input is appended to the
-    tail), the completed blocks' encoded parts, and the grown archive (None when the old one has room)."""
+    """What :meth:`CodecStream.prepare_append` computed: the input (canonical), the tail parts
+    to write from tail slot ``rest_at`` (when no block completes: the input's, after the tail
+    tokens; when blocks complete: the whole new tail, from slot 0), the completed blocks' encoded
+    parts, and the grown archive (None when the old one has room)."""
 
     x: torch.Tensor
-    rest: torch.Tensor | None
+    rest: tuple[torch.Tensor, ...]
+    rest_at: int
     parts: tuple[torch.Tensor, ...]
     archive: tuple[torch.Tensor, ...] | None
 
@@ -82,7 +89,7 @@ class ReorderPlan:
     whether the view was trustworthy (when not, its blocks are decoded again on the next read)."""
 
     archive: tuple[torch.Tensor, ...]
-    tail: torch.Tensor
+    tail: tuple[torch.Tensor, ...]
     view: torch.Tensor | None
     view_trusted: bool
 
@@ -134,9 +141,11 @@ class CodecStream:
         self.max_spare_blocks = check_int("max_spare_blocks", max_spare_blocks, low=0)
         self._archive: tuple[torch.Tensor, ...] = ()
         self.n_blocks = 0
-        # the tail holds fewer than r + raw_window tokens
-        self._tail = torch.zeros(
-            batch, heads, codec.block_size + codec.raw_window, dim, dtype=dtype, device=self.device
+        # the tail holds fewer than r + raw_window tokens, stored by the codec's tail coder
+        slots = codec.block_size + codec.raw_window
+        self._tail = tuple(
+            torch.zeros(batch, heads, slots, *spec.shape, dtype=spec.dtype or dtype, device=self.device)
+            for spec in codec.tail_coder.part_specs(dim)
         )
         self.tail_len = 0
         self._view: torch.Tensor | None = None
@@ -185,7 +194,7 @@ class CodecStream:
 
     def tail_buffer_is_inference(self) -> bool:
         """Whether the buffers were made under ``torch.inference_mode`` (then only writable inside it)."""
-        return self._tail.is_inference()
+        return self._tail[0].is_inference()
 
     @property
     def has_view(self) -> bool:
@@ -208,8 +217,16 @@ class CodecStream:
         return self.codec.stored_rows(self.archived_parts(), dtype)
 
     def tail(self) -> torch.Tensor:
-        """The raw tail tokens ``[B, H, tail_len, D]`` (a view)."""
-        return self._tail[:, :, : self.tail_len]
+        """The tail tokens ``[B, H, tail_len, D]`` in the stream dtype (raw tail: a view; int8: decoded)."""
+        return self.codec.tail_coder.decode(self.tail_parts(0, self.tail_len), self.dtype)
+
+    def tail_parts(self, start: int, stop: int) -> tuple[torch.Tensor, ...]:
+        """Tail slots ``start .. stop-1`` as stored (views, one per tail part)."""
+        return tuple(buf[:, :, start:stop] for buf in self._tail)
+
+    def _write_tail(self, at: int, parts: tuple[torch.Tensor, ...]) -> None:
+        for buf, part in zip(self._tail, parts, strict=True):
+            buf[:, :, at : at + part.shape[2]].copy_(part)
 
     # ------------------------------------------------------------------ writes
     # Every edit is two steps, so a cache can change its key and value streams together: ``prepare_*``
@@ -222,17 +239,22 @@ class CodecStream:
         r, t, s, w = self.codec.block_size, self.tail_len, x.shape[2], self.raw_window
         # blocks complete only from raw tokens older than the newest w (the raw window)
         n_new = max(0, (t + s - w) // r)
+        coder = self.codec.tail_coder
         if n_new == 0:
-            return AppendPlan(x=x, rest=None, parts=(), archive=None)
+            return AppendPlan(x=x, rest=coder.encode(x), rest_at=t, parts=(), archive=None)
         cut = n_new * r
         if cut >= t:  # the blocks take the whole tail and the first cut - t tokens of x
-            seq = torch.cat([self._tail[:, :, :t], x[:, :, : cut - t]], dim=2) if t else x[:, :, :cut]
-            rest = x[:, :, cut - t :]
+            seq = torch.cat([self.tail(), x[:, :, : cut - t]], dim=2) if t else x[:, :, :cut]
+            rest = coder.encode(x[:, :, cut - t :])
         else:  # a window: the blocks are the oldest tail tokens, the rest of the tail moves forward
-            seq = self._tail[:, :, :cut]
-            rest = torch.cat([self._tail[:, :, cut:t], x], dim=2)
+            seq = coder.decode(self.tail_parts(0, cut), self.dtype)
+            rest = tuple(
+                torch.cat([old, new], dim=2)
+                for old, new in zip(self.tail_parts(cut, t), coder.encode(x), strict=True)
+            )
         parts = self.codec.encode(seq)
-        return AppendPlan(x=x, rest=rest, parts=parts, archive=self._grown_archive(self.n_blocks + n_new))
+        grown = self._grown_archive(self.n_blocks + n_new)
+        return AppendPlan(x=x, rest=rest, rest_at=0, parts=parts, archive=grown)
 
     @torch.no_grad()
     def commit_append(self, plan: AppendPlan) -> Callable[[], None]:
@@ -244,20 +266,15 @@ class CodecStream:
         copy of the few raw tail tokens the commit overwrites.
         """
         undo = self._undo_append(plan)
-        x, t = plan.x, self.tail_len
-        if not plan.parts:
-            self._tail[:, :, t : t + x.shape[2]].copy_(x)
-            self.tail_len = t + x.shape[2]
-            return undo
-        if plan.archive is not None:
-            self._archive = plan.archive
-        start, n_new = self.n_blocks, plan.parts[0].shape[2]
-        for buf, part in zip(self._archive, plan.parts, strict=True):
-            buf[:, :, start : start + n_new].copy_(part)
-        self.n_blocks = start + n_new
-        assert plan.rest is not None
-        self._tail[:, :, : plan.rest.shape[2]].copy_(plan.rest)
-        self.tail_len = plan.rest.shape[2]
+        if plan.parts:
+            if plan.archive is not None:
+                self._archive = plan.archive
+            start, n_new = self.n_blocks, plan.parts[0].shape[2]
+            for buf, part in zip(self._archive, plan.parts, strict=True):
+                buf[:, :, start : start + n_new].copy_(part)
+            self.n_blocks = start + n_new
+        self._write_tail(plan.rest_at, plan.rest)
+        self.tail_len = plan.rest_at + plan.rest[0].shape[2]
         return undo
 
     def _undo_append(self, plan: AppendPlan) -> Callable[[], None]:
@@ -274,7 +291,11 @@ class CodecStream:
             self._view_version,
         )
         trusted = self._view_is_trusted()
-        tail = self._tail[:, :, : self.tail_len].clone() if plan.parts and self.tail_len else None
+        tail = (
+            tuple(p.clone() for p in self.tail_parts(0, self.tail_len))
+            if plan.parts and self.tail_len
+            else None
+        )
 
         def undo() -> None:
             view = self._view
@@ -287,7 +308,7 @@ class CodecStream:
                 self._view_version,
             ) = saved
             if tail is not None:
-                self._tail[:, :, : tail.shape[2]].copy_(tail)
+                self._write_tail(0, tail)
             if trusted and self._view is view and view is not None:
                 self._view_version = _version(view)  # only written past the trusted blocks since
 
@@ -383,21 +404,23 @@ class CodecStream:
 
     # ------------------------------------------------------------------ edits
     @torch.no_grad()
-    def prepare_crop(self, n: int) -> torch.Tensor | None:
-        """The reconstructed first ``n % r`` tokens of the block ``crop(n)`` cuts into (None when the
-        cut falls on a block boundary or inside the tail); changes nothing."""
+    def prepare_crop(self, n: int) -> tuple[torch.Tensor, ...] | None:
+        """The reconstructed first ``n % r`` tokens of the block ``crop(n)`` cuts into, as tail parts
+        (None when the cut falls on a block boundary or inside the tail); changes nothing."""
         r = self.codec.block_size
         keep_blocks, rem = divmod(n, r)
         if keep_blocks >= self.n_blocks or not rem:
             return None
         if self._view_is_trusted() and self.view_blocks > keep_blocks:
             assert self._view is not None
-            return self._view[:, :, keep_blocks * r : keep_blocks * r + rem].clone()
-        block = tuple(buf[:, :, keep_blocks : keep_blocks + 1] for buf in self._archive)
-        return self.codec.decode(block, self.dtype)[:, :, :rem]
+            head = self._view[:, :, keep_blocks * r : keep_blocks * r + rem].clone()
+        else:
+            block = tuple(buf[:, :, keep_blocks : keep_blocks + 1] for buf in self._archive)
+            head = self.codec.decode(block, self.dtype)[:, :, :rem]
+        return self.codec.tail_coder.encode(head)
 
     @torch.no_grad()
-    def commit_crop(self, n: int, head: torch.Tensor | None) -> None:
+    def commit_crop(self, n: int, head: tuple[torch.Tensor, ...] | None) -> None:
         """Keep the first ``n`` tokens, ``head`` being :meth:`prepare_crop`'s result for the same ``n``."""
         r = self.codec.block_size
         keep_blocks, rem = divmod(n, r)
@@ -405,7 +428,7 @@ class CodecStream:
             self.tail_len = n - self.n_blocks * r
             return
         if head is not None:
-            self._tail[:, :, :rem].copy_(head)
+            self._write_tail(0, head)
         self.tail_len = rem
         self.n_blocks = keep_blocks
         self.view_blocks = min(self.view_blocks, keep_blocks)
@@ -424,7 +447,7 @@ class CodecStream:
         """Every buffer gathered along the batch axis by ``index`` (int64 ``[B_new]`` on ``device``)."""
         return ReorderPlan(
             archive=tuple(buf.index_select(0, index) for buf in self._archive),
-            tail=self._tail.index_select(0, index),
+            tail=tuple(buf.index_select(0, index) for buf in self._tail),
             view=None if self._view is None else self._view.index_select(0, index),
             view_trusted=self._view_is_trusted(),
         )
@@ -436,7 +459,7 @@ class CodecStream:
         if not plan.view_trusted:
             self.view_blocks = 0  # a caller wrote into it: the next read decodes every block again
         self._view_version = None if plan.view is None else _version(plan.view)
-        self.batch = plan.tail.shape[0]
+        self.batch = plan.tail[0].shape[0]
 
     def reorder(self, index: torch.Tensor) -> None:
         """Gather every buffer along the batch axis (beam search); ``index`` int64 ``[B_new]`` on ``device``."""
@@ -445,36 +468,43 @@ class CodecStream:
     # ------------------------------------------------------------------ bytes and serialization
     def storage_bytes(self) -> CodecStorage:
         """Bytes measured from the tensors held (see :class:`CodecStorage` for what each field counts)."""
-        itemsize = self._tail.element_size()
+        itemsize = self.dtype.itemsize
         return CodecStorage(
             used=sum(p.nbytes for p in self.archived_parts()),
-            tail=self.tail().nbytes,
-            allocated=sum(b.nbytes for b in self._archive) + self._tail.nbytes,
+            tail=sum(p.nbytes for p in self.tail_parts(0, self.tail_len)),
+            allocated=sum(b.nbytes for b in (*self._archive, *self._tail)),
             view=0 if self._view is None else self._view.nbytes,
             raw=self.batch * self.heads * self.seq_len * self.dim * itemsize,
         )
 
     def state(self) -> tuple[torch.Tensor, ...]:
-        """``(*archived_parts(), tail())`` as copies: exactly the bytes of :meth:`storage_bytes` ``.held``.
+        """``(*archived_parts(), *tail parts)`` as copies: exactly the bytes of :meth:`storage_bytes` ``.held``.
 
         Copies, so that writing into them never changes the stream (a serialization path, not a hot one).
         """
-        return tuple(t.clone() for t in (*self.archived_parts(), self.tail()))
+        return tuple(t.clone() for t in (*self.archived_parts(), *self.tail_parts(0, self.tail_len)))
 
     @classmethod
     def from_state(
-        cls, codec: BlockCodec, arrays: tuple[torch.Tensor, ...], *, initial_blocks: int = 16
+        cls,
+        codec: BlockCodec,
+        arrays: tuple[torch.Tensor, ...],
+        dtype: torch.dtype,
+        *,
+        initial_blocks: int = 16,
     ) -> CodecStream:
-        """Rebuild from :meth:`state` (shapes and dtypes checked by the caller). Copies the arrays."""
-        *parts, tail = arrays
-        b, h, _, d = tail.shape
-        stream = cls(codec, b, h, d, tail.dtype, tail.device, initial_blocks=initial_blocks)
+        """Rebuild from :meth:`state` of a stream of ``dtype`` (shapes and dtypes checked by the
+        caller). Copies the arrays."""
+        n_parts = len(codec.part_specs(1))
+        parts, tail = arrays[:n_parts], arrays[n_parts:]
+        b, h, _, d = tail[0].shape
+        stream = cls(codec, b, h, d, dtype, tail[0].device, initial_blocks=initial_blocks)
         n = parts[0].shape[2]
         if n:
             stream._ensure_capacity(n)
             for buf, part in zip(stream._archive, parts, strict=True):
                 buf[:, :, :n].copy_(part)
             stream.n_blocks = n
-        stream._tail[:, :, : tail.shape[2]].copy_(tail)
-        stream.tail_len = tail.shape[2]
+        stream._write_tail(0, tail)
+        stream.tail_len = tail[0].shape[2]
         return stream

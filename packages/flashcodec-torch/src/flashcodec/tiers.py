@@ -121,6 +121,18 @@ TIERS: dict[str, Tier] = _registry(
         ZeroPointJPEGCodec(8, raw_window=64),
         materialization_free=True,
     ),
+    Tier(
+        "jpeg-k8-int4z-w96i8",
+        "jpeg-k8-int4z, the newest 96 to 103 tokens kept out of the blocks in int8 per token (half "
+        "a bf16 window's bytes)",
+        ZeroPointJPEGCodec(8, raw_window=96, window_bits=8),
+    ),
+    Tier(
+        "jpeg-k8-int4z-w96i8-mf",
+        "jpeg-k8-int4z-w96i8 with materialization-free attention (decode on the int4 codes and the int8 window)",
+        ZeroPointJPEGCodec(8, raw_window=96, window_bits=8),
+        materialization_free=True,
+    ),
     Tier("jpeg-k4", "jpeg, lowest 4 of 8 coefficients", JPEGCodec(8, keep_freqs=4)),
     Tier("jpeg-k2", "jpeg, lowest 2 of 8 coefficients", JPEGCodec(8, keep_freqs=2)),
     Tier("jpeg-k2-int8", "jpeg, lowest 2 of 8 coefficients, int8", JPEGCodec(8, keep_freqs=2, quant_bits=8)),

@@ -23,10 +23,13 @@ import math
 import numbers
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from kvspec import KVConfigError, KVDtypeError, KVShapeError
+
+if TYPE_CHECKING:
+    from .tail import TailCoder
 
 __all__ = ["PartSpec", "BlockCodec", "check_block_size", "to_blocks", "from_blocks", "to_output"]
 
@@ -110,6 +113,16 @@ class BlockCodec(ABC):
     #: newest tokens the cache keeps raw, uncoded: a block is coded once this many tokens follow
     #: it. 0 here (every complete block is coded); a codec with a ``raw_window`` field overrides it
     raw_window: int = 0
+    #: how the tail (the incomplete block and the raw window) is stored: None = in the input dtype,
+    #: 8 = int8 per token (:mod:`flashcodec.codecs.tail`); a codec with a ``window_bits`` field overrides it
+    window_bits: int | None = None
+
+    @property
+    def tail_coder(self) -> TailCoder:
+        """The :class:`~flashcodec.codecs.tail.TailCoder` for :attr:`window_bits`."""
+        from .tail import tail_coder  # tail.py uses this module's PartSpec
+
+        return tail_coder(self.window_bits)
 
     @property
     @abstractmethod

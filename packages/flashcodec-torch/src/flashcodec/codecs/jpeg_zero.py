@@ -30,6 +30,7 @@ from kvspec import KVConfigError, KVShapeError
 from .base import BlockCodec, PartSpec, check_block_size, compute_dtype, from_blocks, to_blocks, to_output
 from .jpeg import JPEGCodec
 from .quant import dequantize_int4_zero, packed_width, quantize_int4_zero
+from .tail import TAIL_BITS
 
 __all__ = ["ZeroPointJPEGCodec"]
 
@@ -45,6 +46,9 @@ class ZeroPointJPEGCodec(BlockCodec):
             once ``raw_window`` newer tokens follow it, so attention always sees the newest
             ``raw_window`` to ``raw_window + r - 1`` tokens exactly (KIVI's residual window; unlike
             transformers' ``residual_length`` it slides, it is never flushed).
+        window_bits: how the window (and the incomplete block) is stored: None (the default) in
+            the input dtype, bit for bit; 8 in int8 per token with an fp32 scale and zero point
+            (:class:`~flashcodec.codecs.tail.Int8Tail`), a little over half the bytes.
 
     ``D`` must be even (two codes a byte). Arithmetic in fp32; :meth:`decode` returns the
     requested dtype.
@@ -56,6 +60,7 @@ class ZeroPointJPEGCodec(BlockCodec):
     block_size: int = 8
     keep_freqs: int | None = None
     raw_window: int = 0
+    window_bits: int | None = None
 
     def __post_init__(self) -> None:
         r = check_block_size(self.block_size)
@@ -68,6 +73,14 @@ class ZeroPointJPEGCodec(BlockCodec):
                 f"raw_window must be an integer >= 0 (tokens kept raw); got {self.raw_window!r}"
             )
         object.__setattr__(self, "raw_window", int(self.raw_window))
+        bits = self.window_bits
+        if bits is not None and (
+            isinstance(bits, bool) or not isinstance(bits, numbers.Integral) or bits not in TAIL_BITS
+        ):
+            raise KVConfigError(
+                f"window_bits must be one of {TAIL_BITS} (None: the tail in the input dtype); got {bits!r}"
+            )
+        object.__setattr__(self, "window_bits", None if bits is None else int(bits))
         k = r if self.keep_freqs is None else self.keep_freqs
         if isinstance(k, bool) or not isinstance(k, numbers.Integral) or not 1 <= k <= r:
             raise KVConfigError(

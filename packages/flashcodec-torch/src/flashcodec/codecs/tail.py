@@ -1,0 +1,91 @@
+"""How a stream stores its tail (the tokens not yet coded in blocks): raw, or int8 per token.
+
+The tail holds the incomplete block and, for a codec with a ``raw_window``, the newest
+``raw_window`` tokens too. Raw (the default) keeps them in the input dtype, bit for bit. With
+``window_bits=8`` (:class:`~flashcodec.codecs.ZeroPointJPEGCodec`) each tail token is stored as
+``D`` uint8 codes with an fp32 scale and zero point of its own (asymmetric, 256 levels over the
+token's ``[min, max]`` along ``D``): 8 bits an element plus 64 bits a token for the two fp32
+values (9 bits an element at ``D = 64``), against 16 in bf16, so a window costs a little over half
+its bf16 bytes. The metadata is fp32 so that no bf16 value overflows it.
+
+A tail coder is a pure tensor map over ``[B, H, t, D]`` (one token at a time: tokens are
+independent, so slicing, concatenating and gathering the stored parts along ``dim=2`` is the
+same as doing so to the tokens). Readers call :meth:`TailCoder.decode`; attention kernels get
+the decoded tail (fewer than ``r + raw_window`` tokens) and need no change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .base import PartSpec
+
+__all__ = ["TailCoder", "RawTail", "Int8Tail", "tail_coder", "TAIL_BITS"]
+
+#: the ``window_bits`` values a codec accepts: None (raw) or 8
+TAIL_BITS = (None, 8)
+
+#: int8 tail: codes 0..255
+_LEVELS = 255
+
+
+class TailCoder:
+    """Stored parts per tail token (``part_specs``), and the maps between tokens and parts."""
+
+    def part_specs(self, dim: int) -> tuple[PartSpec, ...]:
+        """One :class:`PartSpec` per stored array; the array for ``t`` tokens is ``[B, H, t, *shape]``."""
+        raise NotImplementedError
+
+    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Tokens ``[B, H, t, D]`` -> the stored parts."""
+        raise NotImplementedError
+
+    def decode(self, parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The stored parts -> tokens ``[B, H, t, D]`` in ``dtype``."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class RawTail(TailCoder):
+    """The tokens as given, in the input dtype: ``decode`` returns the stored tensor itself."""
+
+    def part_specs(self, dim: int) -> tuple[PartSpec, ...]:
+        return (PartSpec("tail", (dim,), None),)
+
+    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (x,)
+
+    def decode(self, parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
+        return parts[0]
+
+
+@dataclass(frozen=True)
+class Int8Tail(TailCoder):
+    """Asymmetric int8 per token: ``x ~ codes * scale + zero`` with ``scale = (max - min) / 255``
+    and ``zero = min`` over the token's ``D`` values (fp32); a constant token gets scale 0."""
+
+    def part_specs(self, dim: int) -> tuple[PartSpec, ...]:
+        return (
+            PartSpec("tail_codes", (dim,), torch.uint8),
+            PartSpec("tail_scales", (1,), torch.float32),
+            PartSpec("tail_zeros", (1,), torch.float32),
+        )
+
+    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        xf = x.float()
+        lo, hi = torch.aminmax(xf, dim=-1, keepdim=True)
+        scale = (hi - lo) / _LEVELS
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        codes = torch.round((xf - lo) / safe).clamp_(0, _LEVELS).to(torch.uint8)
+        return codes, scale, lo
+
+    def decode(self, parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
+        codes, scale, zero = parts
+        return (codes.float() * scale + zero).to(dtype)
+
+
+def tail_coder(window_bits: int | None) -> TailCoder:
+    """The coder for a codec's ``window_bits`` (validated by the codec: one of :data:`TAIL_BITS`)."""
+    return RawTail() if window_bits is None else Int8Tail()
