@@ -25,6 +25,10 @@ Figures per run:
   (weights excluded). CPU: :class:`flashcodec.peak_memory.PeakMemory` (aten dispatch tracker), in
   a separate pass from the timing; CUDA: ``torch.cuda.max_memory_allocated`` minus the bytes
   before the run;
+* ``decode_peak_bytes``: the most memory the decode steps use, the cache included: what the cache
+  holds when decoding starts (resident, the view included) plus the high-water mark of tensors
+  allocated during the decode steps (CPU, another separate pass); CUDA: the decode steps'
+  ``max_memory_allocated`` minus the bytes before the prefill;
 * ``steady_bytes``: bytes the cache holds after the decode, measured from its tensors (baseline:
   the ``DynamicCache`` keys and values; codec: ``storage_bytes().resident`` = archive capacity +
   tail buffers + the memoized view, if any);
@@ -39,6 +43,7 @@ Figures per run:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 from pathlib import Path
 
@@ -51,7 +56,10 @@ from kvbench.models import default_text_path, embedded_model_path
 from kvbench.results import weights_digest
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-DEFAULT_TIERS = "jpeg-k2-int8,jpeg-k2-int8-mf,jpeg-k8-int8,jpeg-k8-int8-mf,png-keep1"
+DEFAULT_TIERS = (
+    "jpeg-k2-int8,jpeg-k2-int8-mf,jpeg-k8-int8,jpeg-k8-int8-mf,png-keep1,"
+    "jpeg-k8-int4z-w64,jpeg-k8-int4z-w64-mf,jpeg-k8-int4z-w96i8,jpeg-k8-int4z-w96i8-mf"
+)
 MF = "-mf"
 
 
@@ -63,8 +71,11 @@ def cache_bytes(cache) -> int:
 
 
 @torch.no_grad()
-def greedy(model, ids: torch.Tensor, cache, new_tokens: int) -> tuple[list[int], float, float]:
-    """Prefill then ``new_tokens - 1`` decode steps; returns (tokens, prefill s, decode s)."""
+def greedy(
+    model, ids: torch.Tensor, cache, new_tokens: int, during_decode=contextlib.nullcontext
+) -> tuple[list[int], float, float]:
+    """Prefill then ``new_tokens - 1`` decode steps inside ``during_decode(cache)``; returns
+    (tokens, prefill s, decode s)."""
     device = ids.device
     sync(device)
     t0 = time.perf_counter()
@@ -73,11 +84,12 @@ def greedy(model, ids: torch.Tensor, cache, new_tokens: int) -> tuple[list[int],
     sync(device)
     t1 = time.perf_counter()
     tokens = [int(token)]
-    for _ in range(new_tokens - 1):
-        logits = model(token, cache=cache, use_cache=True).logits
-        token = logits[:, -1:].argmax(-1)
-        tokens.append(int(token))
-    sync(device)
+    with during_decode(cache):
+        for _ in range(new_tokens - 1):
+            logits = model(token, cache=cache, use_cache=True).logits
+            token = logits[:, -1:].argmax(-1)
+            tokens.append(int(token))
+        sync(device)
     return tokens, t1 - t0, time.perf_counter() - t1
 
 
@@ -97,13 +109,13 @@ class Run:
             return DynamicCache(config=model.config)
         return FlashCodecCache.from_config(model.config, codec=self.tier.codec)
 
-    def __call__(self, model, ids, new_tokens, backend):
+    def __call__(self, model, ids, new_tokens, backend, during_decode=contextlib.nullcontext):
         """One greedy run: returns (tokens, prefill s, decode s, steady bytes)."""
         coded = self.tier is not None and self.tier.materialization_free
         stats = apply_codec_attention(model, backend=backend) if coded else None
         try:
             cache = self.new_cache(model)
-            tokens, prefill_s, decode_s = greedy(model, ids, cache, new_tokens)
+            tokens, prefill_s, decode_s = greedy(model, ids, cache, new_tokens, during_decode)
             return tokens, prefill_s, decode_s, cache_bytes(cache)
         finally:
             if stats is not None:
@@ -125,11 +137,35 @@ def measure_memory(run: Run, model, ids, new_tokens, backend, device) -> int:
     return tracker.peak
 
 
+def measure_decode_memory(run: Run, model, ids, new_tokens, backend, device) -> int:
+    """Peak bytes during the decode steps, the cache included (another pass)."""
+    peak = 0
+
+    @contextlib.contextmanager
+    def during_decode(cache):
+        nonlocal peak
+        if device.type == "cuda":
+            sync(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            yield
+            peak = torch.cuda.max_memory_allocated(device) - before
+            return
+        held = cache_bytes(cache)
+        with PeakMemory() as tracker:
+            yield
+        peak = held + tracker.peak
+
+    before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    run(model, ids, new_tokens, backend, during_decode)
+    return peak
+
+
 def run(args) -> dict:
     device = torch.device(args.device)
     torch.set_num_threads(args.threads)
     path = Path(args.model) if args.model else embedded_model_path()
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().to(device)
+    dtype = getattr(torch, args.dtype)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval().to(device)
     tokenizer = AutoTokenizer.from_pretrained(path)
     ids = (
         tokenizer(default_text_path().read_text(encoding="utf-8"), return_tensors="pt")
@@ -152,6 +188,7 @@ def run(args) -> dict:
             decode_ms_per_token=best * 1e3 / (args.new_tokens - 1),
             decode_s_all_runs=r.decode_s,
             peak_bytes=measure_memory(r, model, ids, args.new_tokens, args.backend, device),
+            decode_peak_bytes=measure_decode_memory(r, model, ids, args.new_tokens, args.backend, device),
         )
         rows[r.name] = r.result
     base_tokens = rows["baseline"]["tokens"]
@@ -171,6 +208,12 @@ def run(args) -> dict:
             row["speed_ratio_vs_materialized"] = row["decode_tokens_per_s"] / twin["decode_tokens_per_s"]
             row["steady_ratio_materialized_over_this"] = twin["steady_bytes"] / row["steady_bytes"]
             row["peak_ratio_materialized_over_this"] = twin["peak_bytes"] / row["peak_bytes"]
+            row["decode_peak_ratio_this_over_materialized"] = (
+                row["decode_peak_bytes"] / twin["decode_peak_bytes"]
+            )
+        row["decode_speed_ratio_vs_baseline"] = (
+            row["decode_tokens_per_s"] / rows["baseline"]["decode_tokens_per_s"]
+        )
     for name, row in rows.items():
         print(line(name, row), flush=True)
     cfg = model.config
@@ -184,7 +227,7 @@ def run(args) -> dict:
             "kv_heads": cfg.num_key_value_heads,
             "query_heads": cfg.num_attention_heads,
             "head_dim": getattr(cfg, "head_dim", None),
-            "dtype": "float32",
+            "dtype": args.dtype,
             "prompt_tokens": int(ids.shape[1]),
             "new_tokens": args.new_tokens,
             "repeats": args.repeats,
@@ -198,7 +241,7 @@ def run(args) -> dict:
 def line(name: str, r: dict) -> str:
     return (
         f"{name:<36} {r['decode_tokens_per_s']:8.1f} tok/s  peak {r['peak_bytes'] / 2**20:7.2f} MiB"
-        f"  steady {r['steady_bytes'] / 2**20:7.2f} MiB"
+        f"  decode peak {r['decode_peak_bytes'] / 2**20:7.2f} MiB  steady {r['steady_bytes'] / 2**20:7.2f} MiB"
     )
 
 
@@ -208,7 +251,10 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--tiers", type=tier_list, default=tier_list(DEFAULT_TIERS), help="tier names, comma-separated"
     )
-    parser.add_argument("--prompt-tokens", type=int, default=1920)
+    parser.add_argument(
+        "--prompt-tokens", type=int, default=2015, help="default: 2,048 tokens after the decode"
+    )
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--new-tokens", type=int, default=33)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])

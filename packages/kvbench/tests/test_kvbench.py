@@ -181,6 +181,20 @@ class FlushingRunner(ToyRunner):
         return KVBytes(held=8 * raw + (len(cache.tokens) - raw))
 
 
+def test_ppl_delta_interval_is_paired_and_seeded():
+    from kvbench.protocol import ppl_delta_interval
+
+    rng = np.random.default_rng(1)
+    base = rng.uniform(2.5, 3.5, 4000)
+    shifted = base + 0.01  # the same positions, every one 0.01 nats worse: no sampling noise left
+    low, high = ppl_delta_interval(base, shifted)
+    want = math.exp(shifted.mean()) - math.exp(base.mean())
+    assert low <= want <= high and high - low < 0.05 * want
+    noisy = base + rng.normal(0.01, 0.5, 4000)  # the same mean shift, independent noise per position
+    low2, high2 = ppl_delta_interval(base, noisy)
+    assert high2 - low2 > 10 * (high - low) and ppl_delta_interval(base, noisy) == [low2, high2]
+
+
 def test_decode_mean_charges_a_cache_whose_size_jumps_its_average():
     windows = text_windows(TOKENS, SETTINGS)
     rows = measure(FlushingRunner(), candidates(), windows, [[1, 2], [5]], SETTINGS, progress=False)
@@ -215,6 +229,10 @@ def test_measure_rows_follow_the_protocol():
     assert even["perplexity"] == pytest.approx(math.exp(even["nll"]))
     assert even["ppl_delta"] == pytest.approx(even["perplexity"] - base["perplexity"])
     assert base["ppl_delta"] == 0 and base["token_match"] == 1 and base["decode_speed_ratio"] == 1
+    # the bootstrap interval of ppl_delta: empty for the baseline, around the value for the candidate
+    assert base["ppl_delta_ci95"] == [0.0, 0.0]
+    low, high = even["ppl_delta_ci95"]
+    assert low < even["ppl_delta"] < high and high - low > 0.01
     # bytes after the first window: 9 tokens; raw comes from the baseline; 8 bytes an element
     assert base["kv_bytes"] == base["kv_raw_bytes"] == even["kv_raw_bytes"] == 8 * 9
     assert even["kv_bytes"] == 9 and even["kv_ratio"] == pytest.approx(1 / 8)

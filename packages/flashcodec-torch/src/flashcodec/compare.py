@@ -146,14 +146,18 @@ class RSSPeak:
         raise KeyError(field)
 
     def reset(self) -> None:
-        if self._libc is not None:
-            self._libc.malloc_trim(0)
         self.restart()
         if self.available:
             self._start = self._status("VmRSS")
 
     def restart(self) -> None:
-        """Reset the high-water mark to the current RSS; keep the start level."""
+        """Hand freed heap back, then reset the high-water mark to the current RSS; keep the start level.
+
+        Without the trim, memory a prefill freed but the allocator kept (glibc does not return
+        most freed heap on its own) stays in RSS, and the decode peak would read the prefill's.
+        """
+        if self._libc is not None:
+            self._libc.malloc_trim(0)
         if not self.available:
             return
         try:

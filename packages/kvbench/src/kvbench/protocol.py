@@ -80,6 +80,10 @@ MEASURES: dict[str, str] = {
     "nll": "mean negative log-likelihood (nats/token) of the true next token at the scored positions",
     "perplexity": "exp(nll)",
     "ppl_delta": "perplexity - baseline perplexity, same tokens, same run",
+    "ppl_delta_ci95": "95% interval of ppl_delta from a paired bootstrap over the scored positions "
+    "(each resample draws positions with replacement and scores both caches on them): how far "
+    "ppl_delta moves with the positions sampled; two caches whose intervals overlap widely are not "
+    "told apart by perplexity in this run",
     "token_match": "share of greedy tokens equal to the baseline's at the same position (all prompts): "
     "an illustration; kl_mean and top1_agreement rank",
     "first_divergence": "mean index of the first greedy token that differs from the baseline "
@@ -318,6 +322,8 @@ class _Tally:
     kl: list[np.ndarray] = field(default_factory=list)
     agree: int = 0
     nll: float = 0.0
+    # per scored position, in order (the baseline's and a candidate's are paired by position)
+    nll_positions: list[float] = field(default_factory=list)
     scored: int = 0
     peak_prefill: int | None = None
     peak_decode: int | None = None
@@ -449,7 +455,23 @@ def measure(
             row["details"] = cand.details()
         rows.append(row)
     _add_ratios(rows)
+    base_nll = np.asarray(tallies[0].nll_positions)
+    for row, tally in zip(rows, tallies, strict=True):
+        row["ppl_delta_ci95"] = ppl_delta_interval(base_nll, np.asarray(tally.nll_positions))
     return rows
+
+
+#: resamples of :func:`ppl_delta_interval` (seeded: a rerun gives the same interval)
+BOOTSTRAP_RESAMPLES = 2000
+
+
+def ppl_delta_interval(base_nll: np.ndarray, nll: np.ndarray, seed: int = 0) -> list[float]:
+    """``[low, high]``: the 2.5% and 97.5% quantiles of ``exp(mean nll) - exp(mean base_nll)`` over
+    :data:`BOOTSTRAP_RESAMPLES` resamples of the positions (the same positions for both)."""
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, len(base_nll), (BOOTSTRAP_RESAMPLES, len(base_nll)))
+    deltas = np.exp(nll[idx].mean(axis=1)) - np.exp(base_nll[idx].mean(axis=1))
+    return [float(np.quantile(deltas, 0.025)), float(np.quantile(deltas, 0.975))]
 
 
 def _entered(cand: Candidate) -> AbstractContextManager[Any]:
@@ -477,6 +499,7 @@ def _score_window(runner, cand, window, ctx, tally: _Tally, first: bool, bar) ->
     for token in window[ctx:]:
         logp = log_softmax(logits)
         tally.nll -= float(logp[token])
+        tally.nll_positions.append(-float(logp[token]))
         out.append(logp.astype(np.float32))
         if first:  # the cache every scored position of this window reads (bytes are off the peak's clock)
             _sample_bytes(runner, cache, tally, cand.kind == "baseline")
