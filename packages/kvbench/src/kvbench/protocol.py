@@ -380,13 +380,13 @@ def measure(
     bar = _Progress(total=(quality_steps + speed_steps) * len(candidates), enabled=progress)
     tallies = [_Tally() for _ in candidates]
     try:
-        _warm_up(runner, candidates[0], windows[0][:ctx])
+        vocab = _warm_up(runner, candidates[0], windows[0][:ctx])
         for index, window in enumerate(windows):
             base_logp: np.ndarray | None = None
             for cand, tally in zip(candidates, tallies, strict=True):
                 bar.start(f"window {index + 1}/{len(windows)}: {cand.name}")
                 with _entered(cand):
-                    logp = _score_window(runner, cand, window, ctx, tally, first=index == 0, bar=bar)
+                    logp = _score_window(runner, cand, window, ctx, tally, index == 0, vocab, bar)
                 if base_logp is None:
                     base_logp = logp
                 _compare(tally, base_logp, logp)
@@ -478,29 +478,36 @@ def _entered(cand: Candidate) -> AbstractContextManager[Any]:
     return cand.context() if cand.context is not None else nullcontext()
 
 
-def _warm_up(runner: Runner, baseline: Candidate, tokens: Sequence[int], steps: int = 8) -> None:
-    # First calls pay one-time costs (kernel selection, allocator growth, lazy imports) that
-    # would otherwise be charged to the baseline, which runs first.
+def _warm_up(runner: Runner, baseline: Candidate, tokens: Sequence[int], steps: int = 8) -> int:
+    """Run the baseline once; returns the vocabulary size (the logits' length).
+
+    First calls pay one-time costs (kernel selection, allocator growth, lazy imports) that
+    would otherwise be charged to the baseline, which runs first.
+    """
     cache = baseline.make_cache()
     logits = runner.prefill(cache, tokens)
     for _ in range(steps):
         logits = runner.step(cache, int(np.argmax(logits)))
+    return len(logits)
 
 
-def _score_window(runner, cand, window, ctx, tally: _Tally, first: bool, bar) -> np.ndarray:
+def _score_window(runner, cand, window, ctx, tally: _Tally, first: bool, vocab: int, bar) -> np.ndarray:
     """Teacher-forced run of one window; returns the log-probabilities ``[scored, V]`` (float32)."""
     started = time.perf_counter()
+    # allocated and written before the peak's base is read: a peak that reads process memory
+    # must not charge the protocol's own record of the log-probabilities to the cache
+    out = np.zeros((len(window) - ctx, vocab), np.float32)
+    out.fill(1.0)
     runner.reset_peak()
     cache = cand.make_cache()
     logits = runner.prefill(cache, window[:ctx])
     tally.peak("peak_prefill", runner.peak_bytes())
     runner.restart_peak()
-    out = []
-    for token in window[ctx:]:
+    for j, token in enumerate(window[ctx:]):
         logp = log_softmax(logits)
         tally.nll -= float(logp[token])
         tally.nll_positions.append(-float(logp[token]))
-        out.append(logp.astype(np.float32))
+        out[j] = logp
         if first:  # the cache every scored position of this window reads (bytes are off the peak's clock)
             _sample_bytes(runner, cache, tally, cand.kind == "baseline")
         logits = runner.step(cache, int(token))
@@ -513,7 +520,7 @@ def _score_window(runner, cand, window, ctx, tally: _Tally, first: bool, bar) ->
             tally.raw = runner.raw_bytes(cache)
     del cache
     tally.seconds += time.perf_counter() - started
-    return np.stack(out)
+    return out
 
 
 def _sample_bytes(runner: Runner, cache: Any, tally: _Tally, baseline: bool) -> None:
