@@ -89,19 +89,25 @@ def _kl(row: dict[str, Any]) -> float:
     return max(row["kl_mean"], 0.0)
 
 
+def _bytes(row: dict[str, Any]) -> float:
+    """What the reading rules charge a cache: everything it keeps (resident), averaged over the
+    decode positions (held at the end of the run where a result predates that field)."""
+    return row.get("resident_ratio_decode_mean") or row["kv_ratio"]
+
+
 def dominates(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    """``a`` holds no more bytes than ``b`` and its KL is no worse (within :data:`KL_TIE`), and it is
-    strictly better on one of the two."""
-    no_larger = a["kv_ratio"] <= b["kv_ratio"] * (1 + 1e-9)
+    """``a`` keeps no more bytes than ``b`` (:func:`_bytes`) and its KL is no worse (within
+    :data:`KL_TIE`), and it is strictly better on one of the two."""
+    no_larger = _bytes(a) <= _bytes(b) * (1 + 1e-9)
     no_worse = _kl(a) <= _kl(b) * (1 + KL_TIE) + 1e-12
-    smaller = a["kv_ratio"] < b["kv_ratio"] * (1 - 1e-3)
+    smaller = _bytes(a) < _bytes(b) * (1 - 1e-3)
     better = _kl(a) < _kl(b) * (1 - KL_TIE)
     return no_larger and no_worse and (smaller or better)
 
 
 def frontier(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Rows no other row dominates (see :func:`dominates`), smallest first."""
-    return sorted((r for r in rows if not any(dominates(o, r) for o in rows)), key=lambda r: r["kv_ratio"])
+    return sorted((r for r in rows if not any(dominates(o, r) for o in rows)), key=_bytes)
 
 
 def _pct(x: float) -> str:
@@ -109,7 +115,7 @@ def _pct(x: float) -> str:
 
 
 def _at(row: dict[str, Any]) -> str:
-    return f"`{row['name']}` ({row['bits_per_element']:.2f} bits/el, KL {row['kl_mean']:.2e})"
+    return f"`{row['name']}` ({_bytes(row):.3f}x resident while decoding, KL {row['kl_mean']:.2e})"
 
 
 def reading(rows: list[dict[str, Any]]) -> list[str]:
@@ -120,16 +126,18 @@ def reading(rows: list[dict[str, Any]]) -> list[str]:
     peers = [r for r in rows if r["kind"] == "peer"]
     out: list[str] = [
         f"Rules used below: a mean KL under {NEAR_LOSSLESS_KL:g} nats reads as indistinguishable from the "
-        f"baseline; KLs within {_pct(KL_TIE)} of each other count as the same quality."
+        f"baseline; KLs within {_pct(KL_TIE)} of each other count as the same quality; bytes are "
+        "everything a cache keeps, averaged over the decode positions (the resident x decoding column)."
     ]
-    same = sorted((r for r in tiers + peers if _kl(r) <= NEAR_LOSSLESS_KL), key=lambda r: r["kv_ratio"])
+    same = sorted((r for r in tiers + peers if _kl(r) <= NEAR_LOSSLESS_KL), key=_bytes)
     if same:
         best = same[0]
         out.append(
             "Indistinguishable from the baseline: "
-            + ", ".join(f"`{r['name']}` ({r['kv_ratio']:.3f}x)" for r in same)
-            + f". The smallest is `{best['name']}` at {best['kv_ratio']:.3f}x the uncompressed bytes "
-            f"({best['bits_per_element']:.2f} bits per element), top-1 agreement {_pct(best['top1_agreement'])}."
+            + ", ".join(f"`{r['name']}` ({_bytes(r):.3f}x)" for r in same)
+            + f". The smallest is `{best['name']}` at {_bytes(best):.3f}x the uncompressed bytes "
+            f"({best['bits_per_element']:.2f} bits per element held), top-1 agreement "
+            f"{_pct(best['top1_agreement'])}."
         )
     else:
         out.append("No tier or peer is indistinguishable from the baseline.")
@@ -142,14 +150,14 @@ def reading(rows: list[dict[str, Any]]) -> list[str]:
         beaten_by = [p for p in peers if dominates(p, tier)]
         beats = [p for p in peers if dominates(tier, p)]
         if beaten_by:
-            p = min(beaten_by, key=lambda r: r["kv_ratio"])
+            p = min(beaten_by, key=_bytes)
             out.append(f"{_at(tier)} loses to {_at(p)}, which is no larger and no worse.")
         elif beats:
-            p = max(beats, key=lambda r: r["kv_ratio"])
-            out.append(f"{_at(tier)} beats {_at(p)}: no larger and no worse.")
+            named = " and ".join(_at(p) for p in sorted(beats, key=_bytes))
+            out.append(f"{_at(tier)} beats {named}: no larger and no worse.")
         else:
-            p = min(peers, key=lambda r: abs(r["kv_ratio"] - tier["kv_ratio"]))
-            size = "smaller" if tier["kv_ratio"] < p["kv_ratio"] else "larger"
+            p = min(peers, key=lambda r: abs(_bytes(r) - _bytes(tier)))
+            size = "smaller" if _bytes(tier) < _bytes(p) else "larger"
             quality = "better" if _kl(tier) < _kl(p) else "worse"
             out.append(f"{_at(tier)} is {size} but {quality} than {_at(p)}.")
 
