@@ -16,6 +16,7 @@ the decoded tail (fewer than ``r + raw_window`` tokens) and need no change.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
@@ -31,20 +32,20 @@ TAIL_BITS = (None, 8)
 _LEVELS = 255
 
 
-class TailCoder:
+class TailCoder(ABC):
     """Stored parts per tail token (``part_specs``), and the maps between tokens and parts."""
 
+    @abstractmethod
     def part_specs(self, dim: int) -> tuple[PartSpec, ...]:
         """One :class:`PartSpec` per stored array; the array for ``t`` tokens is ``[B, H, t, *shape]``."""
-        raise NotImplementedError
 
+    @abstractmethod
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Tokens ``[B, H, t, D]`` -> the stored parts."""
-        raise NotImplementedError
 
+    @abstractmethod
     def decode(self, parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
         """The stored parts -> tokens ``[B, H, t, D]`` in ``dtype``."""
-        raise NotImplementedError
 
 
 @dataclass(frozen=True)
