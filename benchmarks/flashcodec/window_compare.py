@@ -1,12 +1,12 @@
-"""The window tiers beside transformers' hqq 4-bit cache over 8 long windows (issue 14's target).
+"""The window tiers beside transformers' hqq 4-bit cache over 16 long windows (issue 14's target).
 
 The main job's compare scores one long window (1,792 tokens of context, 256 scored), which is
 one draw: KL and Δ perplexity between caches this close move by tens of per cent from window to
 window. This runs the same ``flashcodec compare`` (the kvbench protocol, real caches, bf16, the
-embedded model) on the tiers that aim at the target and the peer only, over 8 long windows, and
+embedded model) on the tiers that aim at the target and the peer only, over 16 long windows, and
 keeps its whole JSON. Bytes (held, resident, and both averaged over the first window's decode
 positions) are measured from the tensors each cache holds; KL, top-1 and Δ perplexity are over
-all 8 x 256 scored positions.
+all 16 x 256 scored positions.
 
     hatch run bench:python benchmarks/flashcodec/window_compare.py   # results/flashcodec_window_compare.json
 """
@@ -26,7 +26,7 @@ COMPARE_ARGS = [
     "--tiers", TIERS, "--peers", "hf-hqq-q4",
     "--windows", "2", "--context-tokens", "192", "--scored-tokens", "64", "--new-tokens", "8",
     "--prompt-count", "1",
-    "--long-context", "2048", "--long-windows", "8", "--long-scored-tokens", "256",
+    "--long-context", "2048", "--long-windows", "16", "--long-scored-tokens", "256",
     "--speed-rounds", "2", "--speed-steps", "16", "--quiet",
 ]  # fmt: skip
 

@@ -9,7 +9,8 @@ A stream with batch ``B``, heads ``H``, head dimension ``D``, input dtype ``dt``
   first ``n_blocks`` slots along dim 2 are in use (``archived_parts()`` returns those slices).
   Block ``b`` covers tokens ``b*r .. b*r + r - 1``. ``capacity`` starts at ``initial_blocks``
   (16) on the first archived block and doubles on overflow, but never reserves more than
-  ``max_spare_blocks`` (:data:`SPARE_BLOCKS`, 4) blocks beyond those needed: spare capacity is
+  ``max_spare_blocks`` (:data:`SPARE_BLOCKS`, 4) blocks beyond those needed (with the defaults
+  that cap sets the capacity: the first block gets 5): spare capacity is
   at most 32 tokens' worth of stored rows (r = 8), less than one attention chunk, so resident
   bytes stay within held bytes + one chunk + the tail buffer. A block is written once, in place, and never rewritten (``crop`` only lowers
   ``n_blocks``; later appends reuse the freed slots).
@@ -110,7 +111,8 @@ class CodecStream:
         batch, heads, dim: ``B``, ``H``, ``D`` of every tensor appended.
         dtype: the input dtype (fp16, bf16 or fp32); tail and view use it.
         device: where every buffer lives.
-        initial_blocks: archive capacity (in blocks) allocated with the first complete block.
+        initial_blocks: archive capacity (in blocks) allocated with the first complete block, at
+            most ``max_spare_blocks`` more than it needs.
         max_spare_blocks: most blocks reserved beyond those in use when the archive grows.
     """
 
