@@ -30,6 +30,7 @@ TAIL_BITS = (None, 8)
 
 #: int8 tail: codes 0..255
 _LEVELS = 255
+_TINY = torch.finfo(torch.float32).tiny
 
 
 class TailCoder(ABC):
@@ -75,16 +76,17 @@ class Int8Tail(TailCoder):
         )
 
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        # few ops: this runs for every stream at every decode step
         xf = x.float()
         lo, hi = torch.aminmax(xf, dim=-1, keepdim=True)
         scale = (hi - lo) / _LEVELS
-        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-        codes = torch.round((xf - lo) / safe).clamp_(0, _LEVELS).to(torch.uint8)
+        # a constant token (scale 0) divides 0 by the smallest normal float: code 0, exact
+        codes = ((xf - lo) / scale.clamp_min(_TINY)).round_().clamp_(0, _LEVELS).to(torch.uint8)
         return codes, scale, lo
 
     def decode(self, parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
         codes, scale, zero = parts
-        return (codes.float() * scale + zero).to(dtype)
+        return torch.addcmul(zero, codes.float(), scale).to(dtype)
 
 
 def tail_coder(window_bits: int | None) -> TailCoder:
