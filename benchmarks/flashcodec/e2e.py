@@ -140,6 +140,7 @@ def measure_memory(run: Run, model, ids, new_tokens, backend, device) -> int:
 def measure_decode_memory(run: Run, model, ids, new_tokens, backend, device) -> int:
     """Peak bytes during the decode steps, the cache included (another pass)."""
     peak = 0
+    before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
 
     @contextlib.contextmanager
     def during_decode(cache):
@@ -155,7 +156,6 @@ def measure_decode_memory(run: Run, model, ids, new_tokens, backend, device) -> 
             yield
         peak = held + tracker.peak
 
-    before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     run(model, ids, new_tokens, backend, during_decode)
     return peak
 

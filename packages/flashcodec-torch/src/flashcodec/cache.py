@@ -435,7 +435,7 @@ class CodecKVCache:
         )
         if not arrays:
             return cache
-        n_parts = len(cache.codec.part_specs(1)) + len(cache.codec.tail_coder.part_specs(1))
+        n_parts = len(cache.codec.stream_state_specs(1))
         k_arrays, v_arrays = arrays[:n_parts], arrays[n_parts:]
         dtype = dtype or k_arrays[-1].dtype  # formats 1 and 2: the raw tail's dtype (checked above)
         common = dict(dtype=dtype, initial_blocks=cache.initial_blocks)

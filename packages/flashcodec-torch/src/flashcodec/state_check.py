@@ -33,7 +33,7 @@ def check_state(
     ``codec`` holding ``offset`` tokens (``offset=None``: not recorded, any length) in ``dtype``
     (``None``: not recorded, then the raw tail's dtype; a coded tail needs it recorded)."""
     n_tail = len(codec.tail_coder.part_specs(1))
-    n_parts = len(codec.part_specs(1)) + n_tail
+    n_parts = len(codec.stream_state_specs(1))
     if not arrays:
         if offset:
             raise KVDataError(f"state is empty but meta_state records offset={offset}")
@@ -77,7 +77,7 @@ def check_state(
 
 
 def _names(codec: BlockCodec) -> str:
-    return ", ".join(spec.name for spec in (*codec.part_specs(1), *codec.tail_coder.part_specs(1)))
+    return ", ".join(spec.name for spec in codec.stream_state_specs(1))
 
 
 def _check_stream(

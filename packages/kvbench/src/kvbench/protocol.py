@@ -496,8 +496,7 @@ def _score_window(runner, cand, window, ctx, tally: _Tally, first: bool, vocab: 
     started = time.perf_counter()
     # allocated and written before the peak's base is read: a peak that reads process memory
     # must not charge the protocol's own record of the log-probabilities to the cache
-    out = np.zeros((len(window) - ctx, vocab), np.float32)
-    out.fill(1.0)
+    out = np.ones((len(window) - ctx, vocab), np.float32)  # ones, not empty: every page written
     runner.reset_peak()
     cache = cand.make_cache()
     logits = runner.prefill(cache, window[:ctx])

@@ -124,6 +124,11 @@ class BlockCodec(ABC):
 
         return tail_coder(self.window_bits)
 
+    def stream_state_specs(self, dim: int) -> tuple[PartSpec, ...]:
+        """The arrays one stream's saved state holds, in order: the archive parts
+        (:meth:`part_specs`, per block), then the tail parts (:attr:`tail_coder`, per token)."""
+        return (*self.part_specs(dim), *self.tail_coder.part_specs(dim))
+
     @property
     @abstractmethod
     def rows(self) -> int:

@@ -89,6 +89,10 @@ class Int8Tail(TailCoder):
         return torch.addcmul(zero, codes.float(), scale).to(dtype)
 
 
+#: one shared coder per ``window_bits`` (coders hold no state; streams ask for theirs at every step)
+_CODERS: dict[int | None, TailCoder] = {None: RawTail(), 8: Int8Tail()}
+
+
 def tail_coder(window_bits: int | None) -> TailCoder:
     """The coder for a codec's ``window_bits`` (validated by the codec: one of :data:`TAIL_BITS`)."""
-    return RawTail() if window_bits is None else Int8Tail()
+    return _CODERS[window_bits]
