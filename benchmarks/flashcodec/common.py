@@ -1,4 +1,5 @@
-"""What the flashcodec measurement scripts share: tier lookup, signals, stamping, results paths.
+"""What the flashcodec measurement scripts share: tier lookup, signals, stamping, results paths
+and teacher-forced log-probabilities.
 
 Every configuration a script runs is a tier of :data:`flashcodec.tiers.TIERS`, named as there
 ("jpeg-k2-int8"); :func:`tier_list` parses and checks ``--tiers`` against that registry.
@@ -66,3 +67,16 @@ def save(data: dict, name: str, args: argparse.Namespace) -> Path:
     write_json(out, data)
     print(f"wrote {out}")
     return out
+
+
+@torch.inference_mode()
+def log_probs(model, cache, window: list[int], context: int) -> torch.Tensor:
+    """Log-probabilities at the scored positions: one prefill call, then one token per call."""
+    out = [
+        model(input_ids=torch.tensor([window[:context]]), past_key_values=cache, logits_to_keep=1).logits[
+            0, -1
+        ]
+    ]
+    for token in window[context:-1]:
+        out.append(model(input_ids=torch.tensor([[token]]), past_key_values=cache).logits[0, -1])
+    return torch.stack(out).float().log_softmax(-1)

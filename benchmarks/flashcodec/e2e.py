@@ -58,7 +58,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 DEFAULT_TIERS = (
     "jpeg-k2-int8,jpeg-k2-int8-mf,jpeg-k8-int8,jpeg-k8-int8-mf,png-keep1,"
-    "jpeg-k8-int4z-w64,jpeg-k8-int4z-w64-mf,jpeg-k8-int4z-w96i8,jpeg-k8-int4z-w96i8-mf"
+    "jpeg-k8-int4z-w64,jpeg-k8-int4z-w64-mf,jpeg-k8-int4z-w96i8,jpeg-k8-int4z-w96i8-mf,"
+    "chan64-int4-w64i8,chan64-int4-w64i8-mf"
 )
 MF = "-mf"
 

@@ -36,7 +36,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from common import RESULTS, stamp
+from common import RESULTS, log_probs, stamp
 from flashcodec import JPEGCodec
 from flashcodec.codecs import MixedJPEGCodec, ZeroPointJPEGCodec
 from flashcodec.codecs.quant import (
@@ -168,19 +168,6 @@ def fake_quant_cache(model, quant_k: Quantizer, quant_v: Quantizer, recent: int)
     cache = DynamicCache(config=model.config)
     cache.layers = [Layer() for _ in range(model.config.num_hidden_layers)]
     return cache
-
-
-@torch.inference_mode()
-def log_probs(model, cache, window: list[int], context: int) -> torch.Tensor:
-    """Log-probabilities at the scored positions: one prefill call, then one token per call."""
-    out = [
-        model(input_ids=torch.tensor([window[:context]]), past_key_values=cache, logits_to_keep=1).logits[
-            0, -1
-        ]
-    ]
-    for token in window[context:-1]:
-        out.append(model(input_ids=torch.tensor([[token]]), past_key_values=cache).logits[0, -1])
-    return torch.stack(out).float().log_softmax(-1)
 
 
 def score(base: list[torch.Tensor], got: list[torch.Tensor], windows: list[list[int]], context: int) -> dict:

@@ -76,6 +76,15 @@ def test_json_has_every_field_as_a_measured_number(run, model_path):
         # the lossy tier and the peer really ran: their distributions are their own
         assert ours["kl_mean"] > 0 and theirs["kl_mean"] > 0
         assert ours["positions_scored"] == run_["settings"]["windows"] * run_["settings"]["scored_tokens"]
+        # the tier against the peer on the same positions; the baseline and the peer get no such field
+        pair = ours["ppl_vs_peers"][peer]
+        assert (
+            list(ours["ppl_vs_peers"]) == [peer]
+            and "ppl_vs_peers" not in base
+            and "ppl_vs_peers" not in theirs
+        )
+        assert pair["ppl_delta"] == pytest.approx(ours["perplexity"] - theirs["perplexity"])
+        assert pair["ci95"][0] <= pair["ppl_delta"] <= pair["ci95"][1]
     base, ours, theirs = short["rows"]
     # raw bytes checked against the model's shape, independently of any cache: 72 bf16 tokens
     m = result["model"]
@@ -112,6 +121,30 @@ def test_user_mistakes_are_one_line(module, tmp_path, capsys):
         assert main([*argv, "--quiet"]) == 2, argv
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error: ") and expected in err[0], (argv, err)
+
+
+def test_reading_names_the_paired_perplexity_verdict():
+    from make_docs import reading
+
+    def row(name, kind, kl, resident, **extra):
+        return {
+            "name": name, "kind": kind, "kl_mean": kl, "resident_ratio_decode_mean": resident, "kv_ratio": resident,
+            "top1_agreement": 0.99, "bits_per_element": 16 * resident, "decode_speed_ratio": 1.0,
+            "decode_tokens_per_s": 10.0, "resident_ratio": resident, **extra,
+        }  # fmt: skip
+
+    base = row("baseline", "baseline", 0.0, 1.0)
+    peer = row("peer", "peer", 2e-4, 0.31)
+    for ci, verdict in (([-0.02, 0.1], "not told apart"), ([0.01, 0.1], "higher"), ([-0.1, -0.01], "lower")):
+        tier = row("tier", "tier", 1e-4, 0.30, ppl_vs_peers={"peer": {"ppl_delta": 0.04, "ci95": ci}})
+        line = next(x for x in reading([base, tier, peer]) if x.startswith("`tier`"))
+        assert (
+            "beats `peer`" in line
+            and f"+0.040 (95% interval {ci[0]:+.3f} to {ci[1]:+.3f}: {verdict})" in line
+        )
+    old = row("tier", "tier", 1e-4, 0.30)  # a result written before the field existed
+    line = next(x for x in reading([base, old, peer]) if x.startswith("`tier`"))
+    assert "beats `peer`" in line and "Perplexity" not in line
 
 
 def test_docs_match_the_committed_results():

@@ -118,6 +118,20 @@ def _at(row: dict[str, Any]) -> str:
     return f"`{row['name']}` ({_bytes(row):.3f}x resident while decoding, KL {row['kl_mean']:.2e})"
 
 
+def _ppl_against(tier: dict[str, Any], peer: dict[str, Any]) -> str:
+    """`` Perplexity against it: ...`` from the tier's paired comparison with ``peer`` (kvbench's
+    ``ppl_vs_peers``); empty where the result predates that field."""
+    pair = tier.get("ppl_vs_peers", {}).get(peer["name"])
+    if pair is None:
+        return ""
+    low, high = pair["ci95"]
+    verdict = "higher" if low > 0 else "lower" if high < 0 else "not told apart"
+    return (
+        f" Perplexity against `{peer['name']}` on the same positions: {pair['ppl_delta']:+.3f} "
+        f"(95% interval {low:+.3f} to {high:+.3f}: {verdict})."
+    )
+
+
 def reading(rows: list[dict[str, Any]]) -> list[str]:
     """Bullet points read off one run by fixed rules: what keeps the baseline's quality, what wins
     and loses against the peers, how decode speed compares, what the cache keeps beyond its codes."""
@@ -151,10 +165,13 @@ def reading(rows: list[dict[str, Any]]) -> list[str]:
         beats = [p for p in peers if dominates(tier, p)]
         if beaten_by:
             p = min(beaten_by, key=_bytes)
-            out.append(f"{_at(tier)} loses to {_at(p)}, which is no larger and no worse.")
+            out.append(
+                f"{_at(tier)} loses to {_at(p)}, which is no larger and no worse." + _ppl_against(tier, p)
+            )
         elif beats:
-            named = " and ".join(_at(p) for p in sorted(beats, key=_bytes))
-            out.append(f"{_at(tier)} beats {named}: no larger and no worse.")
+            ranked = sorted(beats, key=_bytes)
+            named = " and ".join(_at(p) for p in ranked)
+            out.append(f"{_at(tier)} beats {named}: no larger and no worse." + _ppl_against(tier, ranked[0]))
         else:
             p = min(peers, key=lambda r: abs(_bytes(r) - _bytes(tier)))
             size = "smaller" if _bytes(tier) < _bytes(p) else "larger"

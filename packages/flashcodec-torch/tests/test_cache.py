@@ -6,7 +6,8 @@ import pytest
 import torch
 from conftest import CODECS, gaussian, random_walk
 from flashcodec import CodecKVCache
-from flashcodec.stream import SPARE_BLOCKS
+from flashcodec.codecs import ChannelInt4Codec
+from flashcodec.stream import SPARE_BLOCKS, spare_blocks
 from kvspec import (
     KVCacheLayer,
     KVConfigError,
@@ -66,6 +67,18 @@ def test_archive_grows_in_place_with_a_bounded_reserve():
     assert cache.keys.n_blocks == 70
 
 
+def test_long_blocks_reserve_no_more_than_32_tokens():
+    # chan64: one spare 64-token block would be 3% of a 2,048-token archive, so none is reserved
+    assert spare_blocks(8) == SPARE_BLOCKS == 4 and spare_blocks(16) == 2 and spare_blocks(64) == 0
+    cache = CodecKVCache(codec=ChannelInt4Codec(64))
+    x = gaussian(b=1, h=1, s=64 * 3 + 5, d=4)
+    cache.forward(x[:, :, :100], x[:, :, :100])
+    assert cache.keys.capacity == cache.keys.n_blocks == 1
+    for t in range(100, x.shape[2]):
+        cache.decode_step(x[:, :, t : t + 1], x[:, :, t : t + 1])
+        assert cache.keys.capacity == cache.keys.n_blocks
+
+
 def test_full_fill_allocates_once():
     cache = CodecKVCache("jpeg", block_size=8, keep_freqs=2)
     x = gaussian(b=1, h=1, s=8 * 100, d=4)
@@ -81,9 +94,10 @@ def test_storage_is_measured_and_split(tier):
     cache.forward(x, x)
     st = cache.storage_bytes()
     assert st.raw == 2 * b * h * s * d * 4 == cache.raw_nbytes
-    blocks = max(0, s - cache.codec.raw_window) // 8  # a raw window keeps its tokens uncoded
+    r = cache.codec.block_size
+    blocks = max(0, s - cache.codec.raw_window) // r  # a raw window keeps its tokens uncoded
     per_token = d * 4 if cache.codec.window_bits is None else d + 2 * 4  # int8 codes + fp32 scale, zero
-    assert st.tail == 2 * b * h * (s - 8 * blocks) * per_token
+    assert st.tail == 2 * b * h * (s - r * blocks) * per_token
     assert st.held == st.used + st.tail == cache.nbytes == sum(t.nbytes for t in cache.state)
     assert st.allocated >= st.used + st.tail
     k, _ = cache.read()
@@ -99,7 +113,8 @@ def test_storage_is_measured_and_split(tier):
         "jpeg-k4": 4 * d * 4,
         "jpeg-k2": 2 * d * 4,
         "jpeg-k2-int8": 2 * d + 2 * 4,
-    }[tier.removesuffix("-w64").removesuffix("-w96i8")]
+        "chan64-int4": 64 * d // 2 + d * (2 + 2),  # two int4 codes a byte + fp16 scale and zero per channel
+    }[tier.removesuffix("-w64").removesuffix("-w96i8").removesuffix("-w64i8")]
     assert st.used == 2 * b * h * blocks * per_block
 
 

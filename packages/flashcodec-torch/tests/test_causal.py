@@ -57,7 +57,7 @@ def test_archived_rows_are_never_rewritten(tier):
             )
     final = [*cache.keys.archived_parts(), *cache.values.archived_parts()]
     # 37 blocks (fewer behind a raw window), the archive reallocated on the way every SPARE_BLOCKS
-    assert cache.keys.n_blocks == (300 - cache.codec.raw_window) // 8
+    assert cache.keys.n_blocks == (300 - cache.codec.raw_window) // cache.codec.block_size
     assert 0 <= cache.keys.capacity - cache.keys.n_blocks <= SPARE_BLOCKS
     for snap in snapshots:
         for old, now in zip(snap, final, strict=True):
@@ -208,15 +208,16 @@ def test_lossy_tail_tokens_change_once_their_block_completes(tier):
     # why lossy tiers declare causal_stable=False to kvspec: the tail is raw (or int8 per token,
     # each token on its own), archived blocks are not
     w = CODECS[tier].raw_window  # a raw window delays the block by w tokens
-    k = random_walk(s=8 + w, seed=19)
+    r = CODECS[tier].block_size
+    k = random_walk(s=r + w, seed=19)
     coder = CODECS[tier].tail_coder
     stored = coder.decode(coder.encode(k), k.dtype)  # raw: k itself
     cache = CodecKVCache(codec=CODECS[tier])
-    seen = cache.forward(k[:, :, : 7 + w], k[:, :, : 7 + w])[0].clone()
-    assert torch.equal(seen, stored[:, :, : 7 + w])
-    after = cache.decode_step(k[:, :, 7 + w :], k[:, :, 7 + w :])[0]
-    assert not torch.equal(after[:, :, :7], seen[:, :, :7])
-    assert torch.equal(after[:, :, 8:], stored[:, :, 8:])  # the window behind the block is unchanged
+    seen = cache.forward(k[:, :, : r - 1 + w], k[:, :, : r - 1 + w])[0].clone()
+    assert torch.equal(seen, stored[:, :, : r - 1 + w])
+    after = cache.decode_step(k[:, :, r - 1 + w :], k[:, :, r - 1 + w :])[0]
+    assert not torch.equal(after[:, :, : r - 1], seen[:, :, : r - 1])
+    assert torch.equal(after[:, :, r:], stored[:, :, r:])  # the window behind the block is unchanged
 
 
 def test_lossless_tail_and_archive_agree_bit_for_bit_on_signed_zeros():

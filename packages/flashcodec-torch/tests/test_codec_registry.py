@@ -16,7 +16,15 @@ import torch
 from conftest import gaussian
 from flashcodec import CodecKVCache, JPEGCodec, PNGCodec
 from flashcodec.attention import codec_decode_attention, materialized_decode_attention
-from flashcodec.codecs import CODECS, BlockCodec, MixedJPEGCodec, PartSpec, ZeroPointJPEGCodec, make_codec
+from flashcodec.codecs import (
+    CODECS,
+    BlockCodec,
+    ChannelInt4Codec,
+    MixedJPEGCodec,
+    PartSpec,
+    ZeroPointJPEGCodec,
+    make_codec,
+)
 from flashcodec.codecs.base import check_block_size, from_blocks, to_blocks
 from kvspec import KVConfigError
 
@@ -68,13 +76,15 @@ def test_every_registry_key_is_its_class_mode():
         "png": PNGCodec,
         "jpeg-mixed": MixedJPEGCodec,
         "jpeg-zp": ZeroPointJPEGCodec,
+        "chan4": ChannelInt4Codec,
     }
     assert all(cls.mode == mode and issubclass(cls, BlockCodec) for mode, cls in CODECS.items())
 
 
 def test_an_unregistered_mode_names_the_registered_ones():
     with pytest.raises(
-        KVConfigError, match=r"mode must be one of \('jpeg', 'png', 'jpeg-mixed', 'jpeg-zp'\); got 'raw'"
+        KVConfigError,
+        match=r"mode must be one of \('jpeg', 'png', 'jpeg-mixed', 'jpeg-zp', 'chan4'\); got 'raw'",
     ):
         CodecKVCache(mode="raw", block_size=4)
 

@@ -28,7 +28,7 @@ pytest.importorskip("triton")
 from conftest import CODECS  # noqa: E402
 from flashcodec import CodecKVCache, JPEGCodec, PNGCodec  # noqa: E402
 from flashcodec.attention import codec_decode_attention, coded_rows, materialized_decode_attention  # noqa: E402
-from flashcodec.codecs import MixedJPEGCodec, ZeroPointJPEGCodec  # noqa: E402
+from flashcodec.codecs import ChannelInt4Codec, MixedJPEGCodec, ZeroPointJPEGCodec  # noqa: E402
 from flashcodec.kernels import triton_attention as ta  # noqa: E402
 from flashcodec.kernels.naive import combine_partials, decode_attention_partials  # noqa: E402
 
@@ -66,6 +66,20 @@ CASES = {
         2,
         2,
         True,
+    ),
+    # per-channel int4 (chan4): scales and zero points per (block, channel), with an int8 window
+    "chan4-masked": (ChannelInt4Codec(4), 2, 2, 2, 27, 16, torch.float32, 2, 2, True),
+    "chan4-int8-window-bf16": (
+        ChannelInt4Codec(4, raw_window=6, window_bits=8),
+        1,
+        2,
+        2,
+        31,
+        16,
+        torch.bfloat16,
+        2,
+        2,
+        False,
     ),
     # the window stored in int8 (window_bits=8): the kernel reads the decoded bf16 tail
     "jpeg-zp-int8-window-bf16": (
@@ -173,7 +187,9 @@ def test_cuda_kernel_matches_reference(case):
 
 
 @needs_cuda
-@pytest.mark.parametrize("tier", ["jpeg-k2-int8", "jpeg-k2", "jpeg-k8-int4z", "png-keep1"])
+@pytest.mark.parametrize(
+    "tier", ["jpeg-k2-int8", "jpeg-k2", "jpeg-k8-int4z", "chan64-int4-w64i8", "png-keep1"]
+)
 def test_cuda_kernel_matches_materialized_at_length(tier):
     gen = torch.Generator().manual_seed(0)
     b, h, g, s, d = 2, 8, 2, 4096 + 5, 128

@@ -18,6 +18,7 @@ from conftest import CODECS
 from flashcodec import CodecKVCache, CodecStream
 from flashcodec.attention import (
     CHUNK_BLOCKS,
+    chunk_blocks_for,
     codec_prefill_attention,
     materialized_prefill_attention,
 )
@@ -212,3 +213,9 @@ def test_bad_calls_raise_and_change_nothing(case):
         )
     assert all(torch.equal(a, b) for a, b in zip(before, cache.state, strict=True))
     assert not cache.keys.has_view
+
+
+def test_the_default_chunk_is_512_tokens_of_blocks():
+    # 64 blocks at r = 8; chan64's 64-token blocks go 8 at a time, not 64 (4,096 tokens)
+    assert chunk_blocks_for(8) == CHUNK_BLOCKS == 64
+    assert chunk_blocks_for(64) == 8 and chunk_blocks_for(1024) == 1

@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import CODECS, random_walk
 from flashcodec import CodecKVCache, JPEGCodec, PNGCodec, Tier
-from flashcodec.codecs import ZeroPointJPEGCodec
+from flashcodec.codecs import ChannelInt4Codec, ZeroPointJPEGCodec
 from flashcodec.spec import FlashCodecAdapter, conformance_tiers
 from flashcodec.tiers import TIERS, tier
 from kvspec import KVConfigError
@@ -24,6 +24,8 @@ NAMES = [
     "jpeg-k8-int4z-w64-mf",
     "jpeg-k8-int4z-w96i8",
     "jpeg-k8-int4z-w96i8-mf",
+    "chan64-int4-w64i8",
+    "chan64-int4-w64i8-mf",
     "jpeg-k4",
     "jpeg-k2",
     "jpeg-k2-int8",
@@ -41,12 +43,14 @@ def test_names_order_and_codecs():
     assert TIERS["jpeg-k8-int4z"].codec == ZeroPointJPEGCodec(8, 8)
     assert TIERS["jpeg-k8-int4z-w64"].codec == ZeroPointJPEGCodec(8, 8, raw_window=64)
     assert TIERS["jpeg-k8-int4z-w96i8"].codec == ZeroPointJPEGCodec(8, 8, raw_window=96, window_bits=8)
+    assert TIERS["chan64-int4-w64i8"].codec == ChannelInt4Codec(64, raw_window=64, window_bits=8)
     assert [t.name for t in TIERS.values() if t.materialization_free] == [
         "jpeg-k8-int8-mf",
         "jpeg-k8-int4-mf",
         "jpeg-k8-int4z-mf",
         "jpeg-k8-int4z-w64-mf",
         "jpeg-k8-int4z-w96i8-mf",
+        "chan64-int4-w64i8-mf",
         "jpeg-k2-int8-mf",
     ]
 

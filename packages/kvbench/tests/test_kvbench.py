@@ -195,6 +195,24 @@ def test_ppl_delta_interval_is_paired_and_seeded():
     assert high2 - low2 > 10 * (high - low) and ppl_delta_interval(base, noisy) == [low2, high2]
 
 
+def test_tiers_are_compared_with_each_peer_on_the_same_positions():
+    windows = text_windows(TOKENS, SETTINGS)
+    cands = [
+        *candidates(),
+        Candidate("exact-peer", "peer", "what the baseline does", lambda: ToyCache()),
+        Candidate("even-peer", "peer", "what the tier does", lambda: ToyCache(lossy=True)),
+    ]
+    base, even, exact, same = measure(ToyRunner(), cands, windows, [[1, 2]], SETTINGS, progress=False)
+    assert "ppl_vs_peers" not in base and "ppl_vs_peers" not in exact
+    vs = even["ppl_vs_peers"]
+    assert list(vs) == ["exact-peer", "even-peer"]
+    # a peer that predicts what the baseline predicts: the tier's own ppl_delta and interval
+    assert vs["exact-peer"]["ppl_delta"] == pytest.approx(even["ppl_delta"])
+    assert vs["exact-peer"]["ci95"] == even["ppl_delta_ci95"]
+    # a peer that predicts what the tier predicts: paired, every resample's difference is 0
+    assert vs["even-peer"] == {"ppl_delta": 0.0, "ci95": [0.0, 0.0]}
+
+
 def test_decode_mean_charges_a_cache_whose_size_jumps_its_average():
     windows = text_windows(TOKENS, SETTINGS)
     rows = measure(FlushingRunner(), candidates(), windows, [[1, 2], [5]], SETTINGS, progress=False)

@@ -16,7 +16,7 @@ in bytes read is ``R / r`` (jpeg ``keep_freqs < block_size``, and 1/4 more from 
 
 Multi-token steps (prefill, chunked prefill, verification): :func:`codec_prefill_attention`. The
 coefficient form would need a ``[s, n_blocks * R]`` score tensor per head, so there the archived
-blocks are decoded :data:`CHUNK_BLOCKS` at a time and folded into an online softmax
+blocks are decoded :data:`CHUNK_TOKENS` tokens' worth at a time and folded into an online softmax
 (log-sum-exp): peak memory is one decoded chunk plus one pass's scores, never the whole view.
 
 Backends: ``"torch"`` (:mod:`flashcodec.kernels.naive`, split into chunks of blocks so its
@@ -45,14 +45,25 @@ __all__ = [
     "materialized_decode_attention",
     "materialized_prefill_attention",
     "CHUNK_BLOCKS",
+    "CHUNK_TOKENS",
+    "chunk_blocks_for",
     "triton_available",
 ]
 
 BACKENDS = ("auto", "torch", "triton")
 #: bytes of fp32 rows one torch chunk may cast at once: bounds the temporaries on long sequences
 TORCH_CHUNK_BYTES = 2 << 20
-#: archived blocks a multi-token step decodes at a time (at least the archive's most spare blocks)
-CHUNK_BLOCKS = max(64, SPARE_BLOCKS)
+#: tokens' worth of archived blocks a multi-token step decodes at a time (:func:`chunk_blocks_for`)
+CHUNK_TOKENS = 512
+#: archived blocks a multi-token step decodes at a time at r = 8 (at least the archive's most spare blocks)
+CHUNK_BLOCKS = max(CHUNK_TOKENS // 8, SPARE_BLOCKS)
+
+
+def chunk_blocks_for(block_size: int) -> int:
+    """The default chunk of a multi-token step, in blocks: :data:`CHUNK_TOKENS` tokens' worth
+    (:data:`CHUNK_BLOCKS` = 64 at r = 8, 8 at r = 64; at least one block). The archive's spare
+    capacity (at most 32 tokens) stays below it."""
+    return max(1, CHUNK_TOKENS // block_size)
 
 
 def triton_available() -> bool:
@@ -76,7 +87,10 @@ def coded_rows(stream: CodecStream) -> CodedRows:
     parts = stream.archived_parts()
     segments, scales = codec.row_segments(parts)
     synthesis = codec.synthesis_matrix(torch.float32, stream.device)
-    return CodedRows(segments, scales, synthesis, stream.tail(), codec.row_offsets(parts))
+    channel = codec.channel_affine(parts)
+    return CodedRows(
+        segments, scales, synthesis, stream.tail(), codec.row_offsets(parts), *(channel or (None, None))
+    )
 
 
 def additive_key_mask(key_mask: torch.Tensor | None, batch: int, seq_len: int) -> torch.Tensor | None:
@@ -322,7 +336,8 @@ def codec_prefill_attention(
         attn_mask: None (causal: query ``i`` sees the keys up to its own position ``S - s + i``),
             or bool ``[B, 1 | Hq, s, S]`` (True = attend) or additive float of that shape, used
             instead of the causal rule (transformers' 4-D masks: padding, custom masks).
-        chunk_blocks: archived blocks decoded at a time (default :data:`CHUNK_BLOCKS`).
+        chunk_blocks: archived blocks decoded at a time (default :func:`chunk_blocks_for` the
+            block size: 512 tokens' worth).
 
     Returns:
         ``[B, Hq, s, Dv]`` in ``query.dtype``; fp32 arithmetic on keys and values rounded to the
@@ -339,7 +354,7 @@ def codec_prefill_attention(
         coded_rows(value_stream),
         scale=1.0 / math.sqrt(d) if scale is None else float(scale),
         mask=mask,
-        chunk_blocks=chunk_blocks or CHUNK_BLOCKS,
+        chunk_blocks=chunk_blocks or chunk_blocks_for(key_stream.block_size),
     )
 
 

@@ -66,7 +66,8 @@ class CodecKVCache:
         check_finite: reject NaN / inf input with ``KVValueError`` (default True). One NaN would
             spread over its whole block through the transform; the check costs a reduction per call.
         initial_blocks: archive capacity allocated with the first complete block (then doubled), never
-            more than ``flashcodec.stream.SPARE_BLOCKS`` blocks beyond those in use.
+            more than ``flashcodec.stream.spare_blocks(block_size)`` blocks beyond those in use (4
+            blocks and at most 32 tokens).
 
     Shapes: keys ``[B, H, S, D]``, values ``[B, H, S, Dv]``; dtype fp32, fp16 or bf16, the same for
     both, on one device. B, H, D, Dv, dtype and device are fixed by the first call (``reset`` or

@@ -9,11 +9,12 @@ A stream with batch ``B``, heads ``H``, head dimension ``D``, input dtype ``dt``
   first ``n_blocks`` slots along dim 2 are in use (``archived_parts()`` returns those slices).
   Block ``b`` covers tokens ``b*r .. b*r + r - 1``. ``capacity`` starts at ``initial_blocks``
   (16) on the first archived block and doubles on overflow, but never reserves more than
-  ``max_spare_blocks`` (:data:`SPARE_BLOCKS`, 4) blocks beyond those needed (with the defaults
-  that cap sets the capacity: the first block gets 5): spare capacity is
-  at most 32 tokens' worth of stored rows (r = 8), less than one attention chunk, so resident
-  bytes stay within held bytes + one chunk + the tail buffer. A block is written once, in place, and never rewritten (``crop`` only lowers
-  ``n_blocks``; later appends reuse the freed slots).
+  ``max_spare_blocks`` (:func:`spare_blocks`: :data:`SPARE_BLOCKS` = 4 at r <= 8, 0 at r = 64)
+  blocks beyond those needed (with the defaults that cap sets the capacity: the first block gets
+  5 at r = 8): spare capacity is at most 32 tokens' worth of stored rows, less than one attention
+  chunk, so resident bytes stay within held bytes + one chunk + the tail buffer. A block is
+  written once, in place, and never rewritten (``crop`` only lowers ``n_blocks``; later appends
+  reuse the freed slots).
 
   ==========================  =====================================  ====================
   codec                       parts (per block shape)                dtype
@@ -58,7 +59,7 @@ from .codecs.base import BlockCodec
 from .storage import CodecStorage
 from .validate import check_int
 
-__all__ = ["AppendPlan", "CodecStream", "ReorderPlan", "SPARE_BLOCKS"]
+__all__ = ["AppendPlan", "CodecStream", "ReorderPlan", "SPARE_BLOCKS", "SPARE_TOKENS", "spare_blocks"]
 
 #: most archive blocks reserved beyond those in use (well under one attention chunk,
 #: :data:`flashcodec.attention.CHUNK_BLOCKS`): the archive grows by this many blocks beyond what
@@ -68,6 +69,15 @@ __all__ = ["AppendPlan", "CodecStream", "ReorderPlan", "SPARE_BLOCKS"]
 #: value) averaged 64: against a 4-bit cache of a few thousand tokens that difference is a few
 #: per cent of its bytes
 SPARE_BLOCKS = 4
+#: and at most this many tokens' worth of blocks (:func:`spare_blocks`)
+SPARE_TOKENS = 32
+
+
+def spare_blocks(block_size: int) -> int:
+    """The default reserve in blocks: :data:`SPARE_BLOCKS`, but no more than :data:`SPARE_TOKENS`
+    tokens (4 at r = 8; 0 at r = 64, where one spare block alone would be 3% of a 2,048-token
+    archive, and a regrowth per 64-token block costs less than one per 32 tokens at r = 8)."""
+    return min(SPARE_BLOCKS, SPARE_TOKENS // block_size)
 
 
 @dataclass(frozen=True)
@@ -113,7 +123,8 @@ class CodecStream:
         device: where every buffer lives.
         initial_blocks: archive capacity (in blocks) allocated with the first complete block, at
             most ``max_spare_blocks`` more than it needs.
-        max_spare_blocks: most blocks reserved beyond those in use when the archive grows.
+        max_spare_blocks: most blocks reserved beyond those in use when the archive grows; None
+            (the default): :func:`spare_blocks` of the codec's block size.
     """
 
     def __init__(
@@ -126,7 +137,7 @@ class CodecStream:
         device: torch.device | str,
         *,
         initial_blocks: int = 16,
-        max_spare_blocks: int = SPARE_BLOCKS,
+        max_spare_blocks: int | None = None,
     ):
         if not isinstance(codec, BlockCodec):
             raise KVConfigError(f"codec must be a codec object such as JPEGCodec(...); got {codec!r}")
@@ -140,6 +151,8 @@ class CodecStream:
         self.dtype = dtype
         self.device = torch.device(device)
         self.initial_blocks = check_int("initial_blocks", initial_blocks, low=1)
+        if max_spare_blocks is None:
+            max_spare_blocks = spare_blocks(codec.block_size)
         self.max_spare_blocks = check_int("max_spare_blocks", max_spare_blocks, low=0)
         self._archive: tuple[torch.Tensor, ...] = ()
         self.n_blocks = 0

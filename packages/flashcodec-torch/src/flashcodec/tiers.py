@@ -1,6 +1,6 @@
 """The flashcodec tiers: the one place a tier is defined.
 
-A tier is a named codec (r = 8 tokens per block) with a one-line description, plus whether
+A tier is a named codec (r = 8 tokens per block; 64 for the per-channel ``chan64`` tiers) with a one-line description, plus whether
 attention runs without the reconstructed view (``materialization_free``: the transformers
 backend's :func:`flashcodec.hf.apply_codec_attention`; decode on the stored rows, multi-token
 steps over the archive in chunks). :data:`TIERS` lists them easiest first; the
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from kvspec import KVConfigError
 
-from .codecs import BlockCodec, JPEGCodec, PNGCodec, ZeroPointJPEGCodec
+from .codecs import BlockCodec, ChannelInt4Codec, JPEGCodec, PNGCodec, ZeroPointJPEGCodec
 
 __all__ = ["Tier", "TIERS", "tier"]
 
@@ -131,6 +131,17 @@ TIERS: dict[str, Tier] = _registry(
         "jpeg-k8-int4z-w96i8-mf",
         "jpeg-k8-int4z-w96i8 with materialization-free attention (decode on the int4 codes and the int8 window)",
         ZeroPointJPEGCodec(8, raw_window=96, window_bits=8),
+        materialization_free=True,
+    ),
+    Tier(
+        "chan64-int4-w64i8",
+        "int4 per (64-token block, channel), fp16 scale and zero (KIVI's grouping); newest 64-127 tokens int8",
+        ChannelInt4Codec(64, raw_window=64, window_bits=8),
+    ),
+    Tier(
+        "chan64-int4-w64i8-mf",
+        "chan64-int4-w64i8 with materialization-free attention (decode on the int4 codes and the int8 window)",
+        ChannelInt4Codec(64, raw_window=64, window_bits=8),
         materialization_free=True,
     ),
     Tier("jpeg-k4", "jpeg, lowest 4 of 8 coefficients", JPEGCodec(8, keep_freqs=4)),

@@ -84,6 +84,10 @@ MEASURES: dict[str, str] = {
     "(each resample draws positions with replacement and scores both caches on them): how far "
     "ppl_delta moves with the positions sampled; two caches whose intervals overlap widely are not "
     "told apart by perplexity in this run",
+    "ppl_vs_peers": "tiers only: per peer of the run, {ppl_delta, ci95}: this tier's perplexity minus "
+    "the peer's on the same positions, and its 95% interval from the same paired bootstrap: the tier "
+    "and the peer are told apart by perplexity only when the interval excludes 0 (whether two "
+    "ppl_delta_ci95 intervals overlap does not answer that question)",
     "token_match": "share of greedy tokens equal to the baseline's at the same position (all prompts): "
     "an illustration; kl_mean and top1_agreement rank",
     "first_divergence": "mean index of the first greedy token that differs from the baseline "
@@ -456,8 +460,20 @@ def measure(
         rows.append(row)
     _add_ratios(rows)
     base_nll = np.asarray(tallies[0].nll_positions)
-    for row, tally in zip(rows, tallies, strict=True):
-        row["ppl_delta_ci95"] = ppl_delta_interval(base_nll, np.asarray(tally.nll_positions))
+    nll = [np.asarray(tally.nll_positions) for tally in tallies]
+    for row, positions in zip(rows, nll, strict=True):
+        row["ppl_delta_ci95"] = ppl_delta_interval(base_nll, positions)
+    peers = [
+        (r["name"], r["perplexity"], positions)
+        for r, positions in zip(rows, nll, strict=True)
+        if r["kind"] == "peer"
+    ]
+    for row, positions in zip(rows, nll, strict=True):
+        if row["kind"] == "tier":
+            row["ppl_vs_peers"] = {
+                name: {"ppl_delta": row["perplexity"] - ppl, "ci95": ppl_delta_interval(peer_nll, positions)}
+                for name, ppl, peer_nll in peers
+            }
     return rows
 
 
@@ -467,7 +483,8 @@ BOOTSTRAP_RESAMPLES = 2000
 
 def ppl_delta_interval(base_nll: np.ndarray, nll: np.ndarray, seed: int = 0) -> list[float]:
     """``[low, high]``: the 2.5% and 97.5% quantiles of ``exp(mean nll) - exp(mean base_nll)`` over
-    :data:`BOOTSTRAP_RESAMPLES` resamples of the positions (the same positions for both)."""
+    :data:`BOOTSTRAP_RESAMPLES` resamples of the positions (the same positions for both). Any two
+    caches of one run pair this way: ``base_nll`` is the baseline's or a peer's."""
     rng = np.random.default_rng(seed)
     idx = rng.integers(0, len(base_nll), (BOOTSTRAP_RESAMPLES, len(base_nll)))
     deltas = np.exp(nll[idx].mean(axis=1)) - np.exp(base_nll[idx].mean(axis=1))

@@ -17,6 +17,7 @@ from typing import Any
 from kvspec import KVConfigError
 
 from .base import BlockCodec, PartSpec
+from .channel import ChannelInt4Codec
 from .jpeg import JPEGCodec, dct_matrix
 from .jpeg_mixed import MixedJPEGCodec, allocate_freq_bits, frequency_variances
 from .jpeg_zero import ZeroPointJPEGCodec
@@ -29,6 +30,7 @@ __all__ = [
     "JPEGCodec",
     "MixedJPEGCodec",
     "ZeroPointJPEGCodec",
+    "ChannelInt4Codec",
     "PNGCodec",
     "CODECS",
     "allocate_freq_bits",
@@ -50,6 +52,7 @@ CODECS: dict[str, type[BlockCodec]] = {
     "png": PNGCodec,
     "jpeg-mixed": MixedJPEGCodec,
     "jpeg-zp": ZeroPointJPEGCodec,
+    "chan4": ChannelInt4Codec,
 }
 
 

@@ -179,6 +179,12 @@ class BlockCodec(ABC):
         ``offset * sum(q)`` to a row's dot product and ``offset`` times the row's weight to the output."""
         return None
 
+    def channel_affine(self, parts: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """fp32 ``(scales, offsets)``, each ``[..., n, D]``, applied per channel to every token of a
+        block after synthesis (``token = (A @ rows)[t] * scales[b] + offsets[b]``), or None (the
+        default: no per-channel step; :class:`~flashcodec.codecs.ChannelInt4Codec` has one)."""
+        return None
+
     def check_parts(self, parts: object) -> None:
         """``KVShapeError`` unless ``parts`` is a tuple / list of as many tensors as :meth:`encode`
         returns (what :meth:`decode`, :meth:`stored_rows` and :meth:`row_segments` take)."""

@@ -30,7 +30,7 @@ from kvspec import KVConfigError, KVShapeError
 from .base import BlockCodec, PartSpec, check_block_size, compute_dtype, from_blocks, to_blocks, to_output
 from .jpeg import JPEGCodec
 from .quant import dequantize_int4_zero, packed_width, quantize_int4_zero
-from .tail import TAIL_BITS
+from .tail import check_window_options
 
 __all__ = ["ZeroPointJPEGCodec"]
 
@@ -64,23 +64,9 @@ class ZeroPointJPEGCodec(BlockCodec):
 
     def __post_init__(self) -> None:
         r = check_block_size(self.block_size)
-        if (
-            isinstance(self.raw_window, bool)
-            or not isinstance(self.raw_window, numbers.Integral)
-            or self.raw_window < 0
-        ):
-            raise KVConfigError(
-                f"raw_window must be an integer >= 0 (tokens kept raw); got {self.raw_window!r}"
-            )
-        object.__setattr__(self, "raw_window", int(self.raw_window))
-        bits = self.window_bits
-        if bits is not None and (
-            isinstance(bits, bool) or not isinstance(bits, numbers.Integral) or bits not in TAIL_BITS
-        ):
-            raise KVConfigError(
-                f"window_bits must be one of {TAIL_BITS} (None: the tail in the input dtype); got {bits!r}"
-            )
-        object.__setattr__(self, "window_bits", None if bits is None else int(bits))
+        raw_window, window_bits = check_window_options(self.raw_window, self.window_bits)
+        object.__setattr__(self, "raw_window", raw_window)
+        object.__setattr__(self, "window_bits", window_bits)
         k = r if self.keep_freqs is None else self.keep_freqs
         if isinstance(k, bool) or not isinstance(k, numbers.Integral) or not 1 <= k <= r:
             raise KVConfigError(

@@ -126,18 +126,20 @@ def dequantize_int4(
 _FP16_MAX = float(torch.finfo(torch.float16).max)
 
 
-def quantize_int4_zero(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Quantize ``x [..., D]`` to packed int4 with an fp16 scale and an fp16 zero point per row.
+def quantize_int4_zero(x: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize ``x [..., D]`` to packed int4 with an fp16 scale and an fp16 zero point per row
+    (``dim=-1``) or per column (``dim=-2``: one pair per element of the last axis, shared along ``dim``).
 
     Returns ``(packed, scale, zero)``: ``packed`` uint8 ``[..., ceil(D/2)]`` (codes ``q`` in
-    ``-8..7``, layout above), ``scale`` and ``zero`` fp16 ``[..., 1]`` with ``q * scale + zero``
+    ``-8..7``, layout above, always packed along the last axis), ``scale`` and ``zero`` fp16 with
+    ``x``'s shape and ``dim`` reduced to 1 (``[..., 1]`` per row) with ``q * scale + zero``
     within ``scale / 2`` of ``x`` (computed from the stored fp16 values, so the bound holds for
     what is decoded). The zero point is rounded to fp16 first and the scale is then chosen to
     cover ``[min, max]`` around that rounded zero, rounded up. Rows with magnitudes beyond fp16's
     range (65504) saturate there; no K/V activation of a real model comes near it.
     """
     xf = x.to(torch.float32)
-    lo, hi = torch.aminmax(xf, dim=-1, keepdim=True)
+    lo, hi = torch.aminmax(xf, dim=dim, keepdim=True)
     # the zero sits at code 0: lo is code -8 and hi code 7, 15 steps apart
     zero = (lo + 8.0 * (hi - lo) / 15.0).clamp(-_FP16_MAX, _FP16_MAX).to(torch.float16).float()
     need = torch.maximum((zero - lo) / 8.0, (hi - zero) / 7.0).clamp(0.0, _FP16_MAX / 2)
@@ -156,6 +158,6 @@ def dequantize_int4_zero(
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """``unpack_int4(packed, dim) * scale + zero`` in fp32, cast to ``dtype``; ``scale`` and
-    ``zero`` (fp16 ``[..., 1]``) broadcast over the row."""
+    ``zero`` (fp16, ``[..., 1]`` per row or ``[..., 1, D]`` per column) broadcast over the codes."""
     codes = unpack_int4(packed, dim).to(torch.float32)
     return (codes * scale.float() + zero.float()).to(dtype)

@@ -16,14 +16,16 @@ the decoded tail (fewer than ``r + raw_window`` tokens) and need no change.
 
 from __future__ import annotations
 
+import numbers
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
+from kvspec import KVConfigError
 
 from .base import PartSpec
 
-__all__ = ["TailCoder", "RawTail", "Int8Tail", "tail_coder", "TAIL_BITS"]
+__all__ = ["TailCoder", "RawTail", "Int8Tail", "tail_coder", "check_window_options", "TAIL_BITS"]
 
 #: the ``window_bits`` values a codec accepts: None (raw) or 8
 TAIL_BITS = (None, 8)
@@ -96,3 +98,19 @@ _CODERS: dict[int | None, TailCoder] = {None: RawTail(), 8: Int8Tail()}
 def tail_coder(window_bits: int | None) -> TailCoder:
     """The coder for a codec's ``window_bits`` (validated by the codec: one of :data:`TAIL_BITS`)."""
     return _CODERS[window_bits]
+
+
+def check_window_options(raw_window: object, window_bits: object) -> tuple[int, int | None]:
+    """``(raw_window, window_bits)`` normalized, for a codec's ``__post_init__``; ``KVConfigError``
+    saying what is allowed when ``raw_window`` is not an integer >= 0 or ``window_bits`` not one
+    of :data:`TAIL_BITS`."""
+    if isinstance(raw_window, bool) or not isinstance(raw_window, numbers.Integral) or raw_window < 0:
+        raise KVConfigError(f"raw_window must be an integer >= 0 (tokens kept raw); got {raw_window!r}")
+    bits = window_bits
+    if bits is not None and (
+        isinstance(bits, bool) or not isinstance(bits, numbers.Integral) or bits not in TAIL_BITS
+    ):
+        raise KVConfigError(
+            f"window_bits must be one of {TAIL_BITS} (None: the tail in the input dtype); got {bits!r}"
+        )
+    return int(raw_window), None if bits is None else int(bits)

@@ -4,6 +4,9 @@ The math (one new query token per sequence, every codec linear along the sequenc
 block ``b`` of ``r`` tokens is ``K_b = A_k @ S_b`` with stored rows ``S_b [R, D]`` and synthesis
 matrix ``A_k [r, R]``, so the scores of its tokens are ``q @ K_b^T = (q @ S_b^T) @ A_k^T`` and the
 value side is ``prob_b @ V_b = (prob_b @ A_v) @ S_b``. The ``[S, D]`` reconstruction never exists.
+A codec with a per-channel step (chan4: ``K_b = (A_k @ S_b) * c_b + z_b`` per channel) scales the query by
+``c_b`` before its dot products and adds ``q . z_b``; on the value side it scales the block's
+weighted rows by ``c_b`` and adds ``z_b`` times the block's probability mass.
 
 Flash-decoding split: the archived blocks are cut into splits of ``blocks_per_split`` blocks, plus
 one last split for the raw tail. Each split ``s`` yields, per query head, the running max ``m_s``,
@@ -55,6 +58,9 @@ class CodedRows(NamedTuple):
         tail: raw tail tokens ``[B, H, t, D]`` (``t < r + raw_window``), after the archived blocks.
         offsets: ``[B, H, n, R]`` fp32 zero points added to every element of a row after its
             scale (row = ``codes * scale + offset``), or None (the default; jpeg-zp has them).
+        channel_scales, channel_offsets: ``[B, H, n, D]`` fp32, both or neither (the default):
+            a per-channel step after synthesis, token ``t`` of block ``b`` being
+            ``(A @ rows)[t] * channel_scales[b] + channel_offsets[b]`` (chan4 has it).
     """
 
     segments: tuple[torch.Tensor, ...]
@@ -62,6 +68,8 @@ class CodedRows(NamedTuple):
     synthesis: torch.Tensor
     tail: torch.Tensor
     offsets: torch.Tensor | None = None
+    channel_scales: torch.Tensor | None = None
+    channel_offsets: torch.Tensor | None = None
 
     @property
     def n_blocks(self) -> int:
@@ -97,6 +105,7 @@ def dense_rows(rows: CodedRows, start: int, stop: int) -> torch.Tensor:
     """The dequantized rows of blocks ``start .. stop-1`` as fp32 ``[B, H, stop-start, R, D]`` (a copy).
 
     The kernels never build this; tests use it to check an addressing against ``stored_rows``.
+    The per-channel step (``channel_scales``) comes after synthesis and is not applied here.
     """
     dense = torch.cat([as_float(seg[:, :, start:stop]) for seg in rows.segments], dim=3)
     if rows.scales is not None:
@@ -121,12 +130,71 @@ def _packed_halves(segment: torch.Tensor, start: int, stop: int) -> tuple[torch.
     return (flat & 15).float().sub_(8), (flat >> 4).float().sub_(8)
 
 
+def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a [..., M, K] @ b [..., K, N]`` over equal leading dims as one 3-D ``bmm`` (a broadcasting
+    ``matmul`` on 5-D strided operands falls back to a copy per batch on the CPU)."""
+    lead = a.shape[:-2]
+    out = torch.bmm(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]))
+    return out.reshape(*lead, *out.shape[-2:])
+
+
+def _channel_dots(q: torch.Tensor, rows: CodedRows, start: int, stop: int) -> torch.Tensor:
+    """:func:`_row_dots` for rows with a per-channel scale: ``q * scale_b`` is a query of its own
+    for each block ``b``, so one batched matmul per segment over the blocks -> ``[B, Hkv, G, nb, R]``."""
+    assert rows.channel_scales is not None
+    qb = q[:, :, None] * rows.channel_scales[:, :, start:stop, None, :]  # [B, Hkv, nb, G, D]
+    dots = []
+    for seg in rows.segments:
+        part = seg[:, :, start:stop]  # [B, Hkv, nb, R_i, D or D/2]
+        if seg.dtype == torch.uint8:
+            even, odd = (part & 15).float().sub_(8), (part >> 4).float().sub_(8)
+            dot = _bmm(qb[..., 0::2].contiguous(), even.transpose(-1, -2))
+            dot += _bmm(qb[..., 1::2].contiguous(), odd.transpose(-1, -2))
+        else:
+            dot = _bmm(qb, as_float(part).transpose(-1, -2))
+        dots.append(dot)
+    out = dots[0] if len(dots) == 1 else torch.cat(dots, dim=-1)
+    return out.transpose(2, 3)
+
+
+@lru_cache(maxsize=16)
+def _eye(r: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.eye(r, dtype=dtype, device=device)
+
+
+def is_identity(synthesis: torch.Tensor) -> bool:
+    """Whether ``A`` is the identity (chan4: the stored rows are the tokens), so its product can be
+    skipped. Asked at every decode call: the identity it compares with is built once per shape."""
+    r, rows = synthesis.shape
+    return r == rows and torch.equal(synthesis, _eye(r, synthesis.dtype, synthesis.device))
+
+
+def _token_scores(q: torch.Tensor, rows: CodedRows, start: int, stop: int, identity: bool) -> torch.Tensor:
+    """``q [B, Hkv, G, D]`` against the tokens of blocks ``start..stop-1`` -> ``[B, Hkv, G, nb, r]``:
+    the row dot products through the synthesis matrix (skipped when it is the ``identity``), plus
+    ``q . offset_b`` for a per-channel step."""
+    dots = _row_dots(q, rows, start, stop)
+    if not identity:
+        dots = dots @ rows.synthesis.float().T
+    if rows.channel_offsets is not None:
+        shift = torch.einsum("bhgd,bhnd->bhgn", q, rows.channel_offsets[:, :, start:stop])
+        dots = dots + shift[..., None]
+    return dots
+
+
 def _row_dots(q: torch.Tensor, rows: CodedRows, start: int, stop: int) -> torch.Tensor:
     """``q [B, Hkv, G, D]`` against the stored rows of blocks ``start..stop-1`` -> ``[B, Hkv, G, nb, R]``.
 
     One matmul per segment on the rows as stored; the scales multiply the dot products, which
-    are ``D`` times fewer than the rows.
+    are ``D`` times fewer than the rows. Rows with a per-channel scale go through :func:`_channel_dots`.
     """
+    if rows.channel_scales is not None:
+        out = _channel_dots(q, rows, start, stop)
+        if rows.scales is not None:
+            out = out * rows.scales[:, :, None, start:stop]
+        if rows.offsets is not None:
+            raise ValueError("CodedRows with both row offsets and a per-channel step are not supported")
+        return out
     b, h, g, _ = q.shape
     nb = stop - start
     dots = []
@@ -146,6 +214,32 @@ def _row_dots(q: torch.Tensor, rows: CodedRows, start: int, stop: int) -> torch.
         # q . (offset * ones) = offset * sum(q): the zero point costs one product per row
         out = out + rows.offsets[:, :, None, start:stop] * q.sum(-1)[..., None, None]
     return out
+
+
+def _channel_weighted(
+    weights: torch.Tensor, token_weights: torch.Tensor, rows: CodedRows, start: int, stop: int
+) -> torch.Tensor:
+    """:func:`_weighted_rows` for rows with a per-channel step: block by block (one batched matmul
+    per segment), each block's sum scaled per channel, plus ``sum_b offset_b * sum(p in b)``
+    (``token_weights [B, Hkv, G, nb]``: the probability mass of each block's tokens)."""
+    assert rows.channel_scales is not None and rows.channel_offsets is not None
+    if rows.scales is not None:
+        weights = weights * rows.scales[:, :, None, start:stop]
+    w = weights.transpose(2, 3).contiguous()  # [B, Hkv, nb, G, R]
+    out, offset = None, 0
+    for seg in rows.segments:
+        count = seg.shape[3]
+        part, codes = w[..., offset : offset + count], seg[:, :, start:stop]
+        if seg.dtype == torch.uint8:
+            even, odd = (codes & 15).float().sub_(8), (codes >> 4).float().sub_(8)
+            term = torch.stack([_bmm(part, even), _bmm(part, odd)], dim=-1).flatten(-2)
+        else:
+            term = _bmm(part, as_float(codes))
+        out = term if out is None else out + term
+        offset += count
+    assert out is not None
+    scaled = torch.einsum("bhngd,bhnd->bhgd", out, rows.channel_scales[:, :, start:stop])
+    return scaled + torch.einsum("bhgn,bhnd->bhgd", token_weights, rows.channel_offsets[:, :, start:stop])
 
 
 def _weighted_rows(weights: torch.Tensor, rows: CodedRows, start: int, stop: int) -> torch.Tensor:
@@ -212,19 +306,24 @@ def decode_attention_partials(
     r, n = keys.block_size, keys.n_blocks
     q = (query.float() * scale).reshape(b, hkv, g, d)
     step = max(1, n if blocks_per_split is None else int(blocks_per_split))
-    a_k, a_v = keys.synthesis.float(), values.synthesis.float()
+    a_v = values.synthesis.float()
+    identity_k, identity_v = is_identity(keys.synthesis), is_identity(a_v)
     ms, ls, accs = [], [], []
     for start in range(0, n, step):
         stop = min(start + step, n)
         nb = stop - start
         # q . S^T per stored row, then the synthesis matrix turns rows into token scores
-        scores = (_row_dots(q, keys, start, stop) @ a_k.T).reshape(b, hkv, g, nb * r)
+        scores = _token_scores(q, keys, start, stop, identity_k).reshape(b, hkv, g, nb * r)
         if key_mask is not None:
             scores = scores + key_mask[:, None, None, start * r : stop * r]
         m, denom, p = _softmax_partial(scores)
         # prob @ V_block = (prob @ A_v) @ S_v: weights per stored value row
-        row_weights = p.reshape(b, hkv, g, nb, r) @ a_v  # [B, Hkv, G, nb, Rv]
-        acc = _weighted_rows(row_weights, values, start, stop)
+        probs = p.reshape(b, hkv, g, nb, r)
+        row_weights = probs if identity_v else probs @ a_v  # [B, Hkv, G, nb, Rv]
+        if values.channel_scales is not None:
+            acc = _channel_weighted(row_weights, probs.sum(-1), values, start, stop)
+        else:
+            acc = _weighted_rows(row_weights, values, start, stop)
         ms.append(m), ls.append(denom), accs.append(acc)
     # the raw tail: ordinary attention over fewer than r + raw_window tokens
     tail_k, tail_v = keys.tail.float(), values.tail.float()
@@ -291,6 +390,11 @@ def decoded_chunk(rows: CodedRows, start: int, stop: int) -> torch.Tensor:
     if rows.offsets is not None:
         dense = dense + rows.offsets[:, :, start:stop, :, None].to(cdt)
     blocks = torch.matmul(rows.synthesis.to(cdt), dense)  # [B, H, nb, r, D]
+    if rows.channel_scales is not None and rows.channel_offsets is not None:
+        scale, shift = (
+            t[:, :, start:stop, None, :].to(cdt) for t in (rows.channel_scales, rows.channel_offsets)
+        )
+        blocks = blocks * scale + shift
     b, h, nb, r, d = blocks.shape
     return blocks.reshape(b, h, nb * r, d).to(rows.tail.dtype)
 

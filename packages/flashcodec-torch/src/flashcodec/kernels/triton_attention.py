@@ -8,7 +8,9 @@ Two kernels:
   or float coefficients, or png anchors + deltas),
   forms the token scores ``(q . S^T) @ A_k^T`` for the ``G`` query heads of kv head ``h``, runs an
   online softmax and accumulates ``((p @ A_v) * scales_v) @ S_v``; it writes the partial max,
-  sum and accumulator. The last split (``s = n_splits``) covers the raw tail tokens.
+  sum and accumulator. Rows with a per-channel step (chan4: ``token = row * c_n + z_n``) scale
+  each loaded row by ``c_n`` and add ``q . z_n`` to the scores and ``z_n * sum(p)`` to the
+  output. The last split (``s = n_splits``) covers the raw tail tokens.
 * ``_combine_kernel``, grid ``(B * Hq,)``: merges the partials with log-sum-exp and writes the
   output in the query dtype.
 
@@ -57,11 +59,15 @@ def _codec_partial_kernel(
     K1, sk1b, sk1h, sk1n, sk1j, sk1d,
     KS, sksb, sksh, sksn, sksj,
     KO, skob, skoh, skon, skoj,
+    KC, skcb, skch, skcn, skcd,
+    KZ, skzb, skzh, skzn, skzd,
     AK,
     V0, sv0b, sv0h, sv0n, sv0j, sv0d,
     V1, sv1b, sv1h, sv1n, sv1j, sv1d,
     VS, svsb, svsh, svsn, svsj,
     VO, svob, svoh, svon, svoj,
+    VC, svcb, svch, svcn, svcd,
+    VZ, svzb, svzh, svzn, svzd,
     AV,
     KT, sktb, skth, sktt, sktd,
     VT, svtb, svth, svtt, svtd,
@@ -72,7 +78,7 @@ def _codec_partial_kernel(
     RP: tl.constexpr, TP: tl.constexpr,
     GP: tl.constexpr, DP: tl.constexpr, DVP: tl.constexpr, TILE: tl.constexpr,
     HAS_KS: tl.constexpr, HAS_VS: tl.constexpr, HAS_MASK: tl.constexpr,
-    HAS_KO: tl.constexpr, HAS_VO: tl.constexpr,
+    HAS_KO: tl.constexpr, HAS_VO: tl.constexpr, HAS_KC: tl.constexpr, HAS_VC: tl.constexpr,
     PACKED_K0: tl.constexpr, PACKED_K1: tl.constexpr, PACKED_V0: tl.constexpr, PACKED_V1: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
@@ -111,6 +117,15 @@ def _codec_partial_kernel(
             n_ok = n < stop
             # scores[g, n, p] = sum_j (q[g] . S_k[n, j]) * A_k[p, j]
             scores = tl.zeros([GP, TILE, RP], tl.float32)
+            if HAS_KC:  # per-channel step: q . (c * s_n + z_n) = (q * s_n) . c + q . z_n
+                kc_ok = n_ok[:, None] & d_ok[None, :]
+                kc = tl.load(
+                    KC + b * skcb + h * skch + n[:, None] * skcn + d[None, :] * skcd, mask=kc_ok, other=0.0
+                )
+                kz = tl.load(
+                    KZ + b * skzb + h * skzh + n[:, None] * skzn + d[None, :] * skzd, mask=kc_ok, other=0.0
+                )
+                scores += tl.sum(q[:, None, :] * kz[None, :, :], axis=2)[:, :, None]
             for j in tl.static_range(RK):
                 if j < RK0:  # a compile-time choice of segment
                     ptr = K0 + b * sk0b + h * sk0h + n[:, None] * sk0n + j * sk0j + dk0[None, :] * sk0d
@@ -127,6 +142,8 @@ def _codec_partial_kernel(
                     row = tl.where(row_ok, code.to(tl.float32), 0.0)  # [TILE, DP]
                 else:
                     row = tl.load(ptr, mask=row_ok, other=0).to(tl.float32)  # [TILE, DP]
+                if HAS_KC:
+                    row = row * kc
                 qs = tl.sum(q[:, None, :] * row[None, :, :], axis=2)  # [GP, TILE]
                 if HAS_KS:
                     ks = tl.load(KS + b * sksb + h * sksh + n * sksn + j * sksj, mask=n_ok, other=0.0)
@@ -146,6 +163,15 @@ def _codec_partial_kernel(
             probs = tl.exp(scores - m_new[:, None, None])  # [GP, TILE, RP]
             l_i = l_i * alpha + tl.sum(tl.sum(probs, axis=2), axis=1)
             acc = acc * alpha[:, None]
+            if HAS_VC:  # per-channel step on the value side: scale each block's codes, add z_n * sum(p)
+                vc_ok = n_ok[:, None] & dv_ok[None, :]
+                vc = tl.load(
+                    VC + b * svcb + h * svch + n[:, None] * svcn + dv[None, :] * svcd, mask=vc_ok, other=0.0
+                )
+                vz = tl.load(
+                    VZ + b * svzb + h * svzh + n[:, None] * svzn + dv[None, :] * svzd, mask=vc_ok, other=0.0
+                )
+                acc += tl.sum(tl.sum(probs, axis=2)[:, :, None] * vz[None, :, :], axis=1)
             # acc[g] += sum_n sum_j (sum_p probs[g, n, p] * A_v[p, j]) * S_v[n, j]
             for j in tl.static_range(RV):
                 a_col = tl.load(AV + p * RV + j, mask=p < R, other=0.0)  # [RP]
@@ -171,6 +197,8 @@ def _codec_partial_kernel(
                     row = tl.where(row_ok, code.to(tl.float32), 0.0)  # [TILE, DVP]
                 else:
                     row = tl.load(ptr, mask=row_ok, other=0).to(tl.float32)  # [TILE, DVP]
+                if HAS_VC:
+                    row = row * vc
                 acc += tl.sum(w[:, :, None] * row[None, :, :], axis=1)
             m_i = m_new
     else:
@@ -274,6 +302,14 @@ def _offset_args(rows: CodedRows) -> tuple:
     return (o, *o.stride())
 
 
+def _channel_args(rows: CodedRows) -> tuple:
+    """Pointers + strides of the ``[B, H, n, D]`` per-channel scales and offsets (dummies when none)."""
+    if rows.channel_scales is None or rows.channel_offsets is None:
+        return (rows.synthesis, 0, 0, 0, 0) * 2
+    c, z = rows.channel_scales, rows.channel_offsets
+    return (c, *c.stride(), z, *z.stride())
+
+
 def _segment_args(rows: CodedRows) -> tuple:
     """Pointers + strides of the (one or two) row segments; a lone segment is passed twice."""
     if len(rows.segments) > 2:
@@ -330,10 +366,12 @@ def decode_attention_partials_triton(
         *_segment_args(keys),
         *_scale_args(keys),
         *_offset_args(keys),
+        *_channel_args(keys),
         a_k,
         *_segment_args(values),
         *_scale_args(values),
         *_offset_args(values),
+        *_channel_args(values),
         a_v,
         keys.tail, *keys.tail.stride(),
         values.tail, *values.tail.stride(),
@@ -345,6 +383,7 @@ def decode_attention_partials_triton(
         GP=_pow2(groups), DP=_pow2(d), DVP=_pow2(dv), TILE=tile,
         HAS_KS=keys.scales is not None, HAS_VS=values.scales is not None, HAS_MASK=key_mask is not None,
         HAS_KO=keys.offsets is not None, HAS_VO=values.offsets is not None,
+        HAS_KC=keys.channel_scales is not None, HAS_VC=values.channel_scales is not None,
         PACKED_K0=keys.segments[0].dtype == torch.uint8, PACKED_K1=keys.segments[-1].dtype == torch.uint8,
         PACKED_V0=values.segments[0].dtype == torch.uint8, PACKED_V1=values.segments[-1].dtype == torch.uint8,
     )  # fmt: skip
