@@ -68,7 +68,7 @@ def test_tail_bytes_are_codes_plus_two_fp32_per_token():
     cache, _ = _fed()
     st, per_token = cache.storage_bytes(), D + 2 * 4
     assert st.tail == 2 * 2 * 2 * cache.keys.tail_len * per_token
-    assert sum(b.nbytes for b in cache.keys._tail) == 2 * 2 * (R + W) * per_token
+    assert sum(b.nbytes for b in cache.keys._tail) == 2 * 2 * cache.keys.tail_capacity * per_token
 
 
 def test_state_round_trip_and_its_checks():

@@ -8,6 +8,7 @@ from conftest import random_walk
 from flashcodec import CodecKVCache, JPEGCodec
 from flashcodec.attention import codec_decode_attention
 from flashcodec.codecs import ZeroPointJPEGCodec
+from flashcodec.stream import tail_slots
 from kvspec import KVConfigError, KVDataError
 
 R = 8
@@ -37,6 +38,28 @@ def test_the_newest_tokens_stay_raw_and_older_blocks_are_coded_as_without_a_wind
     plain_keys, _ = plain.update_and_fetch(x, x * 0.5)
     coded = st.n_blocks * R
     assert torch.equal(keys[:, :, :coded], plain_keys[:, :, :coded])
+
+
+@pytest.mark.parametrize(
+    ("block", "window", "capacities"),
+    [(8, 0, {0, 8}), (8, 24, {32}), (64, 64, {64, 80, 96, 112, 128})],
+)
+def test_the_tail_buffers_follow_the_tail(block, window, capacities):
+    # after every append the buffers hold the tail rounded up to TAIL_STEP slots (at most r + w):
+    # a 64-token block behind a 64-token window keeps 64-127 tokens, not a fixed 128 slots
+    cache = CodecKVCache(codec=ZeroPointJPEGCodec(block, raw_window=window, window_bits=8))
+    steps, at, seen = [block + window + 5, *[1] * (block + window), 11, 40], 0, set()
+    x = random_walk(b=1, h=2, s=sum(steps), d=16, seed=3)
+    for s in steps:
+        cache.update_and_fetch(x[:, :, at : at + s], x[:, :, at : at + s])
+        at += s
+        for stream in (cache.keys, cache.values):
+            slots = tail_slots(stream.tail_len, block + window)
+            assert stream.tail_capacity == slots >= stream.tail_len, (s, stream.tail_len)
+            assert all(buf.shape[2] == slots for buf in stream._tail)
+        seen.add(cache.keys.tail_capacity)
+        assert cache.storage_bytes().allocated >= cache.storage_bytes().held
+    assert seen == capacities
 
 
 @pytest.mark.parametrize("cut", [3, 40, 100, 140])

@@ -263,6 +263,24 @@ def test_failed_update_of_a_native_layer_leaves_it_as_it_was():
     assert snapshot(cache) == before
 
 
+def test_a_cache_partly_filled_under_inference_mode_refuses_writes_outside_it():
+    # filled outside, then a step inside: the buffers that step made (new tail buffers) are
+    # inference tensors, so the next append outside is refused up front, the cache unchanged
+    x = random_walk(s=13)
+    cache = CodecKVCache(codec=PNGCodec(8))
+    cache.update_and_fetch(x, x)
+    with torch.inference_mode():
+        cache.update_and_fetch(x[:, :, :5], x[:, :, :5])
+    assert cache.keys.buffers_are_inference()
+    before = snapshot(cache)
+    with pytest.raises(KVDtypeError, match="inference_mode"):
+        cache.update_and_fetch(x[:, :, :1], x[:, :, :1])
+    assert snapshot(cache) == before
+    with torch.inference_mode():
+        k, _ = cache.update_and_fetch(x[:, :, :1], x[:, :, :1])
+    assert torch.equal(k, torch.cat([x, x[:, :, :5], x[:, :, :1]], dim=2))
+
+
 def test_a_cache_filled_under_inference_mode():
     # read outside inference_mode: the view is rebuilt as a normal tensor; in-place writes to the
     # inference-tensor buffers (append, a crop inside a block) are refused up front, unchanged

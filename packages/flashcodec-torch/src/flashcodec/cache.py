@@ -158,11 +158,13 @@ class CodecKVCache:
                     )
 
     def _check_writable(self, what: str) -> None:
-        """``KVDtypeError`` when the buffers were made under ``torch.inference_mode`` and this call
-        runs outside it: torch refuses in-place writes to them (checked before anything changes)."""
+        """``KVDtypeError`` when a buffer written in place was made under ``torch.inference_mode``
+        and this call runs outside it: torch refuses in-place writes to it (checked before anything
+        changes)."""
         if (
             self.keys is not None
-            and self.keys.tail_buffer_is_inference()
+            and self.values is not None
+            and (self.keys.buffers_are_inference() or self.values.buffers_are_inference())
             and not torch.is_inference_mode_enabled()
         ):
             raise KVDtypeError(

@@ -30,12 +30,15 @@ A stream with batch ``B``, heads ``H``, head dimension ``D``, input dtype ``dt``
   (jpeg: ``A = M^T``, rows = coefficients, dequantized; png: ``A`` = lower-triangular ones,
   rows = ``[anchor; deltas]``), hence ``q . K[b*r + p] = (q . rows[b]^T) @ A[p]``.
 * **tail**: one buffer per part of the codec's tail coder (``codec.tail_coder``,
-  :mod:`flashcodec.codecs.tail`), ``[B, H, r + w, *part_shape]``; their first ``tail_len < r + w``
+  :mod:`flashcodec.codecs.tail`), ``[B, H, slots, *part_shape]``; their first ``tail_len < r + w``
   tokens are the tokens after the last complete block (``tail()`` decodes them). Raw (the default):
-  one ``[B, H, r + w, D]`` buffer in ``dt``, the tokens bit for bit; ``window_bits=8``: uint8 codes
-  with an fp32 scale and zero point per token. ``w`` is the codec's ``raw_window`` (0 for most
-  codecs): a block is coded only once ``w`` newer tokens follow it, so the newest ``w`` tokens (up
-  to ``w + r - 1``) are never block-coded, as in KIVI's residual window.
+  one buffer in ``dt``, the tokens bit for bit; ``window_bits=8``: uint8 codes with an fp32 scale
+  and zero point per token. ``w`` is the codec's ``raw_window`` (0 for most codecs): a block is
+  coded only once ``w`` newer tokens follow it, so the newest ``w`` tokens (up to ``w + r - 1``)
+  are never block-coded, as in KIVI's residual window. ``slots`` follows the tail
+  (:func:`tail_slots`: ``tail_len`` rounded up to :data:`TAIL_STEP` tokens, at most ``r + w``):
+  with a 64-token block behind a 64-token window the tail swings between 64 and 127 tokens, and a
+  fixed ``r + w`` buffer would keep a quarter of it empty on average.
 * **view** (memoized reconstruction): ``[B, H, view_capacity, D]`` in ``dt``, or None. Its first
   ``view_blocks * r`` tokens are decoded blocks; ``read()`` decodes only blocks archived since the
   last read (one batched decode), copies the tail behind them and returns the first ``seq_len``
@@ -59,7 +62,16 @@ from .codecs.base import BlockCodec
 from .storage import CodecStorage
 from .validate import check_int
 
-__all__ = ["AppendPlan", "CodecStream", "ReorderPlan", "SPARE_BLOCKS", "SPARE_TOKENS", "spare_blocks"]
+__all__ = [
+    "AppendPlan",
+    "CodecStream",
+    "ReorderPlan",
+    "SPARE_BLOCKS",
+    "SPARE_TOKENS",
+    "TAIL_STEP",
+    "spare_blocks",
+    "tail_slots",
+]
 
 #: most archive blocks reserved beyond those in use (well under one attention chunk,
 #: :data:`flashcodec.attention.CHUNK_BLOCKS`): the archive grows by this many blocks beyond what
@@ -80,18 +92,32 @@ def spare_blocks(block_size: int) -> int:
     return min(SPARE_BLOCKS, SPARE_TOKENS // block_size)
 
 
+#: the tail buffers grow in steps of this many tokens (:func:`tail_slots`): a regrowth copies the
+#: tail (at most ``r + raw_window`` tokens) once per 16 decode steps, and the buffer keeps at most
+#: 15 empty slots
+TAIL_STEP = 16
+
+
+def tail_slots(tokens: int, full: int) -> int:
+    """Tail buffer slots for ``tokens`` tail tokens: ``tokens`` rounded up to :data:`TAIL_STEP`,
+    but never more than ``full`` (``r + raw_window``, one more than the tail can hold)."""
+    return min(full, -(-tokens // TAIL_STEP) * TAIL_STEP)
+
+
 @dataclass(frozen=True)
 class AppendPlan:
     """What :meth:`CodecStream.prepare_append` computed: the input (canonical), the tail parts
     to write from tail slot ``rest_at`` (when no block completes: the input's, after the tail
     tokens; when blocks complete: the whole new tail, from slot 0), the completed blocks' encoded
-    parts, and the grown archive (None when the old one has room)."""
+    parts, the grown archive (None when the old one has room) and new tail buffers already
+    holding the whole new tail (None when ``rest`` is written into the old ones, which have room)."""
 
     x: torch.Tensor
     rest: tuple[torch.Tensor, ...]
     rest_at: int
     parts: tuple[torch.Tensor, ...]
     archive: tuple[torch.Tensor, ...] | None
+    tail: tuple[torch.Tensor, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -156,12 +182,9 @@ class CodecStream:
         self.max_spare_blocks = check_int("max_spare_blocks", max_spare_blocks, low=0)
         self._archive: tuple[torch.Tensor, ...] = ()
         self.n_blocks = 0
-        # the tail holds fewer than r + raw_window tokens, stored by the codec's tail coder
-        slots = codec.block_size + codec.raw_window
-        self._tail = tuple(
-            torch.zeros(batch, heads, slots, *spec.shape, dtype=spec.dtype or dtype, device=self.device)
-            for spec in codec.tail_coder.part_specs(dim)
-        )
+        # the tail holds fewer than r + raw_window tokens, stored by the codec's tail coder in
+        # buffers that follow its length (no slot before the first append)
+        self._tail = self._tail_buffers(0)
         self.tail_len = 0
         self._view: torch.Tensor | None = None
         self._view_version: int | None = None  # the view's version counter after this stream's last write
@@ -207,9 +230,10 @@ class CodecStream:
         """The archive buffers at full capacity, ``[B, H, capacity, *part_shape]`` each (empty tuple before use)."""
         return self._archive
 
-    def tail_buffer_is_inference(self) -> bool:
-        """Whether the buffers were made under ``torch.inference_mode`` (then only writable inside it)."""
-        return self._tail[0].is_inference()
+    def buffers_are_inference(self) -> bool:
+        """Whether any buffer written in place (archive, tail) was made under ``torch.inference_mode``
+        (then torch lets it change only inside it)."""
+        return any(b.is_inference() for b in (*self._archive, *self._tail))
 
     @property
     def has_view(self) -> bool:
@@ -239,9 +263,31 @@ class CodecStream:
         """Tail slots ``start .. stop-1`` as stored (views, one per tail part)."""
         return tuple(buf[:, :, start:stop] for buf in self._tail)
 
+    @property
+    def tail_capacity(self) -> int:
+        """Slots of the tail buffers (:func:`tail_slots` of a recent tail length, >= ``tail_len``)."""
+        return self._tail[0].shape[2]
+
     def _write_tail(self, at: int, parts: tuple[torch.Tensor, ...]) -> None:
         for buf, part in zip(self._tail, parts, strict=True):
             buf[:, :, at : at + part.shape[2]].copy_(part)
+
+    def _tail_buffers(self, tokens: int, *contents: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """New tail buffers with :func:`tail_slots` of ``tokens`` slots holding ``contents`` (tail
+        parts, written one after another from slot 0); the slots past them are zero."""
+        slots = tail_slots(tokens, self.codec.block_size + self.raw_window)
+        bufs = tuple(
+            torch.zeros(
+                self.batch, self.heads, slots, *spec.shape, dtype=spec.dtype or self.dtype, device=self.device
+            )
+            for spec in self.codec.tail_coder.part_specs(self.dim)
+        )
+        at = 0
+        for parts in contents:
+            for buf, part in zip(bufs, parts, strict=True):
+                buf[:, :, at : at + part.shape[2]].copy_(part)
+            at += parts[0].shape[2]
+        return bufs
 
     # ------------------------------------------------------------------ writes
     # Every edit is two steps, so a cache can change its key and value streams together: ``prepare_*``
@@ -256,7 +302,14 @@ class CodecStream:
         n_new = max(0, (t + s - w) // r)
         coder = self.codec.tail_coder
         if n_new == 0:
-            return AppendPlan(x=x, rest=coder.encode(x), rest_at=t, parts=(), archive=None)
+            rest = coder.encode(x)
+            # past the buffers' slots: new ones holding the old tail and the new tokens
+            tail = (
+                None
+                if t + s <= self.tail_capacity
+                else self._tail_buffers(t + s, self.tail_parts(0, t), rest)
+            )
+            return AppendPlan(x=x, rest=rest, rest_at=t, parts=(), archive=None, tail=tail)
         cut = n_new * r
         if cut >= t:  # the blocks take the whole tail and the first cut - t tokens of x
             seq = torch.cat([self.tail(), x[:, :, : cut - t]], dim=2) if t else x[:, :, :cut]
@@ -269,7 +322,9 @@ class CodecStream:
             )
         parts = self.codec.encode(seq)
         grown = self._grown_archive(self.n_blocks + n_new)
-        return AppendPlan(x=x, rest=rest, rest_at=0, parts=parts, archive=grown)
+        # the tail got shorter: new buffers sized to it (the old ones stay intact for the undo)
+        tail = self._tail_buffers(rest[0].shape[2], rest)
+        return AppendPlan(x=x, rest=rest, rest_at=0, parts=parts, archive=grown, tail=tail)
 
     @torch.no_grad()
     def commit_append(self, plan: AppendPlan) -> Callable[[], None]:
@@ -277,8 +332,7 @@ class CodecStream:
 
         Returns an undo: called before any other change to the stream (a failed read right
         after, in :meth:`flashcodec.CodecKVCache.update_and_fetch`), it puts the stream back
-        exactly as it was. It keeps the previous archive buffers and, when blocks complete, a
-        copy of the few raw tail tokens the commit overwrites.
+        exactly as it was. It keeps the previous archive and tail buffers.
         """
         undo = self._undo_append(plan)
         if plan.parts:
@@ -288,17 +342,21 @@ class CodecStream:
             for buf, part in zip(self._archive, plan.parts, strict=True):
                 buf[:, :, start : start + n_new].copy_(part)
             self.n_blocks = start + n_new
-        self._write_tail(plan.rest_at, plan.rest)
+        if plan.tail is not None:
+            self._tail = plan.tail
+        else:
+            self._write_tail(plan.rest_at, plan.rest)
         self.tail_len = plan.rest_at + plan.rest[0].shape[2]
         return undo
 
     def _undo_append(self, plan: AppendPlan) -> Callable[[], None]:
-        # A commit only writes archive slots past n_blocks (or into new buffers), tail slots past
-        # tail_len when no block completes, and the whole tail when one does: restoring the counts,
-        # the buffer references and that tail copy restores the stream. The view's trusted part
-        # (its first view_blocks blocks) is never written by a read that follows.
+        # A commit only writes archive slots past n_blocks (or into new buffers) and tail slots past
+        # tail_len (or installs new tail buffers): restoring the counts and the buffer references
+        # restores the stream. The view's trusted part (its first view_blocks blocks) is never
+        # written by a read that follows.
         saved = (
             self._archive,
+            self._tail,
             self.n_blocks,
             self.tail_len,
             self._view,
@@ -306,24 +364,18 @@ class CodecStream:
             self._view_version,
         )
         trusted = self._view_is_trusted()
-        tail = (
-            tuple(p.clone() for p in self.tail_parts(0, self.tail_len))
-            if plan.parts and self.tail_len
-            else None
-        )
 
         def undo() -> None:
             view = self._view
             (
                 self._archive,
+                self._tail,
                 self.n_blocks,
                 self.tail_len,
                 self._view,
                 self.view_blocks,
                 self._view_version,
             ) = saved
-            if tail is not None:
-                self._write_tail(0, tail)
             if trusted and self._view is view and view is not None:
                 self._view_version = _version(view)  # only written past the trusted blocks since
 
@@ -420,8 +472,8 @@ class CodecStream:
     # ------------------------------------------------------------------ edits
     @torch.no_grad()
     def prepare_crop(self, n: int) -> tuple[torch.Tensor, ...] | None:
-        """The reconstructed first ``n % r`` tokens of the block ``crop(n)`` cuts into, as tail parts
-        (None when the cut falls on a block boundary or inside the tail); changes nothing."""
+        """New tail buffers holding the reconstructed first ``n % r`` tokens of the block ``crop(n)``
+        cuts into (None when the cut falls on a block boundary or inside the tail); changes nothing."""
         r = self.codec.block_size
         keep_blocks, rem = divmod(n, r)
         if keep_blocks >= self.n_blocks or not rem:
@@ -432,7 +484,7 @@ class CodecStream:
         else:
             block = tuple(buf[:, :, keep_blocks : keep_blocks + 1] for buf in self._archive)
             head = self.codec.decode(block, self.dtype)[:, :, :rem]
-        return self.codec.tail_coder.encode(head)
+        return self._tail_buffers(rem, self.codec.tail_coder.encode(head))
 
     @torch.no_grad()
     def commit_crop(self, n: int, head: tuple[torch.Tensor, ...] | None) -> None:
@@ -443,7 +495,7 @@ class CodecStream:
             self.tail_len = n - self.n_blocks * r
             return
         if head is not None:
-            self._write_tail(0, head)
+            self._tail = head
         self.tail_len = rem
         self.n_blocks = keep_blocks
         self.view_blocks = min(self.view_blocks, keep_blocks)
@@ -520,6 +572,6 @@ class CodecStream:
             for buf, part in zip(stream._archive, parts, strict=True):
                 buf[:, :, :n].copy_(part)
             stream.n_blocks = n
-        stream._write_tail(0, tail)
+        stream._tail = stream._tail_buffers(tail[0].shape[2], tail)
         stream.tail_len = tail[0].shape[2]
         return stream
