@@ -42,13 +42,14 @@ def test_the_newest_tokens_stay_raw_and_older_blocks_are_coded_as_without_a_wind
 
 @pytest.mark.parametrize(
     ("block", "window", "capacities"),
-    [(8, 0, {0, 8}), (8, 24, {32}), (64, 64, {64, 80, 96, 112, 128})],
+    [(8, 0, {8}), (8, 24, {32}), (8, 96, {104}), (64, 64, {64, 80, 96, 112, 128})],
 )
 def test_the_tail_buffers_follow_the_tail(block, window, capacities):
-    # after every append the buffers hold the tail rounded up to TAIL_STEP slots (at most r + w):
-    # a 64-token block behind a 64-token window keeps 64-127 tokens, not a fixed 128 slots
+    # after every append the buffers hold r + w slots less every whole TAIL_STEP the tail leaves
+    # empty: a 64-token block behind a 64-token window keeps 64-127 tokens, not a fixed 128 slots,
+    # and a tail that never leaves 16 slots empty keeps one buffer (written in place)
     cache = CodecKVCache(codec=ZeroPointJPEGCodec(block, raw_window=window, window_bits=8))
-    steps, at, seen = [block + window + 5, *[1] * (block + window), 11, 40], 0, set()
+    steps, at, seen, buffers = [block + window + 5, *[1] * (block + window), 11, 40], 0, set(), set()
     x = random_walk(b=1, h=2, s=sum(steps), d=16, seed=3)
     for s in steps:
         cache.update_and_fetch(x[:, :, at : at + s], x[:, :, at : at + s])
@@ -58,8 +59,10 @@ def test_the_tail_buffers_follow_the_tail(block, window, capacities):
             assert stream.tail_capacity == slots >= stream.tail_len, (s, stream.tail_len)
             assert all(buf.shape[2] == slots for buf in stream._tail)
         seen.add(cache.keys.tail_capacity)
+        buffers.add(cache.keys._tail[0].data_ptr())
         assert cache.storage_bytes().allocated >= cache.storage_bytes().held
     assert seen == capacities
+    assert (len(buffers) == 1) == (len(capacities) == 1)
 
 
 @pytest.mark.parametrize("cut", [3, 40, 100, 140])

@@ -264,21 +264,23 @@ def test_failed_update_of_a_native_layer_leaves_it_as_it_was():
 
 
 def test_a_cache_partly_filled_under_inference_mode_refuses_writes_outside_it():
-    # filled outside, then a step inside: the buffers that step made (new tail buffers) are
-    # inference tensors, so the next append outside is refused up front, the cache unchanged
-    x = random_walk(s=13)
+    # filled outside, then a step inside that regrows the archive: the new archive buffers are
+    # inference tensors, so the next append outside (which would write a block into them) is
+    # refused up front, the cache unchanged
+    x = random_walk(s=56)
     cache = CodecKVCache(codec=PNGCodec(8))
-    cache.update_and_fetch(x, x)
+    cache.update_and_fetch(x[:, :, :13], x[:, :, :13])
+    assert not cache.keys.buffers_are_inference()
     with torch.inference_mode():
-        cache.update_and_fetch(x[:, :, :5], x[:, :, :5])
-    assert cache.keys.buffers_are_inference()
+        cache.update_and_fetch(x[:, :, 13:53], x[:, :, 13:53])
+    assert cache.keys.buffers_are_inference() and cache.values.buffers_are_inference()
     before = snapshot(cache)
     with pytest.raises(KVDtypeError, match="inference_mode"):
-        cache.update_and_fetch(x[:, :, :1], x[:, :, :1])
+        cache.update_and_fetch(x[:, :, 53:], x[:, :, 53:])
     assert snapshot(cache) == before
     with torch.inference_mode():
-        k, _ = cache.update_and_fetch(x[:, :, :1], x[:, :, :1])
-    assert torch.equal(k, torch.cat([x, x[:, :, :5], x[:, :, :1]], dim=2))
+        k, _ = cache.update_and_fetch(x[:, :, 53:], x[:, :, 53:])
+    assert torch.equal(k, x)
 
 
 def test_a_cache_filled_under_inference_mode():

@@ -20,8 +20,8 @@ class CodecStorage:
         tail: bytes of the tail tokens as stored (fewer than ``block_size + raw_window`` per
             stream; raw, or int8 codes with their scales and zero points).
         allocated: bytes reserved by the archive buffers at their full capacity plus the tail
-            buffers (the tail rounded up to ``TAIL_STEP`` = 16 tokens, at most
-            ``block_size + raw_window``), used or not.
+            buffers (``block_size + raw_window`` slots less every whole ``TAIL_STEP`` = 16
+            the tail leaves empty), used or not.
         view: bytes of the memoized reconstruction buffer (its full capacity; 0 once released).
             A decoded copy, not part of the compressed representation: reported separately.
         raw: bytes an uncompressed cache of the same dtype would hold for the same tokens.

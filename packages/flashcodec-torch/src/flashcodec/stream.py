@@ -36,9 +36,11 @@ A stream with batch ``B``, heads ``H``, head dimension ``D``, input dtype ``dt``
   and zero point per token. ``w`` is the codec's ``raw_window`` (0 for most codecs): a block is
   coded only once ``w`` newer tokens follow it, so the newest ``w`` tokens (up to ``w + r - 1``)
   are never block-coded, as in KIVI's residual window. ``slots`` follows the tail
-  (:func:`tail_slots`: ``tail_len`` rounded up to :data:`TAIL_STEP` tokens, at most ``r + w``):
-  with a 64-token block behind a 64-token window the tail swings between 64 and 127 tokens, and a
-  fixed ``r + w`` buffer would keep a quarter of it empty on average.
+  (:func:`tail_slots`: ``r + w`` less as many whole :data:`TAIL_STEP`-token steps as the tail
+  leaves empty): with a 64-token block behind a 64-token window the tail swings between 64 and
+  127 tokens, and a fixed ``r + w`` buffer would keep a quarter of it empty on average. A tail
+  that never leaves a whole step empty (``r + w <= 16``, or a window of 96 behind 8-token blocks:
+  96 to 103 tokens in 104 slots) keeps one buffer, written in place, as a fixed size would.
 * **view** (memoized reconstruction): ``[B, H, view_capacity, D]`` in ``dt``, or None. Its first
   ``view_blocks * r`` tokens are decoded blocks; ``read()`` decodes only blocks archived since the
   last read (one batched decode), copies the tail behind them and returns the first ``seq_len``
@@ -93,15 +95,18 @@ def spare_blocks(block_size: int) -> int:
 
 
 #: the tail buffers grow in steps of this many tokens (:func:`tail_slots`): a regrowth copies the
-#: tail (at most ``r + raw_window`` tokens) once per 16 decode steps, and the buffer keeps at most
-#: 15 empty slots
+#: tail (at most ``r + raw_window`` tokens) at most once per 16 decode steps, and the buffer keeps
+#: at most 15 empty slots beyond what a fixed ``r + raw_window`` buffer would
 TAIL_STEP = 16
 
 
 def tail_slots(tokens: int, full: int) -> int:
-    """Tail buffer slots for ``tokens`` tail tokens: ``tokens`` rounded up to :data:`TAIL_STEP`,
-    but never more than ``full`` (``r + raw_window``, one more than the tail can hold)."""
-    return min(full, -(-tokens // TAIL_STEP) * TAIL_STEP)
+    """Tail buffer slots for ``0 <= tokens < full`` tail tokens, ``full`` being ``r + raw_window``:
+    ``full`` less every whole :data:`TAIL_STEP` of slots the tail leaves empty. Counting the steps
+    down from ``full`` (not up from 0) keeps a tail that always fills all but a few slots (8-token
+    blocks behind a 96-token window: 96 to 103 tokens) in one buffer of ``full`` slots, so only
+    tails that swing by a step or more (64-token blocks: 64 to 127 tokens) are ever reallocated."""
+    return full - (full - tokens) // TAIL_STEP * TAIL_STEP
 
 
 @dataclass(frozen=True)
@@ -322,8 +327,10 @@ class CodecStream:
             )
         parts = self.codec.encode(seq)
         grown = self._grown_archive(self.n_blocks + n_new)
-        # the tail got shorter: new buffers sized to it (the old ones stay intact for the undo)
-        tail = self._tail_buffers(rest[0].shape[2], rest)
+        # the tail got shorter: new buffers sized to it when it frees a step of slots (the old ones
+        # stay intact for the undo), else the new tail is written over the old one from slot 0
+        n_rest = rest[0].shape[2]
+        tail = None if tail_slots(n_rest, r + w) == self.tail_capacity else self._tail_buffers(n_rest, rest)
         return AppendPlan(x=x, rest=rest, rest_at=0, parts=parts, archive=grown, tail=tail)
 
     @torch.no_grad()
@@ -332,7 +339,8 @@ class CodecStream:
 
         Returns an undo: called before any other change to the stream (a failed read right
         after, in :meth:`flashcodec.CodecKVCache.update_and_fetch`), it puts the stream back
-        exactly as it was. It keeps the previous archive and tail buffers.
+        exactly as it was. It keeps the previous archive and tail buffers and, when blocks
+        complete into the same tail buffers, a copy of the tail tokens the commit overwrites.
         """
         undo = self._undo_append(plan)
         if plan.parts:
@@ -350,10 +358,11 @@ class CodecStream:
         return undo
 
     def _undo_append(self, plan: AppendPlan) -> Callable[[], None]:
-        # A commit only writes archive slots past n_blocks (or into new buffers) and tail slots past
-        # tail_len (or installs new tail buffers): restoring the counts and the buffer references
-        # restores the stream. The view's trusted part (its first view_blocks blocks) is never
-        # written by a read that follows.
+        # A commit only writes archive slots past n_blocks (or into new buffers), tail slots past
+        # tail_len when no block completes, the whole tail when blocks complete into the same
+        # buffers, or installs new tail buffers: restoring the counts, the buffer references and
+        # that tail copy restores the stream. The view's trusted part (its first view_blocks
+        # blocks) is never written by a read that follows.
         saved = (
             self._archive,
             self._tail,
@@ -364,6 +373,11 @@ class CodecStream:
             self._view_version,
         )
         trusted = self._view_is_trusted()
+        overwritten = (
+            tuple(p.clone() for p in self.tail_parts(0, self.tail_len))
+            if plan.parts and plan.tail is None and self.tail_len
+            else None
+        )
 
         def undo() -> None:
             view = self._view
@@ -376,6 +390,8 @@ class CodecStream:
                 self.view_blocks,
                 self._view_version,
             ) = saved
+            if overwritten is not None:
+                self._write_tail(0, overwritten)
             if trusted and self._view is view and view is not None:
                 self._view_version = _version(view)  # only written past the trusted blocks since
 
