@@ -188,7 +188,7 @@ class CodecStream:
         self._archive: tuple[torch.Tensor, ...] = ()
         self.n_blocks = 0
         # the tail holds fewer than r + raw_window tokens, stored by the codec's tail coder in
-        # buffers that follow its length (no slot before the first append)
+        # buffers that follow its length (tail_slots; sized for an empty tail here)
         self._tail = self._tail_buffers(0)
         self.tail_len = 0
         self._view: torch.Tensor | None = None
