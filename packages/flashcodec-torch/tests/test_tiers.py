@@ -75,6 +75,15 @@ def test_every_tier_builds_a_cache(name):
     assert k.shape == x.shape and cache.nbytes > 0
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_a_codec_says_its_synthesis_is_the_identity_only_when_it_is(name):
+    # the kernels skip the synthesis product on the codec's word (synthesis_is_identity)
+    codec = TIERS[name].codec
+    a = codec.synthesis_matrix()
+    is_eye = a.shape[0] == a.shape[1] and torch.equal(a, torch.eye(a.shape[0]))
+    assert codec.synthesis_is_identity == is_eye
+
+
 def test_unknown_tier_lists_the_names():
     with pytest.raises(
         KVConfigError, match=r"tier must be one of \['png-keep1', .*'jpeg-k2-int8-mf'\]; got 'jpeg-k3'"

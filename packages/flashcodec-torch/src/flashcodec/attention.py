@@ -89,7 +89,13 @@ def coded_rows(stream: CodecStream) -> CodedRows:
     synthesis = codec.synthesis_matrix(torch.float32, stream.device)
     channel = codec.channel_affine(parts)
     return CodedRows(
-        segments, scales, synthesis, stream.tail(), codec.row_offsets(parts), *(channel or (None, None))
+        segments,
+        scales,
+        synthesis,
+        stream.tail(),
+        codec.row_offsets(parts),
+        *(channel or (None, None)),
+        identity_synthesis=codec.synthesis_is_identity,
     )
 
 

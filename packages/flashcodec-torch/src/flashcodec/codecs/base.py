@@ -110,6 +110,9 @@ class BlockCodec(ABC):
     #: whether packed int4 codes may be -8 (the nibble 0): symmetric codecs never write it, so a
     #: restored state holding one is refused (``state_check``); jpeg-zp uses all 16 levels
     int4_zero_nibble: ClassVar[bool] = False
+    #: whether :meth:`synthesis_matrix` is the identity (the stored rows are the tokens): the
+    #: attention kernels then skip its product
+    synthesis_is_identity: ClassVar[bool] = False
     #: newest tokens the cache keeps raw, uncoded: a block is coded once this many tokens follow
     #: it. 0 here (every complete block is coded); a codec with a ``raw_window`` field overrides it
     raw_window: int = 0

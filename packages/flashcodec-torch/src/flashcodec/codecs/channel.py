@@ -54,6 +54,7 @@ class ChannelInt4Codec(BlockCodec):
 
     mode: ClassVar[str] = "chan4"
     int4_zero_nibble: ClassVar[bool] = True
+    synthesis_is_identity: ClassVar[bool] = True
 
     block_size: int = 64
     raw_window: int = 0

@@ -61,6 +61,8 @@ class CodedRows(NamedTuple):
         channel_scales, channel_offsets: ``[B, H, n, D]`` fp32, both or neither (the default):
             a per-channel step after synthesis, token ``t`` of block ``b`` being
             ``(A @ rows)[t] * channel_scales[b] + channel_offsets[b]`` (chan4 has it).
+        identity_synthesis: whether ``synthesis`` is the identity (the codec's
+            ``synthesis_is_identity``; chan4), so the kernels skip its product.
     """
 
     segments: tuple[torch.Tensor, ...]
@@ -70,6 +72,7 @@ class CodedRows(NamedTuple):
     offsets: torch.Tensor | None = None
     channel_scales: torch.Tensor | None = None
     channel_offsets: torch.Tensor | None = None
+    identity_synthesis: bool = False
 
     @property
     def n_blocks(self) -> int:
@@ -157,24 +160,12 @@ def _channel_dots(q: torch.Tensor, rows: CodedRows, start: int, stop: int) -> to
     return out.transpose(2, 3)
 
 
-@lru_cache(maxsize=16)
-def _eye(r: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.eye(r, dtype=dtype, device=device)
-
-
-def is_identity(synthesis: torch.Tensor) -> bool:
-    """Whether ``A`` is the identity (chan4: the stored rows are the tokens), so its product can be
-    skipped. Asked at every decode call: the identity it compares with is built once per shape."""
-    r, rows = synthesis.shape
-    return r == rows and torch.equal(synthesis, _eye(r, synthesis.dtype, synthesis.device))
-
-
-def _token_scores(q: torch.Tensor, rows: CodedRows, start: int, stop: int, identity: bool) -> torch.Tensor:
+def _token_scores(q: torch.Tensor, rows: CodedRows, start: int, stop: int) -> torch.Tensor:
     """``q [B, Hkv, G, D]`` against the tokens of blocks ``start..stop-1`` -> ``[B, Hkv, G, nb, r]``:
-    the row dot products through the synthesis matrix (skipped when it is the ``identity``), plus
+    the row dot products through the synthesis matrix (skipped when it is the identity), plus
     ``q . offset_b`` for a per-channel step."""
     dots = _row_dots(q, rows, start, stop)
-    if not identity:
+    if not rows.identity_synthesis:
         dots = dots @ rows.synthesis.float().T
     if rows.channel_offsets is not None:
         shift = torch.einsum("bhgd,bhnd->bhgn", q, rows.channel_offsets[:, :, start:stop])
@@ -307,19 +298,18 @@ def decode_attention_partials(
     q = (query.float() * scale).reshape(b, hkv, g, d)
     step = max(1, n if blocks_per_split is None else int(blocks_per_split))
     a_v = values.synthesis.float()
-    identity_k, identity_v = is_identity(keys.synthesis), is_identity(a_v)
     ms, ls, accs = [], [], []
     for start in range(0, n, step):
         stop = min(start + step, n)
         nb = stop - start
         # q . S^T per stored row, then the synthesis matrix turns rows into token scores
-        scores = _token_scores(q, keys, start, stop, identity_k).reshape(b, hkv, g, nb * r)
+        scores = _token_scores(q, keys, start, stop).reshape(b, hkv, g, nb * r)
         if key_mask is not None:
             scores = scores + key_mask[:, None, None, start * r : stop * r]
         m, denom, p = _softmax_partial(scores)
         # prob @ V_block = (prob @ A_v) @ S_v: weights per stored value row
         probs = p.reshape(b, hkv, g, nb, r)
-        row_weights = probs if identity_v else probs @ a_v  # [B, Hkv, G, nb, Rv]
+        row_weights = probs if values.identity_synthesis else probs @ a_v  # [B, Hkv, G, nb, Rv]
         if values.channel_scales is not None:
             acc = _channel_weighted(row_weights, probs.sum(-1), values, start, stop)
         else:
