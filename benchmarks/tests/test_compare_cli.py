@@ -13,6 +13,7 @@ from kvbench.results import SCHEMA, run_of
 # 64 context tokens: palu fits its projections once it holds head_dim (64) tokens; a small
 # long-context run (320 tokens) still exercises the memory curve
 SMALL = [
+    *("--model", "tiny-qwen3"),
     *("--windows", "2", "--context-tokens", "64", "--scored-tokens", "8", "--new-tokens", "4"),
     *("--prompt-count", "1", "--speed-rounds", "1", "--speed-steps", "4", "--quiet"),
     *("--long-context", "320", "--long-windows", "1", "--long-scored-tokens", "16"),

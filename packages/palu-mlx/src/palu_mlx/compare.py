@@ -22,18 +22,19 @@ compare``; this module is the MLX runner and the candidates.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import re
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 from kvbench.cli import Loaded, run_cli, run_compare
-from kvbench.models import embedded_model_path
+from kvbench.models import model_names, resolve_model
 from kvbench.protocol import Candidate, KVBytes
 from kvbench.results import CompareError, weights_digest
 from kvspec import KVConfigError
@@ -72,19 +73,55 @@ def tier_config(name: str, head_dim: int, n_kv_heads: int | None) -> KVCacheConf
     return dataclasses.replace(base, head_dim=head_dim, palu_rank=rank, palu_n_head_groups=groups)
 
 
-def load_model(model: str | None, dtype: str = "bfloat16") -> tuple[Any, Any, dict[str, Any]]:
-    """``(model, tokenizer, info)`` for a local directory, a hub id, or (None) the embedded model,
-    its floating-point weights cast to ``dtype`` (float32 / bfloat16 / float16).
+def round_kv_outputs(model: Any, dtype: Any) -> None:
+    """Make every layer's ``self_attn.k_proj`` (``k_norm`` where there is one) and ``v_proj``
+    round its output to ``dtype``.
+
+    With a float32 model this gives the K/V a ``dtype`` model would cache while the matrix
+    products stay in float32 (on Linux, MLX's CPU wheel multiplies bfloat16 matrices without a
+    BLAS, several times slower than float32 through an optimized BLAS). The modules keep their
+    parameters and names (a calibration file still fits); only their class gains the rounding.
+    """
+    for index, layer in enumerate(model.layers):
+        attn = getattr(layer, "self_attn", None)
+        # keys leave through k_norm where the model has one (qwen3): its float32 weights would
+        # promote rounded keys back
+        key_module = "k_norm" if callable(getattr(attn, "k_norm", None)) else "k_proj"
+        projections = [getattr(attn, name, None) for name in (key_module, "v_proj")]
+        if any(not callable(p) for p in projections):
+            raise CompareError(
+                f"--compute-dtype: layer {index} has no self_attn.k_proj / v_proj to round; "
+                "use --compute-dtype same"
+            )
+        for projection in projections:
+            base = type(projection)
+            if getattr(base, "_rounds_to", None) is not None:
+                continue
+
+            def call(self, x, base=base):
+                return base.__call__(self, x).astype(self._rounds_to)
+
+            projection.__class__ = type(f"Rounded{base.__name__}", (base,), {"__call__": call, "_rounds_to": dtype})
+
+
+def load_model(
+    model: str | None, dtype: str = "bfloat16", compute_dtype: str = "same"
+) -> tuple[Any, Any, dict[str, Any]]:
+    """``(model, tokenizer, info)`` for a named model (None: kvbench's default, the real model), a
+    local directory or a hub id, its floating-point weights cast to ``dtype`` (float32 / bfloat16
+    / float16). ``compute_dtype="float32"``: weights and activations in float32, keys and values
+    rounded to ``dtype`` (:func:`round_kv_outputs`), so the caches hold what a ``dtype`` model
+    caches.
 
     Raises CompareError with one line when the path is not a model or mlx-lm cannot load it.
     """
     import mlx_lm
 
-    if model is None:
+    if model is None or model in model_names():
         try:
-            source: str = str(embedded_model_path())
+            source: str = resolve_model(model)
         except FileNotFoundError as err:
-            raise CompareError(f"no --model given and {err}") from None
+            raise CompareError(f"--model {model or 'default'}: {err}") from None
     else:
         source = model
         path = Path(model).expanduser()
@@ -101,7 +138,12 @@ def load_model(model: str | None, dtype: str = "bfloat16") -> tuple[Any, Any, di
         raise CompareError(
             f"--model {source!r}: mlx-lm cannot load it ({type(err).__name__}: {first})"
         ) from None
-    loaded.set_dtype(_DTYPES[dtype])
+    if compute_dtype == "same":
+        loaded.set_dtype(_DTYPES[dtype])
+    else:
+        loaded.set_dtype(_DTYPES[compute_dtype])
+        round_kv_outputs(loaded, _DTYPES[dtype])
+    loaded.kv_dtype = _DTYPES[dtype]
     # the held-out text is tokenized whole, then cut into windows; the length warning does not apply
     getattr(tokenizer, "_tokenizer", tokenizer).model_max_length = int(1e12)
     head_dim, n_kv = model_kv_dims(loaded)
@@ -114,7 +156,8 @@ def load_model(model: str | None, dtype: str = "bfloat16") -> tuple[Any, Any, di
         "layers": len(loaded.layers),
         "kv_heads": n_kv,
         "head_dim": head_dim,
-        "dtype": str(weights[0][1].dtype).replace("mlx.core.", "") if weights else None,
+        "dtype": dtype,  # what the caches hold and are measured against
+        "compute_dtype": dtype if compute_dtype == "same" else compute_dtype,
         "weights_bytes": sum(v.nbytes for _, v in weights),
         "weights_sha256": weights_digest(source) if Path(source).is_dir() else None,
         "framework": f"mlx {mx.__version__}",
@@ -134,7 +177,7 @@ class MLXRunner:
         self.model = model
         self.tokenizer = tokenizer
         self._active_before = 0
-        self.kv_itemsize = _default_dtype(model).size
+        self.kv_itemsize = _kv_dtype(model).size
 
     def _logits(self, cache: list[Any], tokens: list[int]) -> np.ndarray:
         logits = self.model(mx.array(tokens, dtype=mx.int32)[None], cache=cache)[0, -1]
@@ -196,7 +239,7 @@ def build_candidates(
     head_dim, n_kv = model_kv_dims(model)
     if head_dim is None:
         raise CompareError("--model: cannot read the head dim from the model's args; palu needs it")
-    dtype = str(_default_dtype(model)).replace("mlx.core.", "")
+    dtype = str(_kv_dtype(model)).replace("mlx.core.", "")
     out = [
         Candidate(
             "baseline",
@@ -258,7 +301,11 @@ def build_candidates(
     return out
 
 
-def _default_dtype(model: Any) -> Any:
+def _kv_dtype(model: Any) -> Any:
+    """The dtype of the K/V the model caches: :func:`load_model`'s record, else its weights'."""
+    recorded = getattr(model, "kv_dtype", None)
+    if recorded is not None:
+        return recorded
     weights = tree_flatten(model.parameters())
     return weights[0][1].dtype if weights else None
 
@@ -281,6 +328,14 @@ class PaluHarness:
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument(
+            "--compute-dtype",
+            default="same",
+            choices=("same", "float32"),
+            help="same (default): the model computes in --dtype; float32: weights and activations in "
+            "float32, keys and values rounded to --dtype before they are cached (faster where MLX "
+            "multiplies float32 through an optimized BLAS and bfloat16 without one, as on Linux)",
+        )
+        parser.add_argument(
             "--calibration",
             default=None,
             metavar="FILE",
@@ -290,7 +345,7 @@ class PaluHarness:
 
     def load(self, args: argparse.Namespace) -> Loaded:
         self._calibration = args.calibration
-        model, tokenizer, info = load_model(args.model, args.dtype)
+        model, tokenizer, info = load_model(args.model, args.dtype, args.compute_dtype)
         return Loaded(
             runner=MLXRunner(model, tokenizer),
             info=info,
@@ -302,6 +357,48 @@ class PaluHarness:
 
     def candidates(self, loaded: Loaded, tiers: Sequence[str], peers: Sequence[str]):
         return build_candidates(loaded.handle, tiers, peers, self._calibration), []
+
+    def noise_floor(self, loaded: Loaded) -> Candidate:
+        return noise_floor_candidate(loaded.handle)
+
+
+def noise_floor_candidate(model: Any) -> Candidate:
+    """mlx-lm's uncompressed cache with ``model`` computing and caching in float32 during this
+    candidate's runs: how far the run's 16-bit rounding alone moves the distributions."""
+    rounded = {  # the classes round_kv_outputs made (an MLX module's children are its dict items)
+        type(child)
+        for layer in model.layers
+        for child in dict(getattr(layer, "self_attn", None) or {}).values()
+        if getattr(type(child), "_rounds_to", None) is not None
+    }
+
+    @contextlib.contextmanager
+    def in_float32() -> Iterator[None]:
+        if rounded:  # float32 compute already: only the K/V rounding to turn off
+            before = {cls: cls._rounds_to for cls in rounded}
+            for cls in rounded:
+                cls._rounds_to = mx.float32
+        else:
+            dtype = _kv_dtype(model)
+            model.set_dtype(mx.float32)  # 16-bit -> float32 -> 16-bit is exact
+        try:
+            yield
+        finally:
+            if rounded:
+                for cls, dtype in before.items():
+                    cls._rounds_to = dtype
+            else:
+                model.set_dtype(dtype)
+
+    return Candidate(
+        "noise-floor-fp32",
+        "reference",
+        "mlx-lm KVCache, uncompressed, the model computed and cached in float32: the rounding noise of "
+        "the 16-bit run, not a cache to choose",
+        lambda: _default_caches(model),
+        {"class": "mlx_lm.models.cache.KVCache", "compute_dtype": "float32"},
+        context=in_float32,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
