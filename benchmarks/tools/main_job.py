@@ -92,12 +92,16 @@ DEMO = {
     "palu-mlx": (
         "palu-3bit,palu-2bit",
         "mlx-lm-q4,mlx-lm-q8",
-        _sizes(windows="2", prompt_count="1", new_tokens="16", long_windows="1", speed_rounds="1", speed_steps="8"),
+        # MLX on this class of CPU: 1,280-token windows (1,024 context + 256 scored); --full runs 2,048
+        _sizes(
+            windows="1", prompt_count="1", new_tokens="16", long_context="1280", long_windows="1",
+            speed_rounds="1", speed_steps="8",
+        ),  # fmt: skip
     ),
     "flashcodec": (
-        "png-keep1,jpeg-k8-int8-mf,jpeg-k8-int4z-w96i8-mf,chan64-int4-w64i8-mf,jpeg-k2-int8-mf",
-        "hf-hqq-q4,hf-hqq-q8,hf-fp8",
-        _sizes(windows="4", prompt_count="1", long_windows="2", speed_rounds="2"),
+        "png-keep1,jpeg-k8-int8-mf,jpeg-k8-int4z-w96i8-mf,chan64-int4-w64i8-mf",
+        "hf-hqq-q4,hf-hqq-q8",
+        _sizes(windows="2", prompt_count="1", new_tokens="16", long_windows="1", speed_rounds="1"),
     ),
 }
 
@@ -181,14 +185,19 @@ def run_full(name: str, module: str, stem: str, args: list[str]) -> Path:
     folder = FULL_DIR / stem
     folder.mkdir(parents=True, exist_ok=True)
     parts = []
-    for kind, candidate in [("tier", t) for t in tiers] + [("peer", p) for p in peers]:
+    kinds = [("tier", t) for t in tiers] + [("peer", p) for p in peers] + [("reference", "noise-floor-fp32")]
+    for kind, candidate in kinds:
         part = folder / f"{candidate}.json"
         parts.append(part)
         if part.is_file():
             print(f"{name} {candidate}: kept from an earlier run ({part.relative_to(ROOT)})", flush=True)
             continue
-        say(f"{name} --full: {candidate} ({len(parts)} of {len(tiers) + len(peers)})")
-        select = ["--tiers", candidate, "--peers", "none"] if kind == "tier" else ["--tiers", "none", "--peers", candidate]
+        say(f"{name} --full: {candidate} ({len(parts)} of {len(kinds)})")
+        select = {
+            "tier": ["--tiers", candidate, "--peers", "none"],
+            "peer": ["--tiers", "none", "--peers", candidate],
+            "reference": ["--tiers", "none", "--peers", "none", "--noise-floor"],
+        }[kind]
         tmp = part.with_suffix(".partial.json")
         code = run_compare(name, module, tmp, args + select, FULL)
         if code != 0:
@@ -231,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     say(f"model {model}")
     model_dir = ensure_model(model)
     print(f"model {model}: {model_dir}", flush=True)
-    calibration = None if args.quick else ensure_calibration(model_dir)
+    palu_runs = args.only in (None, "palu-mlx")
+    calibration = ensure_calibration(model_dir) if palu_runs and not args.quick else None
     out_dir = Path(tempfile.mkdtemp(prefix="kv-main-job-")) if args.quick else RESULTS
     written: list[Path] = []
     for name, module, stem in JOBS:
@@ -245,10 +255,11 @@ def main(argv: list[str] | None = None) -> int:
             selection, sizes = [], QUICK
         else:
             tiers, peers, sizes = DEMO[name]
-            selection = ["--tiers", tiers, "--peers", peers]
+            selection = ["--tiers", tiers, "--peers", peers, "--noise-floor"]
             print(
-                f"{name}: cut to tiers {tiers} and peers {peers}, {sizes['--windows']} short and "
-                f"{sizes['--long-windows']} long windows (--full runs every tier at 16 + 16)",
+                f"{name}: cut to tiers {tiers} and peers {peers}; {sizes['--windows']} short and "
+                f"{sizes['--long-windows']} long windows of {sizes['--long-context']} tokens "
+                f"(--full: every tier, 16 short and 16 long windows of {FULL['--long-context']})",
                 flush=True,
             )
         say(f"{name}: python -m {module}")
