@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 # (directory, distribution name, import name, extras, extras installed for the import test)
 PACKAGES = [
     ("kvspec", "kvcache-spec", "kvspec", set(), ""),
-    ("kvbench", "kvbench", "kvbench", {"plot"}, ""),
+    ("kvbench", "kvbench", "kvbench", {"plot", "convert"}, ""),
     (
         "palu-mlx",
         "palu-mlx",
