@@ -183,8 +183,20 @@ def _convert(spec: WheelGGUFModel, gguf: Path, out: Path, quiet: bool) -> dict[s
             f"(missing {missing[:3]}, unexpected {unexpected[:3]})"
         )
     model.to(dtype).save_pretrained(out)
+    _write_legacy_rope_theta(out / "config.json")
     AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
     return {"architecture": type(model).__name__, "transformers": transformers.__version__, "torch": torch.__version__}
+
+
+def _write_legacy_rope_theta(config_path: Path) -> None:
+    """Also write ``rope_theta`` at the top level of ``config.json``: transformers 5 keeps it only
+    in ``rope_parameters``, and loaders that read the older key (mlx-lm's llama) would otherwise
+    fall back to their default base (10,000 instead of the model's 100,000) without a word."""
+    config = json.loads(config_path.read_text())
+    theta = (config.get("rope_parameters") or {}).get("rope_theta")
+    if theta is not None and "rope_theta" not in config:
+        config["rope_theta"] = theta
+        config_path.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def fetch_wheel_model(spec: WheelGGUFModel, home: Path | None = None, quiet: bool = False) -> Path:
