@@ -13,9 +13,10 @@ from collections.abc import Sequence
 
 import gradio as gr
 import pandas as pd
+from kvbench.models import DEFAULT_MODEL, model_names
 from kvspec import KVSpecError
 
-from .backend import Backend, DemoError
+from .backend import Backend, DemoError, model_key
 from .charts import comparison_figure
 from .comparison import compare_on_prompt
 from .conversation import Conversation, Setup, TurnResult, run_turn
@@ -40,7 +41,9 @@ INTRO = """\
 
 Left: the model with its uncompressed KV cache. Right: the same model with a compressed cache.
 Both panels stream their tokens as they are generated (left first, then right: each side runs
-alone so its peak memory is its own). Every number under them is measured in that turn.
+alone so its peak memory is its own). Every number under them is measured in that turn. Each
+panel keeps its own conversation: every turn sends the model that side's earlier turns too,
+through the model's chat template.
 """
 
 STATS_NOTE = """\
@@ -75,15 +78,19 @@ def _table(rows: list[list[str]], headers: Sequence[str]) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=list(headers))
 
 
+def _model_label() -> str:
+    return (
+        f"Model (a named model: {', '.join(model_names())}; a local directory or a cached hub id; "
+        f"empty: {DEFAULT_MODEL})"
+    )
+
+
 # ---------------------------------------------------------------------------- chat tab
 def _chat_tab(backend: Backend, default_model: str | None) -> None:
     key = backend.key
     with gr.Row():
         model = gr.Textbox(
-            value=default_model or "",
-            label="Model (a local directory or a cached hub id; empty: the embedded tiny-qwen3)",
-            elem_id=f"{key}-model",
-            scale=3,
+            value=model_key(default_model), label=_model_label(), elem_id=f"{key}-model", scale=3
         )
         choice = gr.Dropdown(
             choices=backend.chat_choices(),
@@ -103,8 +110,16 @@ def _chat_tab(backend: Backend, default_model: str | None) -> None:
         else:
             toggle = gr.State(False)
         new_tokens = gr.Slider(
-            1, 256, value=32, step=1, label="new tokens", elem_id=f"{key}-new-tokens", scale=2
+            # a reply ends earlier at the model's end-of-turn token
+            1,
+            256,
+            value=64,
+            step=1,
+            label="new tokens (at most)",
+            elem_id=f"{key}-new-tokens",
+            scale=2,
         )
+    gr.Markdown(f"Precision: {backend.precision_note()}.", elem_id=f"{key}-precision")
     with gr.Row():
         left = gr.Chatbot(label="native cache", elem_id=f"{key}-native", height=320)
         right = gr.Chatbot(label="compressed cache", elem_id=f"{key}-compressed", height=320)
@@ -126,10 +141,10 @@ def _chat_tab(backend: Backend, default_model: str | None) -> None:
     state = gr.State(None)
 
     def respond(text: str, model_text: str, picked: str, mf: bool, count: float, conv: Conversation | None):
-        setup = Setup(model=model_text.strip() or None, choice=picked, materialization_free=bool(mf))
+        setup = Setup(model=model_key(model_text), choice=picked, materialization_free=bool(mf))
         notice = ""
         if conv is None or conv.setup != setup:
-            if conv is not None and conv.native_ids:
+            if conv is not None and conv.native_messages:
                 notice = "New conversation: the model or the cache changed. "
             conv = Conversation(setup=setup)
         shown_left = [
@@ -161,6 +176,9 @@ def _chat_tab(backend: Backend, default_model: str | None) -> None:
         result = item
         details = details_line(result.compressed.details)
         details = f" {result.cache_name}: {details}." if details else ""
+        # the panels show what the next turn sends: the replies without their end-of-turn token
+        shown_left = [dict(m) for m in result.native_messages]
+        shown_right = [dict(m) for m in result.compressed_messages]
         yield {
             left: shown_left,
             right: gr.Chatbot(value=shown_right, label=f"compressed cache: {result.cache_name}"),
@@ -168,10 +186,8 @@ def _chat_tab(backend: Backend, default_model: str | None) -> None:
             status: f"{notice}Turn {len(shown_left) // 2}: {match_line(result.match)}{details}",
             state: Conversation(
                 setup=setup,
-                native_ids=result.native_ids,
-                compressed_ids=result.compressed_ids,
-                native_messages=shown_left,
-                compressed_messages=shown_right,
+                native_messages=result.native_messages,
+                compressed_messages=result.compressed_messages,
             ),
             message: "",
             note: STATS_NOTE.format(meter=result.peak_meter),
@@ -192,12 +208,7 @@ def _comparison_tab(backends: dict[str, Backend], default_model: str | None) -> 
     first = next(iter(backends.values()))
     with gr.Row():
         package = gr.Radio(list(backends), value=first.key, label="Package", elem_id="cmp-package", scale=1)
-        model = gr.Textbox(
-            value=default_model or "",
-            label="Model (empty: the embedded tiny-qwen3)",
-            elem_id="cmp-model",
-            scale=3,
-        )
+        model = gr.Textbox(value=model_key(default_model), label=_model_label(), elem_id="cmp-model", scale=3)
         new_tokens = gr.Slider(
             2,
             256,

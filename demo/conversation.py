@@ -2,6 +2,15 @@
 
 Each panel continues its own conversation: the native side's history holds the native replies,
 the compressed side's the compressed replies, as two users of the two caches would see them.
+
+Every turn renders each side's whole conversation again (through the model's chat template when
+it has one: :meth:`Backend.prompt_tokens`) and prefills it into a fresh cache, instead of keeping
+the compressed cache from turn to turn and feeding it only the new turn's tokens. So every turn's
+figures cover the whole conversation the cache holds, comparable from turn to turn and between
+the two sides; no cache outlives its turn (the page keeps text only, and the process-wide memory
+meters see the turn's own cache and nothing older); and earlier turns reach the model exactly as
+its template writes them (each reply closed by the end-of-turn marker the greedy reply stopped
+at). The price is a prefill that grows with the conversation.
 """
 
 from __future__ import annotations
@@ -28,23 +37,25 @@ class Setup:
 
 @dataclass
 class Conversation:
+    """Each side's history: ``{"role": "user" | "assistant", "content": text}`` dicts, oldest first."""
+
     setup: Setup | None = None
-    native_ids: list[int] = field(default_factory=list)
-    compressed_ids: list[int] = field(default_factory=list)
     native_messages: list[dict[str, str]] = field(default_factory=list)
     compressed_messages: list[dict[str, str]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
 class TurnResult:
-    native_text: str
+    native_text: str  # the replies, without the token that ended them
     compressed_text: str
     native: SideStats
     compressed: SideStats
     match: TokenMatch
     cache_name: str  # the cache actually built (a tier's materialization-free twin with the toggle on)
-    native_ids: list[int]  # each side's whole conversation after the turn (context + reply)
+    native_ids: list[int]  # each side's prompt this turn (the whole conversation) + its reply
     compressed_ids: list[int]
+    native_messages: list[dict[str, str]]  # each side's history after the turn
+    compressed_messages: list[dict[str, str]]
     peak_meter: str  # what the peak figures measure (the runner's peak_label)
 
 
@@ -69,8 +80,12 @@ def run_turn(
         raise DemoError(f"new tokens must be at least 1; got {new_tokens}")
     loaded = backend.load(setup.model)
     native, compressed = backend.pair(loaded, setup.choice, setup.materialization_free)
-    turn = backend.turn_tokens(loaded, message, first=not conversation.native_ids)
-    contexts = {"native": conversation.native_ids + turn, "compressed": conversation.compressed_ids + turn}
+    asked = {"role": "user", "content": message}
+    histories = {
+        "native": [*conversation.native_messages, asked],
+        "compressed": [*conversation.compressed_messages, asked],
+    }
+    contexts = {side: backend.prompt_tokens(loaded, history) for side, history in histories.items()}
     for side, context in contexts.items():
         check_fits(
             len(context) + new_tokens,
@@ -88,18 +103,24 @@ def run_turn(
             new_tokens,
             stop,
             memory_now=lambda: backend.memory_now(loaded),
-            on_token=lambda so_far, side=side: emit((side, runner.detokenize(so_far))),
+            on_token=lambda so_far, side=side: emit((side, backend.reply_text(loaded, so_far, stop))),
             label="native" if side == "native" else candidate.name,
         )
         replies[side], stats[side] = tokens, side_stats
+    texts = {side: backend.reply_text(loaded, replies[side], stop) for side in replies}
     return TurnResult(
-        native_text=runner.detokenize(replies["native"]),
-        compressed_text=runner.detokenize(replies["compressed"]),
+        native_text=texts["native"],
+        compressed_text=texts["compressed"],
         native=stats["native"],
         compressed=stats["compressed"],
         match=token_match(replies["native"], replies["compressed"]),
         cache_name=compressed.name,
         native_ids=contexts["native"] + replies["native"],
         compressed_ids=contexts["compressed"] + replies["compressed"],
+        native_messages=[*histories["native"], {"role": "assistant", "content": texts["native"]}],
+        compressed_messages=[
+            *histories["compressed"],
+            {"role": "assistant", "content": texts["compressed"]},
+        ],
         peak_meter=runner.peak_label,
     )

@@ -28,7 +28,8 @@ class FlashcodecBackend(Backend):
     key = "flashcodec"
     title = "flashcodec (transformers)"
     lossless = "png-keep1"
-    default_choice = "jpeg-k8-int8"
+    # the tier that holds 4-bit bytes and answers like the native cache on the real model
+    default_choice = "chan64-int4-w64i8"
     has_materialization_free = True
 
     def __init__(self, dtype: str = "bfloat16", device: str | None = None):
@@ -36,7 +37,7 @@ class FlashcodecBackend(Backend):
         self.device = device
         self._libc = _libc()
 
-    def model_args(self, model: str | None) -> argparse.Namespace:
+    def model_args(self, model: str) -> argparse.Namespace:
         return argparse.Namespace(model=model, dtype=self.dtype, device=self.device)
 
     def chat_choices(self) -> list[str]:

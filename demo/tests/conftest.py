@@ -77,7 +77,9 @@ def app_url(tmp_path_factory: pytest.TempPathFactory, browser_executable: str):
     log_path = tmp_path_factory.mktemp("app") / "app.log"
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "demo", "--port", str(port)],
+            # the embedded model: quick to load and run, and what the browser test's checks were
+            # measured on (the default model's conversation is tested in test_models.py)
+            [sys.executable, "-m", "demo", "--model", "tiny-qwen3", "--port", str(port)],
             cwd=ROOT,
             stdout=log,
             stderr=subprocess.STDOUT,

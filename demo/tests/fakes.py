@@ -14,15 +14,36 @@ from demo.backend import Backend
 VOCAB = 8
 
 
+class ChatTokenizer:
+    """A tokenizer with a chat template: records every conversation it renders.
+
+    Its template writes each message as ``<role> content </role>`` and, with
+    ``add_generation_prompt``, opens the assistant's turn with ``<assistant>``.
+    """
+
+    chat_template = "{% for m in messages %}<{{ m.role }}> {{ m.content }} </{{ m.role }}> {% endfor %}"
+    eos_token_id = 7
+
+    def __init__(self) -> None:
+        self.rendered: list[tuple[list[dict[str, str]], bool]] = []
+
+    def apply_chat_template(self, messages, add_generation_prompt=False, tokenize=True):
+        assert not tokenize, "the demo renders text, then encodes it with the harness's encoder"
+        self.rendered.append(([dict(m) for m in messages], add_generation_prompt))
+        text = " ".join(f"<{m['role']}> {m['content']} </{m['role']}>" for m in messages)
+        return text + (" <assistant>" if add_generation_prompt else "")
+
+
 class CountingRunner:
     """Records its calls; its cache is a list of the tokens fed; 10 bytes a token."""
 
     peak_label = "fake meter"
     kv_itemsize = 2
 
-    def __init__(self) -> None:
+    def __init__(self, tokenizer=None) -> None:
         self.calls: list[tuple[str, int]] = []
-        self.tokenizer = None
+        self.tokenizer = tokenizer
+        self.prefilled: list[list[int]] = []  # every prompt prefilled, in order
 
     def _logits(self, last: int) -> np.ndarray:
         out = np.zeros(VOCAB)
@@ -31,6 +52,7 @@ class CountingRunner:
 
     def prefill(self, cache: list[int], tokens: Sequence[int]) -> np.ndarray:
         self.calls.append(("prefill", len(tokens)))
+        self.prefilled.append(list(tokens))
         cache.extend(tokens)
         return self._logits(tokens[-1])
 
@@ -75,14 +97,19 @@ def candidate(name: str = "baseline", entered: list[str] | None = None) -> Candi
     )
 
 
+def encode_text(text: str) -> list[int]:
+    """Token of each word: its length, modulo the vocabulary."""
+    return [len(word) % VOCAB for word in text.split()]
+
+
 class FakeBackend(Backend):
     key = "fake"
     title = "fake"
     lossless = "copy"
     default_choice = "copy"
 
-    def __init__(self, max_positions: int | None = 64):
-        self.runner = CountingRunner()
+    def __init__(self, max_positions: int | None = 64, tokenizer=None):
+        self.runner = CountingRunner(tokenizer)
         self.max_positions = max_positions
         self.loads: list[str | None] = []
 
@@ -91,8 +118,8 @@ class FakeBackend(Backend):
         return Loaded(
             runner=self.runner,
             info={},
-            encode_text=lambda t: [len(word) % VOCAB for word in t.split()],
-            encode_prompt=lambda t: [0] + [len(word) % VOCAB for word in t.split()],
+            encode_text=encode_text,
+            encode_prompt=lambda t: [0] + encode_text(t),  # 0: the start token
             max_positions=self.max_positions,
         )
 

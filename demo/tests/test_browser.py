@@ -1,6 +1,7 @@
-"""The app in a real browser: a prompt typed in each chat tab, both panels streamed, the stats
-table filled with measured numbers, the lossless tier's reply equal to the native one, a bad
-model path and an empty prompt answered with a message, and the comparison tab's bars.
+"""The app in a real browser, on the embedded model: a prompt typed in each chat tab, both panels
+streamed, the stats table filled with measured numbers, the lossless tier's reply equal to the
+native one, a second turn that prefills the first, a bad model path and an empty prompt answered
+with a message, and the comparison tab's bars.
 
 The screenshots it saves are the ones docs/demo.md shows (``hatch run app:screenshots``
 refreshes them).
@@ -79,6 +80,11 @@ def table(page, elem_id: str, headers: list[str]) -> list[dict[str, str]]:
     return rows
 
 
+def context_tokens(row: dict[str, str]) -> int:
+    """The prefilled tokens of a stats row ("context + new tokens": "37 + 12")."""
+    return int(row["context + new tokens"].split("+")[0].strip().replace(",", ""))
+
+
 def check_turn(page, key: str, cache: str) -> tuple[str, str, list[dict[str, str]]]:
     status = wait_status(page, key, "Turn 1:")
     native, compressed = reply(page, key, "native"), reply(page, key, "compressed")
@@ -104,6 +110,14 @@ def test_flashcodec_chat_lossless_tier_matches_native(page, screenshot_dir: Path
     assert compressed == native
     assert rows[1]["token match"] == f"{NEW_TOKENS}/{NEW_TOKENS} (100.0%)"
     save(page.screenshot(full_page=True), screenshot_dir / "demo-flashcodec.png")
+
+    # a second turn: each side's prompt holds the first turn (message and reply) and the new one
+    send(page, "flashcodec", "And after that?")
+    wait_status(page, "flashcodec", "Turn 2:")
+    later = table(page, "flashcodec-stats", STATS_HEADERS)
+    first_context, second_context = (context_tokens(r) for r in (rows[0], later[0]))
+    assert second_context >= first_context + NEW_TOKENS, (rows[0], later[0])
+    assert page.locator("#flashcodec-native [data-testid=user]").count() == 2
 
     # a tier without a materialization-free twin, toggle on: a message, nothing generated
     page.locator("#flashcodec-mf input").check()

@@ -1,14 +1,19 @@
-"""One side of a turn (``generate``) and a whole turn (``run_turn``) on a fake runner."""
+"""One side of a turn (``generate``) and a whole turn (``run_turn``, its prompt and stop tokens) on a
+fake runner."""
 
 from __future__ import annotations
 
 import pytest
 
-from demo.backend import DemoError
+from demo.backend import Backend, DemoError, model_key
 from demo.chat import generate
 from demo.conversation import Conversation, Setup, run_turn
 
-from .fakes import CountingRunner, FakeBackend, candidate
+from .fakes import ChatTokenizer, CountingRunner, FakeBackend, candidate, encode_text
+
+
+def encode_prompt(text: str) -> list[int]:
+    return [0, *encode_text(text)]
 
 
 def test_generate_prefills_once_then_one_call_per_token_and_reads_the_meters():
@@ -45,11 +50,77 @@ def test_a_turn_runs_native_then_compressed_and_extends_both_histories():
     assert result.native_ids == [0, 2, 3, 4, 5, 6] == result.compressed_ids
     assert result.native_text == "4 5 6" and result.match.share == 1.0
     assert result.compressed.name == "copy" and result.native.name == "native"
+    assert result.native_messages == [
+        {"role": "user", "content": "ab cde"},
+        {"role": "assistant", "content": "4 5 6"},
+    ]
 
-    later = Conversation(setup=setup, native_ids=result.native_ids, compressed_ids=result.compressed_ids)
+    later = Conversation(
+        setup=setup, native_messages=result.native_messages, compressed_messages=result.compressed_messages
+    )
     again = run_turn(backend, later, setup, "x", 2, lambda _: None)
-    # a later turn continues each side's own history; plain text, no second start token
-    assert again.native_ids[: len(result.native_ids) + 1] == [*result.native_ids, 1]
+    # without a chat template the history is plain text: each reply continues its message, a new
+    # message opens a paragraph; one start token for the whole conversation
+    assert backend.runner.prefilled[-1] == encode_prompt("ab cde" + "4 5 6" + "\n\n" + "x")
+    assert again.native_messages[:2] == result.native_messages
+
+
+def test_a_chat_template_renders_the_whole_conversation_each_turn():
+    tokenizer = ChatTokenizer()
+    backend = FakeBackend(tokenizer=tokenizer)
+    setup = Setup(model=None, choice="copy", materialization_free=False)
+    first = run_turn(
+        backend, Conversation(setup=setup), setup, "What is the capital of France?", 3, lambda _: None
+    )
+    asked = {"role": "user", "content": "What is the capital of France?"}
+    # both sides rendered through the template, the assistant's turn opened
+    assert tokenizer.rendered == [([asked], True), ([asked], True)]
+    rendered = "<user> What is the capital of France? </user> <assistant>"
+    assert backend.runner.prefilled[0] == encode_text(
+        rendered
+    )  # no start token added: the template has its own
+
+    # a later turn sends each side's earlier turns too, with that side's own reply
+    own = [asked, {"role": "assistant", "content": "compressed said this"}]
+    later = Conversation(setup=setup, native_messages=first.native_messages, compressed_messages=own)
+    run_turn(backend, later, setup, "And of Italy?", 2, lambda _: None)
+    follow_up = {"role": "user", "content": "And of Italy?"}
+    native_turn, compressed_turn = tokenizer.rendered[-2:]
+    assert native_turn == ([asked, {"role": "assistant", "content": first.native_text}, follow_up], True)
+    assert compressed_turn == ([*own, follow_up], True)
+    expected = "<user> What is the capital of France? </user> <assistant> compressed said this </assistant>"
+    assert backend.runner.prefilled[-1] == encode_text(f"{expected} <user> And of Italy? </user> <assistant>")
+
+
+def test_a_reply_ends_at_the_end_of_turn_token_which_the_history_leaves_out():
+    backend = FakeBackend(tokenizer=ChatTokenizer())
+    setup = Setup(model=None, choice="copy", materialization_free=False)
+    streamed = []
+    # the prompt ends with the template's "<assistant>", token 3: the reply is 4 5 6, then 7 (the
+    # fake's end-of-turn token) stops it
+    result = run_turn(backend, Conversation(setup=setup), setup, "abcde", 10, streamed.append)
+    assert result.native_ids[-4:] == [4, 5, 6, 7] and result.native.new_tokens == 4  # the stop token counts
+    assert result.native_text == "4 5 6"
+    assert result.native_messages[-1] == {"role": "assistant", "content": "4 5 6"}
+    assert [text for side, text in streamed if side == "native"][-2:] == ["4 5 6", "4 5 6"]
+
+
+def test_stop_tokens_are_the_tokenizer_and_generation_config_end_ids(tmp_path):
+    backend = FakeBackend(tokenizer=ChatTokenizer())  # eos_token_id 7
+    loaded = backend.load(None)
+    assert Backend.stop_tokens(backend, loaded) == {7}
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": [2, 7]}')
+    loaded.info["source"] = str(tmp_path)  # mlx-lm keeps no generation config: the model's file
+    assert Backend.stop_tokens(backend, loaded) == {2, 7}
+    loaded.runner.tokenizer.eos_token_ids = {3}  # mlx-lm's wrapper: a set
+    assert Backend.stop_tokens(backend, loaded) == {2, 3, 7}
+
+
+def test_an_empty_model_field_is_the_default_model():
+    from kvbench.models import DEFAULT_MODEL
+
+    assert model_key(None) == model_key("  ") == DEFAULT_MODEL == "smollm2-135m"
+    assert model_key(" tiny-qwen3 ") == "tiny-qwen3"
 
 
 def test_user_mistakes_are_messages_not_crashes():

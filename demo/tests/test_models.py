@@ -1,5 +1,6 @@
-"""The backends on the embedded model, without a browser: a turn on each package, a tier the model
-cannot take, and the comparison on a prompt."""
+"""The backends without a browser: on the embedded model (quick), a turn, a tier the model cannot
+take, the comparison on a prompt and the chat template; on the default model (SmolLM2-135M-Instruct,
+where it is already converted on this machine), a two-turn conversation in each tab."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from demo.conversation import Conversation, Setup, run_turn
 
 pytestmark = pytest.mark.slow
 
+TINY = "tiny-qwen3"  # the embedded model: these tests need a model, not a good one
+
 
 @pytest.fixture(scope="module")
 def palu():
@@ -21,7 +24,7 @@ def palu():
 
 
 def turn(backend, choice: str, message: str = "The history of the Python language", new_tokens: int = 6):
-    setup = Setup(model=None, choice=choice, materialization_free=False)
+    setup = Setup(model=TINY, choice=choice, materialization_free=False)
     return backend.worker.call(
         lambda: run_turn(backend, Conversation(), setup, message, new_tokens, lambda _: None)
     )
@@ -52,11 +55,11 @@ def test_a_model_path_that_does_not_exist_is_a_message(palu):
 def test_the_comparison_runs_kvbench_protocol_on_the_prompt(palu):
     prompt = "The history of the Python language"
     rows, absent = palu.worker.call(
-        lambda: compare_on_prompt(palu, None, prompt, 4, ["r16-fp16"], speed_rounds=1)
+        lambda: compare_on_prompt(palu, TINY, prompt, 4, ["r16-fp16"], speed_rounds=1)
     )
     assert [r["name"] for r in rows] == ["baseline", "r16-fp16"] and absent == []
     # the scored window: the prompt, then 4 tokens of the baseline's own continuation
-    assert rows[0]["kv_tokens"] == len(palu.worker.call(lambda: palu.load(None).encode_prompt(prompt))) + 4
+    assert rows[0]["kv_tokens"] == len(palu.worker.call(lambda: palu.load(TINY).encode_prompt(prompt))) + 4
     assert rows[0]["positions_scored"] == 4 and rows[0]["kl_mean"] == 0.0
     assert rows[1]["decode_tokens_per_s"] > 0 and rows[1]["kv_bytes"] > 0
 
@@ -87,13 +90,69 @@ def test_a_tier_the_model_cannot_take_is_a_message(tmp_path):
     assert "flashcodec cannot serve this model" in shown and "jpeg-k8-int8" in shown, shown
 
 
-def test_a_model_with_a_chat_template_gets_each_message_through_it(palu):
-    loaded = palu.worker.call(lambda: palu.load(None))
+def test_a_model_with_a_chat_template_gets_the_conversation_through_it(palu):
+    loaded = palu.worker.call(lambda: palu.load(TINY))
     hf_tokenizer = loaded.runner.tokenizer._tokenizer  # mlx-lm's wrapper forwards to it
     assert not getattr(hf_tokenizer, "chat_template", None)  # the embedded model is a base model
-    assert palu.turn_tokens(loaded, "hi there", first=True) == loaded.encode_prompt("hi there")
+    conversation = [
+        {"role": "user", "content": "hi there"},
+        {"role": "assistant", "content": " and"},
+        {"role": "user", "content": "more"},
+    ]
+    assert palu.prompt_tokens(loaded, conversation[:1]) == loaded.encode_prompt("hi there")
+    assert palu.prompt_tokens(loaded, conversation) == loaded.encode_prompt("hi there and\n\nmore")
     hf_tokenizer.chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% if add_generation_prompt %}>{% endif %}"
     try:
-        assert palu.turn_tokens(loaded, "hi there", first=False) == loaded.encode_text("<user>hi there>")
+        assert palu.prompt_tokens(loaded, conversation) == loaded.encode_text(
+            "<user>hi there<assistant> and<user>more>"
+        )
     finally:
         hf_tokenizer.chat_template = None
+
+
+def default_model_dir():
+    """The default model's directory when it is already converted here (tests never fetch it)."""
+    from kvbench.model_store import kvbench_home
+    from kvbench.models import DEFAULT_MODEL
+
+    path = kvbench_home() / "models" / DEFAULT_MODEL
+    if not (path / "config.json").is_file():
+        pytest.skip(f"{DEFAULT_MODEL} is not converted on this machine (kvbench makes it on first use)")
+    return path
+
+
+@pytest.mark.parametrize("package", ["flashcodec", "palu"])
+def test_the_default_model_holds_a_conversation(package):
+    """SmolLM2-135M-Instruct through its chat template: it answers, stops at its end-of-turn
+    token, and the follow-up question only makes sense with the first turn in the prompt."""
+    default_model_dir()
+    if package == "palu":
+        from demo.palu_backend import PaluBackend
+
+        backend = PaluBackend()
+    else:
+        from demo.flashcodec_backend import FlashcodecBackend
+
+        backend = FlashcodecBackend()
+    setup = Setup(model=None, choice=backend.lossless, materialization_free=False)
+    loaded = backend.worker.call(lambda: backend.load(None))
+    stop = backend.stop_tokens(loaded)
+    assert loaded.runner.tokenizer.convert_tokens_to_ids("<|im_end|>") in stop
+
+    def ask(conversation, question):
+        return backend.worker.call(
+            lambda: run_turn(backend, conversation, setup, question, 24, lambda _: None)
+        )
+
+    first = ask(Conversation(setup=setup), "What is the capital of France?")
+    assert "Paris" in first.native_text and first.native_ids[-1] in stop, first.native_text
+    assert "<|im_end|>" not in first.native_text
+    second = ask(
+        Conversation(
+            setup=setup, native_messages=first.native_messages, compressed_messages=first.compressed_messages
+        ),
+        "And of Italy?",
+    )
+    prompt = loaded.runner.detokenize(second.native_ids[: second.native.context_tokens])
+    assert prompt.index("Paris") < prompt.index("And of Italy?")  # the first turn is in the prompt
+    assert "Rome" in second.native_text, second.native_text
