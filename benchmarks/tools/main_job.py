@@ -94,8 +94,13 @@ DEMO = {
         "mlx-lm-q4,mlx-lm-q8",
         # MLX on this class of CPU: 1,280-token windows (1,024 context + 256 scored); --full runs 2,048
         _sizes(
-            windows="1", prompt_count="1", new_tokens="16", long_context="1280", long_windows="1",
-            speed_rounds="1", speed_steps="8",
+            windows="1",
+            prompt_count="1",
+            new_tokens="16",
+            long_context="1280",
+            long_windows="1",
+            speed_rounds="1",
+            speed_steps="8",
         ),  # fmt: skip
     ),
     "flashcodec": (
@@ -231,7 +236,9 @@ def main(argv: list[str] | None = None) -> int:
         description="Run both comparisons on the real model and regenerate the docs."
     )
     size = parser.add_mutually_exclusive_group()
-    size.add_argument("--quick", action="store_true", help="the tiny model, tiny sizes, a temp folder, docs untouched")
+    size.add_argument(
+        "--quick", action="store_true", help="the tiny model, tiny sizes, a temp folder, docs untouched"
+    )
     size.add_argument("--full", action="store_true", help="every tier and peer at full size, resumable")
     parser.add_argument("--only", choices=[job[0] for job in JOBS], help="run one comparison only")
     args, extra = parser.parse_known_args(argv)

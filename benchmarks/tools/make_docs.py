@@ -424,7 +424,10 @@ def render_readme_block(results: dict[str, dict[str, Any]]) -> str:
 
 
 #: docs/<page>.md of each package and the markers of its generated real-model block
-PACKAGE_PAGES = {"compare_palu": ROOT / "docs" / "palu-mlx.md", "compare_flashcodec": ROOT / "docs" / "flashcodec.md"}
+PACKAGE_PAGES = {
+    "compare_palu": ROOT / "docs" / "palu-mlx.md",
+    "compare_flashcodec": ROOT / "docs" / "flashcodec.md",
+}
 REAL_START, REAL_END = "<!-- real-model:start -->", "<!-- real-model:end -->"
 
 

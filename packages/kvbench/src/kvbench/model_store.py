@@ -185,7 +185,11 @@ def _convert(spec: WheelGGUFModel, gguf: Path, out: Path, quiet: bool) -> dict[s
     model.to(dtype).save_pretrained(out)
     _write_legacy_rope_theta(out / "config.json")
     AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
-    return {"architecture": type(model).__name__, "transformers": transformers.__version__, "torch": torch.__version__}
+    return {
+        "architecture": type(model).__name__,
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+    }
 
 
 def _write_legacy_rope_theta(config_path: Path) -> None:

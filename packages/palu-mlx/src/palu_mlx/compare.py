@@ -101,7 +101,9 @@ def round_kv_outputs(model: Any, dtype: Any) -> None:
             def call(self, x, base=base):
                 return base.__call__(self, x).astype(self._rounds_to)
 
-            projection.__class__ = type(f"Rounded{base.__name__}", (base,), {"__call__": call, "_rounds_to": dtype})
+            projection.__class__ = type(
+                f"Rounded{base.__name__}", (base,), {"__call__": call, "_rounds_to": dtype}
+            )
 
 
 def load_model(
