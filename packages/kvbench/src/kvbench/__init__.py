@@ -9,6 +9,7 @@
 """
 
 from .models import default_text_path, embedded_model_path
+from .passkey import run_passkey
 from .protocol import MEASURES, Candidate, KVBytes, Runner, Settings, measure
 from .results import SCHEMA, CompareError, build_result, read_json, run_of, write_json
 
@@ -28,5 +29,6 @@ __all__ = [
     "measure",
     "read_json",
     "run_of",
+    "run_passkey",
     "write_json",
 ]

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +37,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from kvspec import KVConfigError, KVDataError, KVSpecError
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models import cache as mlx_cache
 
 from .integrity import CHECKSUM_KEY, UnverifiedFileWarning, digest
@@ -52,6 +53,8 @@ __all__ = [
     "model_identity",
     "CALIBRATION_FORMAT",
     "WEIGHTINGS",
+    "COMPUTE_DTYPES",
+    "DEFAULT_MAX_TOKENS",
     "UnverifiedCalibrationWarning",
 ]
 
@@ -59,6 +62,11 @@ CALIBRATION_FORMAT = "palu-mlx.calibration.v1"
 #: how calibration weighs coding errors: "none" (plain squared error of keys and values) or
 #: "attention" (key errors as the queries see them, value errors as ``o_proj`` does)
 WEIGHTINGS: tuple[str, ...] = ("none", "attention")
+#: what calibration runs the model's forward passes in: "auto" (float32 where a probe finds it at
+#: least twice as fast as the model's 16-bit dtype), "float32", or "model" (the dtype it was loaded in)
+COMPUTE_DTYPES: tuple[str, ...] = ("auto", "float32", "model")
+#: tokens of calibration text used unless told otherwise (None: all)
+DEFAULT_MAX_TOKENS: int | None = 4096
 _DATA = Path(__file__).parent / "data" / "calibration.txt"
 
 
@@ -195,6 +203,8 @@ class Calibration:
         text_sha256: sha256 of the calibration text.
         weighting: one of :data:`WEIGHTINGS`, how the bases were fitted (files from before the
             option read as ``"none"``).
+        compute_dtype: the dtype the model's forward passes ran in while recording (e.g.
+            ``"float32"``, ``"bfloat16"``); None where not recorded (files from before it was).
     """
 
     model: dict[str, Any]
@@ -204,6 +214,7 @@ class Calibration:
     tokens: int
     text_sha256: str
     weighting: str = "none"
+    compute_dtype: str | None = None
 
     def __post_init__(self) -> None:
         if self.weighting not in WEIGHTINGS:
@@ -226,6 +237,8 @@ class Calibration:
             "text_sha256": self.text_sha256,
             "weighting": self.weighting,
         }
+        if self.compute_dtype is not None:
+            meta["compute_dtype"] = self.compute_dtype
         meta[CHECKSUM_KEY] = digest(arrays, meta)
         if not isinstance(path, (str, Path)) or not str(path):
             raise KVConfigError(f"path={path!r} must be a non-empty str or Path")
@@ -325,7 +338,8 @@ class Calibration:
             raise KVDataError("the file holds no layer's arrays")
         if not mx.all(mx.stack([mx.all(mx.isfinite(a)) for a in present])).item():
             raise KVDataError("an array contains NaN or infinity")
-        return cls(model, keys, values, pre_rope, tokens, str(meta["text_sha256"]), weighting)
+        compute_dtype = meta.get("compute_dtype")  # files from before it was recorded have none
+        return cls(model, keys, values, pre_rope, tokens, str(meta["text_sha256"]), weighting, compute_dtype)
 
     def check_model(self, model: Any, source: str = "palu_calibration") -> None:
         """Raise ``KVConfigError`` naming what differs if ``model`` is not the calibrated model."""
@@ -349,14 +363,54 @@ class Calibration:
             raise KVConfigError(f"{source}: the calibration was made for another model: {'; '.join(diffs)}")
 
 
-def _accumulate(stats: dict[str, list], name: str, x: mx.array) -> None:
-    """Add the per-head count, sum and sum of outer products of ``x [B, H, S, D]`` to ``stats[name]``."""
-    x = np.array(x.astype(mx.float32), dtype=np.float64)
-    x = x.transpose(1, 0, 2, 3).reshape(x.shape[1], -1, x.shape[3])  # [H, N, D]
-    entry = stats.setdefault(name, [0, 0.0, 0.0])
-    entry[0] += x.shape[1]
-    entry[1] = entry[1] + x.sum(axis=1)
-    entry[2] = entry[2] + x.transpose(0, 2, 1) @ x
+def _window_moments(x: mx.array) -> tuple[int, mx.array, mx.array, mx.array]:
+    """``x [B, H, S, D]`` -> per head ``(count, shift [H, D], sum of x - shift [H, D], Gram of x - shift
+    [H, D, D])``, float32, lazy; the shift is the window's mean as float32 computes it.
+
+    Moments about the window's own mean keep float32 exact enough where the keys' means dwarf
+    their spread (raw float32 second moments would lose the spread to rounding); the sum about
+    the shift, small but not zero, carries the float32 mean's own rounding to :class:`_Moments`,
+    which rebuilds the raw moments in float64. One batched matmul per tensor and window, left in
+    the graph so that a window's every layer evaluates at once.
+    """
+    h, d = x.shape[1], x.shape[3]
+    x = x.astype(mx.float32).transpose(1, 0, 2, 3).reshape(h, -1, d)  # [H, N, D]
+    shift = x.mean(axis=1)
+    centred = x - shift[:, None, :]
+    return x.shape[1], shift, centred.sum(axis=1), centred.transpose(0, 2, 1) @ centred
+
+
+class _Moments:
+    """Float64 per-head count, sum and sum of outer products of one tensor over every window seen."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.total: np.ndarray | float = 0.0
+        self.outer: np.ndarray | float = 0.0
+
+    def add(self, count: int, shift: mx.array, residual: mx.array, gram: mx.array) -> None:
+        """Fold in one window's :func:`_window_moments`: with ``c`` the shift and ``r = Σ(x - c)``,
+        ``Σx = n c + r`` and ``Σxxᵀ = Σ(x - c)(x - c)ᵀ + c rᵀ + r cᵀ + n c cᵀ``."""
+        c, r = np.array(shift, dtype=np.float64), np.array(residual, dtype=np.float64)
+        cr = np.einsum("hd,he->hde", c, r)
+        self.count += count
+        self.total = self.total + count * c + r
+        self.outer = (
+            self.outer
+            + np.array(gram, dtype=np.float64)
+            + cr
+            + cr.transpose(0, 2, 1)
+            + count * np.einsum("hd,he->hde", c, c)
+        )
+
+    @property
+    def stats(self) -> list:
+        """``[count, sum [H, D], sum of outer products [H, D, D]]``, what :func:`_fit` reads."""
+        return [self.count, self.total, self.outer]
+
+
+class _Recorded(Exception):
+    """Raised by the last recording cache: the rest of the forward pass (later layers, logits) is not needed."""
 
 
 class _QueryTap(nn.Module):
@@ -379,19 +433,30 @@ class _QueryTap(nn.Module):
 
 
 class _Recorder(mlx_cache.KVCache):
-    """mlx-lm's KVCache that also accumulates per-head first and second moments of K (pre-RoPE) and V,
-    and, given the layer's :class:`_QueryTap`, of the queries (pre-RoPE when the keys are)."""
+    """mlx-lm's KVCache that also records, per window, the per-head moments of K (pre-RoPE) and V
+    and, given the layer's :class:`_QueryTap`, of the queries (pre-RoPE when the keys are).
 
-    def __init__(self, rotary: Rotary | None, stats: dict[str, list], tap: _QueryTap | None = None):
+    ``window`` receives lazy :func:`_window_moments` per tensor name; ``last`` marks the last
+    recorded layer, which raises :class:`_Recorded` once its moments are in the graph.
+    """
+
+    def __init__(
+        self,
+        rotary: Rotary | None,
+        window: dict[str, tuple],
+        tap: _QueryTap | None = None,
+        last: bool = False,
+    ):
         super().__init__()
         self._rotary = rotary
-        self._stats = stats
+        self._window = window
         self._tap = tap
+        self._last = last
 
     def update_and_fetch(self, keys, values):
         k = keys if self._rotary is None else self._rotary.unrotate(keys, self.offset)
-        _accumulate(self._stats, "key", k)
-        _accumulate(self._stats, "value", values)
+        self._window["key"] = _window_moments(k)
+        self._window["value"] = _window_moments(values)
         if self._tap is not None:
             calls, self._tap.calls[:] = list(self._tap.calls), []
             if len(calls) < 2 or calls[-2][0].shape[2] != keys.shape[2]:
@@ -400,7 +465,9 @@ class _Recorder(mlx_cache.KVCache):
                     "rotate queries then keys right before the cache, as mlx-lm's llama / qwen families do)"
                 )
             pre, post = calls[-2]
-            _accumulate(self._stats, "query", pre if self._rotary is not None else post)
+            self._window["query"] = _window_moments(pre if self._rotary is not None else post)
+        if self._last:
+            raise _Recorded
         return super().update_and_fetch(keys, values)
 
 
@@ -476,6 +543,17 @@ def _output_metric(o_proj: Any, n_kv: int, dim: int) -> np.ndarray:
     return _group_sum(heads @ heads.transpose(0, 2, 1), n_kv)
 
 
+def _eigh(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.linalg.eigh`` of a batch of symmetric matrices, in float64 on mlx's CPU LAPACK.
+
+    numpy's threaded OpenBLAS takes milliseconds per 64 x 64 matrix on a busy CPU, and far longer
+    while a second OpenBLAS is preloaded for mlx (their thread pools compete); mlx's LAPACK call
+    takes about one millisecond either way.
+    """
+    w, v = mx.linalg.eigh(mx.array(np.ascontiguousarray(a), dtype=mx.float64), stream=mx.cpu)
+    return np.array(w), np.array(v)
+
+
 #: ridge added to a weighting metric, as a share of its mean eigenvalue: directions the metric
 #: barely sees still cost a little, so its inverse (the decoder) stays bounded
 METRIC_RIDGE = 1e-3
@@ -498,7 +576,7 @@ def _fit(stats: list, metric: np.ndarray | None = None) -> TensorCalibration:
     cov = s2 / n - np.einsum("hd,he->hde", mean, mean)
     decoder = None
     if metric is None:
-        eigenvalues, vectors = np.linalg.eigh(cov)
+        eigenvalues, vectors = _eigh(cov)
         basis = vectors
     else:
         dim = cov.shape[-1]
@@ -507,10 +585,10 @@ def _fit(stats: list, metric: np.ndarray | None = None) -> TensorCalibration:
         metric = metric * np.where(seen > 0, total / np.where(seen > 0, seen, 1.0), 1.0)[:, None, None]
         ridge = METRIC_RIDGE * np.trace(metric, axis1=1, axis2=2) / dim
         metric = metric + np.maximum(ridge, 1e-12)[:, None, None] * np.eye(dim)
-        w, v = np.linalg.eigh(metric)
+        w, v = _eigh(metric)
         root = np.einsum("hij,hj,hkj->hik", v, np.sqrt(w), v)
         inverse_root = np.einsum("hij,hj,hkj->hik", v, 1.0 / np.sqrt(w), v)
-        eigenvalues, vectors = np.linalg.eigh(root @ cov @ root)
+        eigenvalues, vectors = _eigh(root @ cov @ root)
         basis, decoder = root @ vectors, inverse_root @ vectors
     order = np.argsort(-eigenvalues, axis=-1, kind="stable")
     variance = np.take_along_axis(np.maximum(eigenvalues, 0.0), order, axis=-1)
@@ -525,24 +603,113 @@ def _fit(stats: list, metric: np.ndarray | None = None) -> TensorCalibration:
     )
 
 
+def _dtype_name(dtype: mx.Dtype) -> str:
+    return str(dtype).rsplit(".", 1)[-1]
+
+
+def _model_dtype(model: Any) -> mx.Dtype | None:
+    """The float dtype holding most of the model's parameter elements (None: no float parameters)."""
+    sizes: dict[mx.Dtype, int] = {}
+    for _, a in tree_flatten(model.parameters()):
+        if mx.issubdtype(a.dtype, mx.floating):
+            sizes[a.dtype] = sizes.get(a.dtype, 0) + a.size
+    return max(sizes, key=sizes.get) if sizes else None
+
+
+def _is_quantized(model: Any) -> bool:
+    return any(a.dtype == mx.uint32 for _, a in tree_flatten(model.parameters()))
+
+
+def _float32_is_faster(dtype: mx.Dtype, width: int) -> bool:
+    """Whether a ``[256, width] x [width, width]`` matmul runs at least twice as fast in float32 as in ``dtype``.
+
+    On mlx's CPU backend float32 matmuls go to the BLAS mlx is linked with (a reference BLAS in
+    the Linux wheels, OpenBLAS when preloaded, Accelerate on macOS) while 16-bit ones use mlx's
+    own kernels, so which is faster depends on the machine; the best of 3 timings decides.
+    Twice as fast, not merely faster: float32 doubles the bytes every layer moves.
+    """
+    best = {}
+    for dt in (mx.float32, dtype):
+        x = mx.random.normal((256, width), key=mx.random.key(0)).astype(dt)
+        w = mx.random.normal((width, width), key=mx.random.key(1)).astype(dt)
+        mx.eval(x, w, x @ w)  # the first call pays one-time costs
+        times = []
+        for _ in range(3):
+            t = time.perf_counter()
+            mx.eval(x @ w)
+            times.append(time.perf_counter() - t)
+        best[dt] = min(times)
+    return 2 * best[mx.float32] <= best[dtype]
+
+
+def _compute_dtype(model: Any, requested: str) -> mx.Dtype | None:
+    """The dtype the calibration's forward passes run in (None: the model's own, left as it is)."""
+    current = _model_dtype(model)
+    if requested == "model" or current is None or current == mx.float32:
+        return None
+    if requested == "float32":
+        return mx.float32
+    # "auto": quantized layers multiply in their own kernels, which the probe does not measure
+    if _is_quantized(model):
+        return None
+    width = int(getattr(getattr(model, "args", None), "hidden_size", 0) or 1024)
+    return mx.float32 if _float32_is_faster(current, width) else None
+
+
+def _fit_layers(
+    model: Any, stats: list[dict[str, list]], weighting: str, rotaries: list[Rotary] | None, progress: bool
+) -> tuple[list[TensorCalibration | None], list[TensorCalibration | None]]:
+    """Per layer, the key and value transforms from the recorded moments (None where not recorded)."""
+    from tqdm import tqdm
+
+    keys: list[TensorCalibration | None] = []
+    values: list[TensorCalibration | None] = []
+    for i, s in enumerate(tqdm(stats, desc="palu-mlx fit", unit="layer", disable=not progress)):
+        if not s:
+            keys.append(None)
+            values.append(None)
+        elif weighting == "none":
+            keys.append(_fit(s["key"]))
+            values.append(_fit(s["value"]))
+        else:
+            attn = model.layers[i].self_attn
+            n_kv, dv = s["value"][1].shape
+            key_metric = _query_metric(s["query"], n_kv, None if rotaries is None else rotaries[i])
+            keys.append(_fit(s["key"], key_metric))
+            values.append(_fit(s["value"], _output_metric(attn.o_proj, n_kv, dv)))
+    return keys, values
+
+
+def _spans(n_tokens: int, window: int, max_tokens: int | None) -> list[tuple[int, int]]:
+    """The ``(start, stop)`` token windows a calibration runs: consecutive windows from the start,
+    at most ``max_tokens`` tokens in all (the last window cut short where needed)."""
+    stop_at = n_tokens if max_tokens is None else min(n_tokens, max_tokens)
+    return [(start, min(start + window, stop_at)) for start in range(0, stop_at, window)]
+
+
 def calibrate(
     model: Any,
     tokenizer: Any,
     text: str | None = None,
     window: int = 512,
-    max_tokens: int | None = None,
+    max_tokens: int | None = DEFAULT_MAX_TOKENS,
     progress: bool = True,
     weighting: str = "attention",
+    dtype: str = "auto",
 ) -> Calibration:
     """Fit a :class:`Calibration` for ``model`` on ``text`` (default: the shipped calibration text).
 
     The text's tokens are cut into windows of ``window`` tokens (capped at the model's
     positions), each run through the model from position 0 with fresh recording caches;
-    ``max_tokens`` caps the tokens used. Keys are recorded before RoPE when the architecture
-    supports it (else after, with a :class:`~palu_mlx.rope.PreRopeFallbackWarning`).
-    ``weighting`` is one of :data:`WEIGHTINGS`: ``"attention"`` also records the queries (by
-    standing in for each layer's ``self_attn.rope`` while it runs, restored after) and weighs
-    the channels by the queries (keys) and ``o_proj`` (values), see :func:`_fit`.
+    ``max_tokens`` caps the tokens used (default :data:`DEFAULT_MAX_TOKENS`; None: all). Keys
+    are recorded before RoPE when the architecture supports it (else after, with a
+    :class:`~palu_mlx.rope.PreRopeFallbackWarning`). ``weighting`` is one of :data:`WEIGHTINGS`:
+    ``"attention"`` also records the queries (by standing in for each layer's
+    ``self_attn.rope`` while it runs, restored after) and weighs the channels by the queries
+    (keys) and ``o_proj`` (values), see :func:`_fit`. ``dtype`` (one of :data:`COMPUTE_DTYPES`)
+    is what the forward passes run in: ``"auto"`` casts a 16-bit model to float32 for the run when
+    a float32 matmul measures at least twice as fast (mlx's CPU backend with a fast BLAS),
+    ``"float32"`` always, ``"model"`` never; the model's own parameters are put back afterwards.
     """
     from tqdm import tqdm
 
@@ -564,50 +731,62 @@ def calibrate(
         raise KVConfigError(f"progress={progress!r} must be True or False")
     if weighting not in WEIGHTINGS:
         raise KVConfigError(f"weighting={weighting!r} must be one of {', '.join(map(repr, WEIGHTINGS))}")
+    if dtype not in COMPUTE_DTYPES:
+        raise KVConfigError(f"dtype={dtype!r} must be one of {', '.join(map(repr, COMPUTE_DTYPES))}")
     head_dim, _ = model_kv_dims(model)
     rotaries = model_rotaries(model, head_dim)
     limit = getattr(getattr(model, "args", None), "max_position_embeddings", None)
     if limit:
         window = min(window, int(limit))
-    tokens = list(tokenizer.encode(text))[: max_tokens or None]
+    tokens = list(tokenizer.encode(text))
     if len(tokens) < 2:
         raise KVConfigError("the calibration text has fewer than 2 tokens")
+    spans = _spans(len(tokens), window, max_tokens)
+    used = sum(stop - start for start, stop in spans)
     defaults = _default_caches(model)
     full = [type(c) is mlx_cache.KVCache for c in defaults]
-    stats: list[dict[str, list]] = [{} for _ in defaults]
+    last = max((i for i, f in enumerate(full) if f), default=None)
+    moments: list[dict[str, _Moments]] = [{} for _ in defaults]
+    compute = _compute_dtype(model, dtype)
+    # the very arrays the model holds, put back as they were (no round trip through float32)
+    original = tree_flatten(model.parameters()) if compute is not None else None
     taps = _install_taps(model, full) if weighting == "attention" else [None] * len(defaults)
     try:
-        starts = range(0, len(tokens), window)
-        for start in tqdm(starts, desc="palu-mlx calibrate", unit="window", disable=not progress):
-            chunk = tokens[start : start + window]
-            caches = [
-                _Recorder(None if rotaries is None else rotaries[i], stats[i], taps[i]) if full[i] else c
-                for i, c in enumerate(_default_caches(model))
-            ]
-            mx.eval(model(mx.array(chunk)[None], cache=caches))
+        if compute is not None:
+            model.set_dtype(compute)
+        bar = tqdm(total=used, desc="palu-mlx calibrate", unit="tok", disable=not progress)
+        with bar:
+            for start, stop in spans:
+                recorded: list[dict[str, tuple]] = [{} for _ in defaults]
+                caches = [
+                    _Recorder(None if rotaries is None else rotaries[i], recorded[i], taps[i], i == last)
+                    if full[i]
+                    else c
+                    for i, c in enumerate(_default_caches(model))
+                ]
+                try:
+                    mx.eval(model(mx.array(tokens[start:stop])[None], cache=caches))
+                except _Recorded:
+                    pass
+                # one evaluation per window: every layer's moments from one forward pass
+                mx.eval([a for r in recorded for _, *arrays in r.values() for a in arrays])
+                for i, r in enumerate(recorded):
+                    for name, window_moments in r.items():
+                        moments[i].setdefault(name, _Moments()).add(*window_moments)
+                bar.update(stop - start)
     finally:
         _remove_taps(model, taps)
-    if weighting == "none":
-        keys = [_fit(s["key"]) if s else None for s in stats]
-        values = [_fit(s["value"]) if s else None for s in stats]
-    else:
-        keys, values = [], []
-        for i, s in enumerate(stats):
-            if not s:
-                keys.append(None)
-                values.append(None)
-                continue
-            attn = model.layers[i].self_attn
-            n_kv, dv = s["value"][1].shape
-            key_metric = _query_metric(s["query"], n_kv, None if rotaries is None else rotaries[i])
-            keys.append(_fit(s["key"], key_metric))
-            values.append(_fit(s["value"], _output_metric(attn.o_proj, n_kv, dv)))
+        if original is not None:
+            model.update(tree_unflatten(original))
+    stats = [{name: m.stats for name, m in layer.items()} for layer in moments]
+    keys, values = _fit_layers(model, stats, weighting, rotaries, progress)
     return Calibration(
         model=model_identity(model),
         keys=keys,
         values=values,
         pre_rope=rotaries is not None,
-        tokens=len(tokens),
+        tokens=used,
         weighting=weighting,
         text_sha256=hashlib.sha256(text.encode("utf-8")).hexdigest(),
+        compute_dtype=_dtype_name(compute if compute is not None else _model_dtype(model) or mx.float32),
     )

@@ -1,8 +1,8 @@
 """The ``palu-mlx`` command.
 
-* ``palu-mlx calibrate --model PATH_OR_ID --out FILE [--text FILE] [--weighting attention|none]``:
-  fit per-layer, per-KV-head projections on calibration text (:mod:`palu_mlx.calibration`); needs
-  only palu-mlx.
+* ``palu-mlx calibrate --model PATH_OR_ID --out FILE [--text FILE] [--max-tokens N|all]
+  [--weighting attention|none] [--dtype auto|float32|model]``: fit per-layer, per-KV-head
+  projections on calibration text (:mod:`palu_mlx.calibration`); needs only palu-mlx.
 * ``palu-mlx compare [options]`` (see :mod:`palu_mlx.compare`): needs the ``compare`` extra
   (kvbench); without it, it says how to install it.
 """
@@ -17,10 +17,43 @@ __all__ = ["main", "calibrate_main"]
 
 _CALIBRATE_HELP = "fit per-layer, per-KV-head projections for a model on calibration text"
 
+# Debian / Ubuntu's OpenBLAS (libopenblas0-pthread), whose libblas.so.3 mlx's Linux CPU wheel can be
+# pointed at with LD_PRELOAD: its float32 matmuls are many times faster than the bundled reference BLAS
+_OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3"
+
+
+def _max_tokens(value: str) -> int | None:
+    if value == "all":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is neither a number of tokens nor 'all'") from None
+
+
+def _blas_hint(model) -> str | None:
+    """A one-line note when a 16-bit model is about to run in 16 bits on a Linux CPU where float32 could be fast."""
+    import os
+
+    import mlx.core as mx
+
+    from .calibration import _is_quantized, _model_dtype
+
+    if not sys.platform.startswith("linux") or mx.default_device() != mx.cpu:
+        return None
+    if _model_dtype(model) not in (mx.bfloat16, mx.float16) or _is_quantized(model):
+        return None
+    if "blas" in os.environ.get("LD_PRELOAD", "") or not os.path.exists(_OPENBLAS):
+        return None
+    return (
+        "note: float32 is slow with mlx's bundled BLAS, so calibration runs in the model's 16-bit dtype; "
+        f"with LD_PRELOAD={_OPENBLAS} it runs in float32, several times faster"
+    )
+
 
 def calibrate_main(argv: Sequence[str]) -> int:
     """``palu-mlx calibrate``: returns the exit code (1 with a one-line error on a user mistake)."""
-    from .calibration import WEIGHTINGS
+    from .calibration import COMPUTE_DTYPES, DEFAULT_MAX_TOKENS, WEIGHTINGS
 
     parser = argparse.ArgumentParser(prog="palu-mlx calibrate", description=_CALIBRATE_HELP)
     parser.add_argument("--model", required=True, help="mlx-lm model: a local path or a Hugging Face id")
@@ -31,7 +64,13 @@ def calibrate_main(argv: Sequence[str]) -> int:
         help="UTF-8 text file to calibrate on (default: the text shipped with palu-mlx)",
     )
     parser.add_argument("--window", type=int, default=512, help="tokens per calibration window (default 512)")
-    parser.add_argument("--max-tokens", type=int, default=None, help="use at most this many tokens")
+    parser.add_argument(
+        "--max-tokens",
+        type=_max_tokens,
+        default=DEFAULT_MAX_TOKENS,
+        help=f"use at most this many tokens, or 'all' (default {DEFAULT_MAX_TOKENS}: past it the fit barely "
+        "changes; see docs/palu-mlx.md)",
+    )
     parser.add_argument(
         "--weighting",
         default="attention",
@@ -40,13 +79,21 @@ def calibrate_main(argv: Sequence[str]) -> int:
         "o_proj sees them; none: plain squared error (the transform is the covariance's eigenbasis). "
         "Recorded in the file",
     )
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=COMPUTE_DTYPES,
+        help="what the forward passes run in: auto (default): float32 where a quick probe finds float32 "
+        "matmuls at least twice as fast as the model's 16-bit ones (mlx's CPU backend with a fast BLAS), "
+        "else the model's dtype; float32; model. Recorded in the file",
+    )
+    parser.add_argument("--quiet", action="store_true", help="no progress bar (and no note on the BLAS)")
     args = parser.parse_args(list(argv))
 
     import mlx_lm
     from kvspec import KVSpecError
 
-    from .calibration import calibrate
+    from .calibration import _compute_dtype, calibrate
 
     try:
         text = None if args.text is None else open(args.text, encoding="utf-8").read()
@@ -58,6 +105,12 @@ def calibrate_main(argv: Sequence[str]) -> int:
     except Exception as exc:  # noqa: BLE001 - any loading failure is the user's --model
         print(f"error: --model {args.model!r} cannot be loaded: {exc}", file=sys.stderr)
         return 1
+    dtype = args.dtype
+    if dtype == "auto":  # decided here, before the run, so the note below can come first
+        dtype = "model" if _compute_dtype(model, "auto") is None else "float32"
+        hint = None if dtype == "float32" or args.quiet else _blas_hint(model)
+        if hint:
+            print(hint, file=sys.stderr)
     try:
         result = calibrate(
             model,
@@ -67,6 +120,7 @@ def calibrate_main(argv: Sequence[str]) -> int:
             max_tokens=args.max_tokens,
             progress=not args.quiet,
             weighting=args.weighting,
+            dtype=dtype,
         )
         result.save(args.out)
     except (KVSpecError, ValueError, OSError) as exc:
@@ -76,7 +130,7 @@ def calibrate_main(argv: Sequence[str]) -> int:
     print(
         f"wrote {args.out}: {m['architecture']}, {m['n_layers']} layers x {m['n_kv_heads']} KV heads x "
         f"head dim {m['head_dim']}, {result.tokens} tokens, keys {'before' if result.pre_rope else 'after'} RoPE, "
-        f"weighting {result.weighting}"
+        f"weighting {result.weighting}, forward passes in {result.compute_dtype}"
     )
     return 0
 
