@@ -9,8 +9,9 @@
 The model and the candidates come from the package's own compare harness (the same loading,
 tiers and peers as ``flashcodec compare`` / ``palu-mlx compare``); the trials and the scoring are
 :mod:`kvbench.passkey`'s. The result (``kvbench.passkey/1``, stamped with machine, versions and
-date) is rewritten after every finished (candidate, length), so a run that stops is resumed by
-running the same command again: finished pairs are read back, not run again. A rerun with other
+date) is rewritten after every trial, so a run that stops is resumed by running the same command
+again: finished (candidate, length) pairs are read back, not run again, and a stopped pair goes on
+from its next trial. A rerun with other
 settings (trials, seed, template, model, dtype) is refused instead of mixing results; pass
 ``--fresh`` to start over.
 
@@ -113,6 +114,7 @@ def _prior(out: Path, settings: dict[str, Any], fresh: bool) -> list[dict[str, A
 
 def _table(rows: list[dict[str, Any]]) -> str:
     """Accuracy per candidate (rows) and length (columns), the baseline's beside each."""
+    rows = [r for r in rows if not r.get("partial")]
     lengths = sorted({r["length"] for r in rows})
     names = list(dict.fromkeys(r["name"] for r in rows))
     cell = {(r["name"], r["length"]): r for r in rows}
@@ -225,7 +227,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         write_json(out, result)
 
-    def finished(row: dict[str, Any]) -> None:
+    def finished(row: dict[str, Any]) -> None:  # a finished pair, or one trial more of a pair
         rows[(row["name"], row["length"])] = row
         save()
 
@@ -241,6 +243,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.seed,
             not args.quiet,
             on_result=finished,
+            on_trial=finished,
             done=[r for r in prior if r["name"] in chosen and r["length"] in lengths],
             template=template,
             lines=filler_lines(text),

@@ -269,10 +269,39 @@ def test_resume_skips_finished_pairs(tok):
     assert rows[1]["baseline_accuracy"] == 1.0
 
 
+def test_a_stopped_pair_resumes_at_its_next_trial(tok):
+    class Stop(Exception):
+        pass
+
+    seen: list[dict] = []
+
+    def stop_after_two(row):
+        seen.append(row)
+        if len(row["hits"]) == 2:
+            raise Stop
+
+    with pytest.raises(Stop):
+        run_passkey(FakeRunner(tok), cands(tok), tok.encode, [256], 4, 0, False, on_trial=stop_after_two)
+    assert [len(r["hits"]) for r in seen] == [1, 2] and all(r["partial"] for r in seen)
+    runner = FakeRunner(tok)
+    rows = run_passkey(runner, cands(tok), tok.encode, [256], 4, 0, False, done=[seen[-1]])
+    assert len(runner.prefills) == 2 + 4 + 4  # the baseline's last two trials, then the others
+    assert rows[0]["correct"] == 4 and "partial" not in rows[0]
+    whole = run_passkey(FakeRunner(tok), cands(tok), tok.encode, [256], 4, 0, False)
+
+    def timeless(rs):
+        return [{k: v for k, v in r.items() if k != "seconds"} for r in rs]
+
+    assert timeless(rows) == timeless(whole)  # as if it had never stopped
+
+
 def test_resume_refuses_rows_of_another_run(tok):
     first = run_passkey(FakeRunner(tok), cands(tok), tok.encode, [256], 3, 0, False)
     with pytest.raises(CompareError, match="different runs do not mix"):
         run_passkey(FakeRunner(tok), cands(tok), tok.encode, [256], 4, 0, False, done=first)
+    short = {**first[0], "hits": first[0]["hits"][:2], "answers": first[0]["answers"][:2]}
+    with pytest.raises(CompareError, match="different runs do not mix"):  # short but not partial
+        run_passkey(FakeRunner(tok), cands(tok), tok.encode, [256], 3, 0, False, done=[short])
     with pytest.raises(CompareError, match="not a passkey row"):
         run_passkey(FakeRunner(tok), cands(tok), tok.encode, [256], 3, 0, False, done=[{"x": 1}])
 

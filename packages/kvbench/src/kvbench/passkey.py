@@ -89,6 +89,7 @@ PASSKEY_MEASURES: dict[str, str] = {
     "prompt_tokens": "[min, max] prompt tokens over the trials",
     "seconds": "wall time of the candidate's trials at this length",
     "note": "set when the baseline does not retrieve at this length",
+    "partial": "only on a pair that was stopped: its first trials, resumed from there by a rerun",
 }
 
 _FIVE_DIGITS = re.compile(r"(?<!\d)\d{5}(?!\d)")
