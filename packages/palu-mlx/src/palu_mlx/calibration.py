@@ -766,7 +766,7 @@ def calibrate(
                 ]
                 try:
                     mx.eval(model(mx.array(tokens[start:stop])[None], cache=caches))
-                except _Recorded:
+                except _Recorded:  # the last recorded layer ends the pass: later layers, logits unneeded
                     pass
                 # one evaluation per window: every layer's moments from one forward pass
                 mx.eval([a for r in recorded for _, *arrays in r.values() for a in arrays])

@@ -68,6 +68,7 @@ def calibrate_main(argv: Sequence[str]) -> int:
         "--max-tokens",
         type=_max_tokens,
         default=DEFAULT_MAX_TOKENS,
+        metavar="N|all",
         help=f"use at most this many tokens, or 'all' (default {DEFAULT_MAX_TOKENS}: past it the fit barely "
         "changes; see docs/palu-mlx.md)",
     )
