@@ -231,11 +231,9 @@ def layer_statistics(model, input_ids) -> list[dict]:
 
 
 def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+    from kvbench.model_store import file_sha256
+
+    return file_sha256(path)
 
 
 def _model_label(model_arg: str) -> str:

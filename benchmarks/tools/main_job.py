@@ -88,36 +88,18 @@ def _sizes(**changes: str) -> dict[str, str]:
 
 #: what the default run keeps, per package: (tiers, peers, sizes). The tiers are the real model's
 #: frontier and the ones the README names; everything else waits for ``--full``.
+#: the demo's sizes, both packages: one short and one long window, fewer scored and timed tokens
+_DEMO_CUT = dict(
+    windows="1", scored_tokens="64", prompt_count="1", new_tokens="8", long_windows="1",
+    long_scored_tokens="128", speed_rounds="1", speed_steps="8",
+)  # fmt: skip
 DEMO = {
     # MLX on this class of CPU: 1,152-token windows (1,024 context + 128 scored); --full runs 2,048
-    "palu-mlx": (
-        "palu-3bit",
-        "mlx-lm-q4,mlx-lm-q8",
-        _sizes(
-            windows="1",
-            scored_tokens="64",
-            prompt_count="1",
-            new_tokens="8",
-            long_context="1152",
-            long_windows="1",
-            long_scored_tokens="128",
-            speed_rounds="1",
-            speed_steps="8",
-        ),  # fmt: skip
-    ),
+    "palu-mlx": ("palu-3bit", "mlx-lm-q4,mlx-lm-q8", _sizes(**_DEMO_CUT, long_context="1152")),
     "flashcodec": (
         "png-keep1,jpeg-k8-int8-mf,jpeg-k8-int4z-w96i8-mf,chan64-int4-w64i8-mf",
         "hf-hqq-q4,hf-hqq-q8",
-        _sizes(
-            windows="1",
-            scored_tokens="64",
-            prompt_count="1",
-            new_tokens="8",
-            long_windows="1",
-            long_scored_tokens="128",
-            speed_rounds="1",
-            speed_steps="8",
-        ),  # fmt: skip
+        _sizes(**_DEMO_CUT),
     ),
 }
 
