@@ -10,7 +10,7 @@ from palu_mlx.config import DEFAULT_PALU_BITS
 
 def test_defaults():
     cfg = KVCacheConfig(method="palu", head_dim=128)
-    assert (cfg.palu_rank, cfg.palu_energy_threshold, cfg.palu_n_head_groups) == (None, None, 4)
+    assert (cfg.palu_rank, cfg.palu_energy_threshold, cfg.palu_n_head_groups) == (None, None, None)
     assert (cfg.palu_hi_bit, cfg.palu_lo_bit, cfg.palu_hi_fraction, cfg.palu_bits) == (None, None, None, None)
     # nothing asked: water-filling at the default budget
     assert not cfg.uses_split and cfg.coder_bits == DEFAULT_PALU_BITS

@@ -121,7 +121,8 @@ class KVCacheBuilder:
         With ``config.palu_pre_rope`` each palu cache codes its layer's keys before RoPE
         where the architecture supports it (else a ``PreRopeFallbackWarning``).
         Raises ``KVConfigError`` when ``config.head_dim`` differs from the model's
-        head dim or its KV head count is not divisible by ``palu_n_head_groups``.
+        head dim or its KV head count is not divisible by ``palu_n_head_groups`` (the
+        default, None, takes one group per KV head and fits every model).
         """
         caches = KVCacheBuilder._build(model, config, allocation_policy, None)
         route_attention(model)
@@ -139,7 +140,7 @@ class KVCacheBuilder:
         head_dim, n_kv = model_kv_dims(model)
         if head_dim is not None and head_dim != config.head_dim:
             raise KVConfigError(f"head_dim={config.head_dim} does not match the model's head_dim {head_dim}")
-        if config.method == "palu" and n_kv is not None and n_kv % config.palu_n_head_groups:
+        if config.method == "palu" and n_kv is not None and n_kv % config.head_groups(n_kv):
             raise KVConfigError(
                 f"palu_n_head_groups={config.palu_n_head_groups} must divide the model's "
                 f"{n_kv} key/value heads; allowed: a divisor of {n_kv}"

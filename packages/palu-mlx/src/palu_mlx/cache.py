@@ -122,7 +122,7 @@ class PaluKVCache(CacheLayer):
     def _check_dims(self, h: int, d: int, dv: int) -> None:
         if self.config.head_dim is not None and d != self.config.head_dim:
             raise KVShapeError(f"keys head dim {d} does not match config head_dim={self.config.head_dim}")
-        if h % self.config.palu_n_head_groups != 0:
+        if h % self.config.head_groups(h) != 0:
             raise KVConfigError(
                 f"palu_n_head_groups={self.config.palu_n_head_groups} must divide the key/value head "
                 f"count {h}; allowed: a divisor of {h}"
@@ -189,8 +189,9 @@ class PaluKVCache(CacheLayer):
         if _fixed_mode(cfg, self.allocation_policy):
             return self._fit_fixed(keys, values, dtype)
         value_policy = self.allocation_policy if cfg.palu_quantize_values else UniformPolicy(UNQUANTIZED_BITS)
-        key_proj, key_segments = _fit_and_allocate(keys, cfg, self.allocation_policy)
-        value_proj, value_segments = _fit_and_allocate(values, cfg, value_policy)
+        groups = cfg.head_groups(keys.shape[1])
+        key_proj, key_segments = _fit_and_allocate(keys, cfg, self.allocation_policy, groups)
+        value_proj, value_segments = _fit_and_allocate(values, cfg, value_policy, groups)
         compact = compact_dtype(dtype)
         key_coder = MixedBitCoder(key_segments, cfg.palu_group_size, dtype, compact)
         value_coder = MixedBitCoder(value_segments, cfg.palu_group_size, dtype, compact)
@@ -217,7 +218,7 @@ class PaluKVCache(CacheLayer):
         fitted = []
         for x in (keys, values):
             rank = x.shape[-1] if cfg.palu_rank is None else min(cfg.palu_rank, x.shape[-1])
-            proj = fit_group_projection(x, cfg.palu_n_head_groups, rank)
+            proj = fit_group_projection(x, cfg.head_groups(x.shape[1]), rank)
             latents = project(x, proj)
             head_var = mx.mean(latents * latents, axis=(0, 2))  # [H, r]; latents are centred per group
             fitted.append((proj, np.array(head_var, dtype=np.float64)))
@@ -411,7 +412,7 @@ class PaluKVCache(CacheLayer):
                 else:
                     coder = MixedBitCoder(segments, config.palu_group_size, dtype, compact_dtype(dtype))
                     proj_dtype = _projection_dtype(coder, dtype)
-                g, r = config.palu_n_head_groups, coder.rank
+                g, r = config.head_groups(h), coder.rank
                 if r > dim:
                     raise KVDataError(f"{owner}: meta_state {prefix} rank {r} exceeds the head dim {dim}")
                 proj = GroupProjection(
@@ -520,7 +521,7 @@ def default_policy(config: KVCacheConfig) -> BitAllocationPolicy:
 
 
 def _fit_and_allocate(
-    x: mx.array, cfg: KVCacheConfig, policy: BitAllocationPolicy
+    x: mx.array, cfg: KVCacheConfig, policy: BitAllocationPolicy, groups: int
 ) -> tuple[GroupProjection, tuple[Segment, ...]]:
     """Fit ``x``'s projection, let ``policy`` allocate widths, and drop trailing 0-bit channels.
 
@@ -529,9 +530,9 @@ def _fit_and_allocate(
     """
     if getattr(policy, "chooses_rank", False):
         rank = cfg.palu_rank if cfg.palu_rank is not None else x.shape[-1]
-        projection = fit_group_projection(x, cfg.palu_n_head_groups, rank)
+        projection = fit_group_projection(x, groups, rank)
     else:
-        projection = fit_group_projection(x, cfg.palu_n_head_groups, cfg.palu_rank, cfg.energy_threshold)
+        projection = fit_group_projection(x, groups, cfg.palu_rank, cfg.energy_threshold)
     segments = tuple(s for s in policy.allocate(np.array(projection.singular_values)) if s.bits > 0)
     if not segments:
         segments = (Segment(0, 1, 1),)

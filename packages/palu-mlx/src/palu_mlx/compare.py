@@ -11,7 +11,7 @@ plain ``KVCache``, e.g. rotating windows or SSM state, keep their default in eve
 
 * ``baseline``: mlx-lm's ``KVCache`` (uncompressed, the model's dtype);
 * tiers: :data:`palu_mlx.tiers.TIERS` (same names), sized for the model's head dim, with the
-  default head grouping (the largest divisor of the KV head count up to 4);
+  default head grouping (one projection per KV head);
 * peers: mlx-lm's ``QuantizedKVCache`` at 8 and 4 bits (group size 64, or 32 for head dims 64
   does not divide).
 
@@ -59,12 +59,12 @@ def tier_config(name: str, head_dim: int, n_kv_heads: int | None) -> KVCacheConf
     """The :class:`KVCacheConfig` of tier ``name`` for a model with ``head_dim`` and ``n_kv_heads``.
 
     The tier keeps its rank and bit widths from :data:`palu_mlx.tiers.TIERS` (full rank becomes
-    the model's head dim; ranks are capped at it) and takes the default head grouping: the largest
-    divisor of ``n_kv_heads`` not above ``KVCacheConfig().palu_n_head_groups``.
+    the model's head dim; ranks are capped at it) and takes the default head grouping,
+    ``KVCacheConfig().palu_n_head_groups`` (None: one projection per KV head, which fits any KV
+    head count). ``n_kv_heads`` is accepted for callers that size tiers per model.
     """
     base = TIERS[name].config
-    default_groups = KVCacheConfig().palu_n_head_groups
-    groups = max(g for g in range(1, default_groups + 1) if not n_kv_heads or n_kv_heads % g == 0)
+    groups = KVCacheConfig().palu_n_head_groups
     rank = base.palu_rank
     if name == "full-rank-fp16":
         rank = head_dim

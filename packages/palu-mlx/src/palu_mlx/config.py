@@ -73,6 +73,8 @@ class KVCacheConfig:
             tensor is used: the minimum over groups (buffers share one shape).
         palu_n_head_groups: NUMBER of contiguous head groups per layer; each group
             shares one projection. The layer's key/value head count must be divisible by it.
+            ``None`` (the default): one group per KV head, which fits any head count (1, 2, 3,
+            8, ...) and gives each head's pre-RoPE keys their own low-rank basis.
         palu_hi_bit, palu_lo_bit: bit widths of the top ``palu_hi_fraction`` latent
             channels (by singular value) and of the rest (hi/lo split only; None: 4 and 2).
             One of 1, 2, 3, 4, 5, 6, 8, or 16 for "keep those channels unquantized".
@@ -116,7 +118,7 @@ class KVCacheConfig:
     head_dim: int | None = None
     palu_rank: int | None = None
     palu_energy_threshold: float | None = None
-    palu_n_head_groups: int = 4
+    palu_n_head_groups: int | None = None
     palu_hi_bit: int | None = None
     palu_lo_bit: int | None = None
     palu_hi_fraction: float | None = None
@@ -148,10 +150,13 @@ class KVCacheConfig:
         t = self.palu_energy_threshold
         if t is not None and (not _is_real(t) or not math.isfinite(t) or not 0.0 < t <= 1.0):
             raise KVConfigError(f"palu_energy_threshold={t!r} must be None or a number in (0, 1]")
-        if not _is_int(self.palu_n_head_groups) or self.palu_n_head_groups < 1:
+        if self.palu_n_head_groups is not None and (
+            not _is_int(self.palu_n_head_groups) or self.palu_n_head_groups < 1
+        ):
             raise KVConfigError(
-                f"palu_n_head_groups={self.palu_n_head_groups!r} must be a positive integer "
-                "(the number of head groups; the layer's KV head count must be divisible by it)"
+                f"palu_n_head_groups={self.palu_n_head_groups!r} must be None (one group per KV head) "
+                "or a positive integer (the number of head groups; the layer's KV head count must be "
+                "divisible by it)"
             )
         allowed = (*PACKABLE_BITS, UNQUANTIZED_BITS)
         for name in ("palu_hi_bit", "palu_lo_bit"):
@@ -243,6 +248,11 @@ class KVCacheConfig:
     def hi_fraction(self) -> float:
         """``palu_hi_fraction``, or the reference's 0.25 when unset."""
         return self._split("palu_hi_fraction")
+
+    def head_groups(self, n_heads: int) -> int:
+        """Head groups for a layer of ``n_heads`` KV heads: ``palu_n_head_groups``, or one per head
+        when it is None. (Whether it divides ``n_heads`` is checked where the heads are known.)"""
+        return n_heads if self.palu_n_head_groups is None else self.palu_n_head_groups
 
     def min_fit_tokens(self, dim: int) -> int:
         """Tokens held exactly before fitting: ``palu_min_fit_tokens``, or the key head dim ``dim``."""
