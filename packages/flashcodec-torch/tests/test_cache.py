@@ -114,6 +114,9 @@ def test_storage_is_measured_and_split(tier):
         "jpeg-k2": 2 * d * 4,
         "jpeg-k2-int8": 2 * d + 2 * 4,
         "chan64-int4": 64 * d // 2 + d * (2 + 2),  # two int4 codes a byte + fp16 scale and zero per channel
+        # keys: fp16 scale and zero per channel; values: per token (mean of the two streams)
+        "kivi64-k4v4": (64 * d // 2 + d * 4 + 64 * d // 2 + 64 * 4) // 2,
+        "kivi64-k8v8": (64 * d + d * 4 + 64 * d + 64 * 4) // 2,
     }[tier.removesuffix("-w64").removesuffix("-w96i8").removesuffix("-w64i8")]
     assert st.used == 2 * b * h * blocks * per_block
 

@@ -254,7 +254,7 @@ class CodecKVCache:
         common = dict(dtype=keys.dtype, device=keys.device, initial_blocks=self.initial_blocks)
         return (
             CodecStream(self.codec, b, h, d, **common),
-            CodecStream(self.codec, b, h, values.shape[-1], **common),
+            CodecStream(self.codec.value_codec, b, h, values.shape[-1], **common),
         )
 
     # ------------------------------------------------------------------ reads
@@ -438,12 +438,12 @@ class CodecKVCache:
         )
         if not arrays:
             return cache
-        n_parts = len(cache.codec.stream_state_specs(1))
+        n_parts = len(cache.codec.stream_state_specs(1))  # the keys' arrays, then the values'
         k_arrays, v_arrays = arrays[:n_parts], arrays[n_parts:]
         dtype = dtype or k_arrays[-1].dtype  # formats 1 and 2: the raw tail's dtype (checked above)
         common = dict(dtype=dtype, initial_blocks=cache.initial_blocks)
         cache.keys = CodecStream.from_state(cache.codec, k_arrays, **common)
-        cache.values = CodecStream.from_state(cache.codec, v_arrays, **common)
+        cache.values = CodecStream.from_state(cache.codec.value_codec, v_arrays, **common)
         return cache
 
 

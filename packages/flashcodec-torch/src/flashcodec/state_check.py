@@ -34,14 +34,16 @@ def check_state(
     (``None``: not recorded, then the raw tail's dtype; a coded tail needs it recorded)."""
     n_tail = len(codec.tail_coder.part_specs(1))
     n_parts = len(codec.stream_state_specs(1))
+    value_codec = codec.value_codec  # the codec itself but for codecs that code values apart (kivi)
+    n_value_parts = len(value_codec.stream_state_specs(1))
     if not arrays:
         if offset:
             raise KVDataError(f"state is empty but meta_state records offset={offset}")
         return
-    if len(arrays) != 2 * n_parts:
+    if len(arrays) != n_parts + n_value_parts:
         raise KVDataError(
-            f"state must hold {2 * n_parts} tensors for {codec!r} ({n_parts} for the keys: "
-            f"{_names(codec)}, then the same for the values); got {len(arrays)}"
+            f"state must hold {n_parts + n_value_parts} tensors for {codec!r} ({n_parts} for the keys: "
+            f"{_names(codec)}, then {n_value_parts} for the values: {_names(value_codec)}); got {len(arrays)}"
         )
     for i, t in enumerate(arrays):
         if not isinstance(t, torch.Tensor):
@@ -53,7 +55,7 @@ def check_state(
             "this meta_state has none (an older format or an empty cache's?)"
         )
     _check_stream(codec, k_arrays, "keys", supported_dtypes, check_finite, dtype)  # type: ignore[arg-type]
-    _check_stream(codec, v_arrays, "values", supported_dtypes, check_finite, dtype)  # type: ignore[arg-type]
+    _check_stream(value_codec, v_arrays, "values", supported_dtypes, check_finite, dtype)  # type: ignore[arg-type]
     k_tail, v_tail = k_arrays[-n_tail], v_arrays[-n_tail]
     assert isinstance(k_tail, torch.Tensor) and isinstance(v_tail, torch.Tensor)
     k_blocks, v_blocks = k_arrays[0].shape[2], v_arrays[0].shape[2]  # type: ignore[union-attr]

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from kvspec import KVConfigError
 
-from .codecs import BlockCodec, ChannelInt4Codec, JPEGCodec, PNGCodec, ZeroPointJPEGCodec
+from .codecs import BlockCodec, ChannelInt4Codec, JPEGCodec, KIVICodec, PNGCodec, ZeroPointJPEGCodec
 
 __all__ = ["Tier", "TIERS", "tier"]
 
@@ -142,6 +142,30 @@ TIERS: dict[str, Tier] = _registry(
         "chan64-int4-w64i8-mf",
         "chan64-int4-w64i8 with materialization-free attention (decode on the int4 codes and the int8 window)",
         ChannelInt4Codec(64, raw_window=64, window_bits=8),
+        materialization_free=True,
+    ),
+    Tier(
+        "kivi64-k8v8-w64i8",
+        "int8 keys per (64-token block, channel), int8 values per token, fp16 scale and zero each; "
+        "newest 64-127 tokens int8",
+        KIVICodec(64, key_bits=8, value_bits=8),
+    ),
+    Tier(
+        "kivi64-k8v8-w64i8-mf",
+        "kivi64-k8v8-w64i8 with materialization-free attention (decode on the int8 codes and the int8 window)",
+        KIVICodec(64, key_bits=8, value_bits=8),
+        materialization_free=True,
+    ),
+    Tier(
+        "kivi64-k4v4-w64i8",
+        "int4 keys per (64-token block, channel), int4 values per token (KIVI's split), fp16 scale and "
+        "zero each; newest 64-127 tokens int8",
+        KIVICodec(64, key_bits=4, value_bits=4),
+    ),
+    Tier(
+        "kivi64-k4v4-w64i8-mf",
+        "kivi64-k4v4-w64i8 with materialization-free attention (decode on the int4 codes and the int8 window)",
+        KIVICodec(64, key_bits=4, value_bits=4),
         materialization_free=True,
     ),
     Tier("jpeg-k4", "jpeg, lowest 4 of 8 coefficients", JPEGCodec(8, keep_freqs=4)),

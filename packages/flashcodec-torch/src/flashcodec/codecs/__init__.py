@@ -21,6 +21,7 @@ from .channel import ChannelInt4Codec
 from .jpeg import JPEGCodec, dct_matrix
 from .jpeg_mixed import MixedJPEGCodec, allocate_freq_bits, frequency_variances
 from .jpeg_zero import ZeroPointJPEGCodec
+from .kivi import KIVICodec, TokenIntCodec
 from .png import PNGCodec, delta_variance_ratio
 from .quant import dequantize_int8, quantize_int8
 
@@ -31,6 +32,8 @@ __all__ = [
     "MixedJPEGCodec",
     "ZeroPointJPEGCodec",
     "ChannelInt4Codec",
+    "KIVICodec",
+    "TokenIntCodec",
     "PNGCodec",
     "CODECS",
     "allocate_freq_bits",
@@ -53,6 +56,8 @@ CODECS: dict[str, type[BlockCodec]] = {
     "jpeg-mixed": MixedJPEGCodec,
     "jpeg-zp": ZeroPointJPEGCodec,
     "chan4": ChannelInt4Codec,
+    "kivi": KIVICodec,
+    "token-int": TokenIntCodec,
 }
 
 

@@ -121,6 +121,13 @@ class BlockCodec(ABC):
     window_bits: int | None = None
 
     @property
+    def value_codec(self) -> BlockCodec:
+        """The codec of a cache's value stream: this codec itself, unless a codec codes keys and
+        values differently (:class:`~flashcodec.codecs.KIVICodec`: keys per channel, values per
+        token). It has this codec's ``block_size``, ``raw_window`` and ``window_bits``."""
+        return self
+
+    @property
     def tail_coder(self) -> TailCoder:
         """The :class:`~flashcodec.codecs.tail.TailCoder` for :attr:`window_bits`."""
         from .tail import tail_coder  # tail.py uses this module's PartSpec
