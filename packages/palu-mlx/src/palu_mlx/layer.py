@@ -122,6 +122,14 @@ class CacheLayer:
         self.offset -= n
         return n
 
+    @classmethod
+    def merge(cls, caches: list[Any]) -> Any:
+        """mlx-lm's batch path: one :class:`~palu_mlx.batch.BatchedLayerCache` from one cache per
+        sequence (copies). Its presence is what makes mlx-lm's server batch requests."""
+        from .batch import BatchedLayerCache
+
+        return BatchedLayerCache.merge(caches)
+
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         """The attention mask for ``N`` new queries (same rules as mlx-lm's ``KVCache``)."""
         if isinstance(N, bool) or not isinstance(N, numbers.Integral) or N < 1:
