@@ -35,6 +35,7 @@ from kvbench.results import environment_stamp
 BENCH_DIR = Path(__file__).resolve().parents[1]
 REPO_ROOT = BENCH_DIR.parent
 DEFAULT_OUT = BENCH_DIR / "results" / "real_kv_stats.json"
+KVSPEC_SOURCE_DATA = REPO_ROOT / "packages" / "kvspec" / "src" / "kvspec" / "data"
 HELDOUT_LABEL = "kvbench/data/heldout.txt"
 
 __all__ = [
@@ -266,7 +267,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--add-to-kvspec", action="store_true", help="merge the K/V into kvspec's vectors (family 'real')"
     )
     p.add_argument(
-        "--kvspec-data-dir", type=Path, default=None, help="kvspec data dir (default: the package's)"
+        "--kvspec-data-dir",
+        type=Path,
+        default=KVSPEC_SOURCE_DATA,
+        help="the kvspec vectors folder to add to (default: this checkout's packages/kvspec/src/kvspec/data)",
     )
     p.add_argument("--name-prefix", default=None, help="vector name prefix (default: real_<model dir name>)")
     return p.parse_args(argv)
@@ -382,7 +386,7 @@ def main(argv: list[str] | None = None) -> dict:
                 )
             )
         add_vectors(tvs, data_dir=args.kvspec_data_dir)
-        print(f"added {[t.name for t in tvs]} to kvspec vectors ({args.kvspec_data_dir or 'package data'})")
+        print(f"added {[t.name for t in tvs]} to kvspec vectors in {args.kvspec_data_dir}")
 
     record = {
         **environment_stamp(["torch", "transformers", "numpy"]),

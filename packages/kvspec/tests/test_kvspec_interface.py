@@ -135,3 +135,12 @@ def test_vector_files_that_are_missing_or_corrupt_name_the_file(tmp_path):
     (bad / "vectors.npz").write_bytes(b"not a zip file")
     with pytest.raises(KVDataError, match="vectors.npz: cannot be read"):
         load_vectors(data_dir=bad)
+
+
+@pytest.mark.parametrize("bad", [2.0, 2.5, True, "2", None])
+def test_dimensions_must_be_integers(bad):
+    with pytest.raises(KVShapeError, match="must hold integer dimensions"):
+        check_kv_pair((1, bad, 4, 8), (1, 2, 4, 8), "float32", "float32")
+    with pytest.raises(KVShapeError, match="must hold integer dimensions"):
+        check_kv_pair((1, 2, 4, 8), (1, 2, 4, bad), "float32", "float32")
+    assert check_kv_pair((np.int64(1), 2, 4, 8), (1, 2, 4, 8), "float32", "float32") == (1, 2, 4, 8, 8)

@@ -78,3 +78,25 @@ def test_reference_adapter_passes_every_check():
     results = list(run_conformance(ReferenceAdapter()))
     assert len(results) > 50
     assert [r for r in results if r[1] is not None] == []
+
+
+@pytest.mark.parametrize(
+    "meta", ["521", b"521", ("3", "64"), ("3", "64", "1", "0"), ("3", "64", "2"), ("-1", "64", "1"),
+             ("3", "6.5", "1"), (3.0, 64, 1), (True, 64, 1), None],
+)  # fmt: skip
+def test_from_state_refuses_a_malformed_meta_state(meta):
+    cache = NumpyReferenceCache()
+    cache.update_and_fetch(*_kv(3))
+    with pytest.raises(KVConfigError, match="meta_state"):
+        NumpyReferenceCache.from_state(cache.state, meta)
+    rebuilt = NumpyReferenceCache.from_state(cache.state, (3, 64, 1))  # ints are fine too
+    assert rebuilt.offset == 3
+
+
+def test_relative_error_refuses_shapes_that_would_broadcast():
+    from kvspec.conformance import relative_error
+
+    want = np.ones((1, 2, 4, 8), np.float32)
+    assert relative_error(want * 1.5, want) == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="must be equal"):
+        relative_error(want[:, :, :1], want)

@@ -6,11 +6,13 @@ import json
 
 import numpy as np
 import pytest
+from kvspec import KVDataError
 from kvspec.vectors import (
     DATA_DIR,
     DTYPES,
     FAMILIES,
     TestVector,
+    _cached,
     add_vectors,
     get_vector,
     is_representable,
@@ -205,3 +207,51 @@ def test_validate_rejects_malformed_vectors():
         TestVector("x", "real", "bfloat16", nan, good.values, good.provenance).validate()
     with pytest.raises(ValueError, match="provenance"):
         TestVector("x", "real", "bfloat16", good.keys, good.values, {}).validate()
+
+
+def test_add_vectors_needs_a_folder_named_and_never_defaults_to_the_package_data():
+    before = (DATA_DIR / "manifest.json").read_bytes()
+    with pytest.raises(TypeError):
+        add_vectors([_vec("real_1")])  # no data_dir: the installed package's data is not a default
+    with pytest.raises(ValueError, match="data_dir=None must name the vectors folder"):
+        add_vectors([_vec("real_1")], None)
+    assert (DATA_DIR / "manifest.json").read_bytes() == before
+
+
+@pytest.mark.parametrize(
+    "tamper, match",
+    [
+        (lambda doc: doc["vectors"][0].update(family="lowrank"), "family must be one of"),
+        (lambda doc: doc["vectors"][0].update(dtype="int8"), "dtype must be one of"),
+        (lambda doc: doc["vectors"][0].update(dtype="bfloat16"), "not representable in bfloat16"),
+        (lambda doc: doc["vectors"][0].update(shape=[1, 2, 3, 4]), "manifest.json says"),
+        (lambda doc: doc["vectors"][0].update(provenance={}), "provenance must be a non-empty dict"),
+    ],
+    ids=["family", "dtype", "dtype-claim", "shape", "provenance"],
+)
+def test_a_tampered_manifest_is_refused_on_load(tmp_path, tamper, match):
+    write_vectors([_vec("a", "gaussian", "float32")], tmp_path)
+    path = tmp_path / "manifest.json"
+    doc = json.loads(path.read_text())
+    tamper(doc)
+    path.write_text(json.dumps(doc))
+    with pytest.raises(KVDataError, match=match):
+        load_vectors(data_dir=tmp_path)
+
+
+def test_tampered_arrays_are_refused_on_load(tmp_path):
+    write_vectors([_vec("a", "gaussian", "float32")], tmp_path)
+    good = load_vectors(data_dir=tmp_path)[0]
+    keys = np.array(good.keys)
+    keys[0, 0, 0, 0] = np.inf
+    np.savez(tmp_path / "vectors.npz", **{"a/keys": keys, "a/values": np.array(good.values)})
+    _cached.cache_clear()
+    with pytest.raises(KVDataError, match="NaN or infinity"):
+        load_vectors(data_dir=tmp_path)
+    np.savez(
+        tmp_path / "vectors.npz",
+        **{"a/keys": np.array(good.keys)[:, :, :2], "a/values": np.array(good.values)},
+    )
+    _cached.cache_clear()
+    with pytest.raises(KVDataError, match="must agree on B, H, S"):
+        load_vectors(data_dir=tmp_path)

@@ -148,7 +148,13 @@ def _first_bit_difference(a: np.ndarray, b: np.ndarray) -> str:
 
 
 def relative_error(got: np.ndarray, want: np.ndarray) -> float:
-    """``||got - want||_F / ||want||_F`` in float64 (absolute error when ``want`` is all zero)."""
+    """``||got - want||_F / ||want||_F`` in float64 (absolute error when ``want`` is all zero).
+
+    ``got`` and ``want`` must have the same shape: broadcasting would compare a slice with a whole.
+    """
+    got, want = np.asarray(got), np.asarray(want)
+    if got.shape != want.shape:
+        raise ValueError(f"relative_error: got shape {got.shape} and want shape {want.shape} must be equal")
     got64, want64 = got.astype(np.float64), want.astype(np.float64)
     err = float(np.linalg.norm(got64 - want64))
     ref = float(np.linalg.norm(want64))

@@ -165,6 +165,11 @@ def check_kv_pair(
     Returns ``(B, H, S, D, Dv)``. Works on shapes only, so every backend shares it.
     """
     keys_shape, values_shape = tuple(keys_shape), tuple(values_shape)
+    for label, shape in (("keys", keys_shape), ("values", values_shape)):
+        if any(isinstance(n, bool) or not isinstance(n, numbers.Integral) for n in shape):
+            raise KVShapeError(f"{label} shape {shape} must hold integer dimensions")
+    keys_shape = tuple(int(n) for n in keys_shape)
+    values_shape = tuple(int(n) for n in values_shape)
     if len(keys_shape) != 4 or len(values_shape) != 4:
         raise KVShapeError(
             f"keys and values must be 4-D [B, H, S, D]; got keys {keys_shape}, values {values_shape}"

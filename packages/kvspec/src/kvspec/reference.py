@@ -7,6 +7,7 @@ check can fail. It is also the smallest complete example of a :class:`KVCacheLay
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
@@ -139,8 +140,25 @@ class NumpyReferenceCache:
 
     @classmethod
     def from_state(cls, state: Any, meta_state: Any) -> NumpyReferenceCache:
-        """Rebuild a cache from ``state`` and ``meta_state`` (copies the arrays)."""
-        offset, step, reject = (int(x) for x in meta_state)
+        """Rebuild a cache from ``state`` and ``meta_state`` (copies the arrays).
+
+        ``meta_state`` is what :attr:`meta_state` gives: three decimal strings (or integers)
+        ``(offset, step, reject_nonfinite)``; anything else raises ``KVConfigError``.
+        """
+        if (
+            isinstance(meta_state, (str, bytes))
+            or not isinstance(meta_state, (tuple, list))
+            or len(meta_state) != 3
+        ):
+            raise KVConfigError(
+                f"meta_state={meta_state!r} must be a sequence of three values (offset, step, reject_nonfinite)"
+            )
+        try:
+            offset, step, reject = (_meta_int(x) for x in meta_state)
+        except (TypeError, ValueError):
+            raise KVConfigError(f"meta_state={meta_state!r} must hold three non-negative integers") from None
+        if reject not in (0, 1):
+            raise KVConfigError(f"meta_state reject_nonfinite={reject} must be 0 or 1")
         cache = cls(ReferenceConfig(step=step, reject_nonfinite=bool(reject)))
         if state:
             keys, values = (np.asarray(a) for a in state)
@@ -150,6 +168,16 @@ class NumpyReferenceCache:
                 )
             cache.update_and_fetch(np.array(keys, copy=True), np.array(values, copy=True))
         return cache
+
+
+def _meta_int(value: Any) -> int:
+    """One ``meta_state`` entry as a non-negative integer (decimal strings and ints, no bools)."""
+    if isinstance(value, bool) or not isinstance(value, (str, numbers.Integral)):
+        raise TypeError(value)
+    number = int(value)
+    if number < 0:
+        raise ValueError(value)
+    return number
 
 
 class ReferenceAdapter(Adapter):

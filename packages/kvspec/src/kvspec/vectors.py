@@ -259,18 +259,33 @@ def _read_dir(data_dir: Path) -> list[TestVector]:
             # shared between callers: read-only so no adapter can corrupt the data for the next test
             keys.setflags(write=False)
             values.setflags(write=False)
-            vectors.append(
-                TestVector(
-                    name=name,
-                    family=entry["family"],
-                    dtype=entry["dtype"],
-                    keys=keys,
-                    values=values,
-                    provenance=dict(entry.get("provenance", {})),
-                    statistics=dict(entry.get("statistics", {})),
-                )
+            vector = TestVector(
+                name=name,
+                family=entry["family"],
+                dtype=entry["dtype"],
+                keys=keys,
+                values=values,
+                provenance=dict(entry.get("provenance", {})),
+                statistics=dict(entry.get("statistics", {})),
             )
+            _check_loaded(vector, entry, arrays)
+            vectors.append(vector)
     return vectors
+
+
+def _check_loaded(vector: TestVector, entry: dict[str, Any], arrays: Path) -> None:
+    """Raise ``KVDataError`` unless a vector read back is what the format and its manifest entry say:
+    a tampered manifest or arrays file must not reach a conformance run as data."""
+    try:
+        vector.validate()
+    except ValueError as err:
+        raise KVDataError(f"{arrays}: {err}") from None
+    for key, shape in (("shape", vector.shape), ("values_shape", vector.values_shape)):
+        if key in entry and list(entry[key]) != list(shape):
+            raise KVDataError(
+                f"{arrays}: vector {vector.name!r} has {key} {list(shape)} but {MANIFEST_NAME} "
+                f"says {entry[key]}"
+            )
 
 
 @lru_cache(maxsize=8)
@@ -332,7 +347,8 @@ def _write_npz_deterministic(path: Path, arrays: dict[str, np.ndarray]) -> None:
 
 
 def write_vectors(vectors: list[TestVector], data_dir: Path | None = None) -> None:
-    """Write exactly ``vectors`` (in order) to ``data_dir``, replacing what was there.
+    """Write exactly ``vectors`` (in order) to ``data_dir``, replacing what was there
+    (default: this package's data folder, which ``python -m kvspec.synthetic`` regenerates).
 
     Each vector is validated first (nothing is written if one is bad). Files are written to
     temporary names and moved into place, so a reader never sees half a data set.
@@ -373,8 +389,9 @@ def write_vectors(vectors: list[TestVector], data_dir: Path | None = None) -> No
     _cached.cache_clear()
 
 
-def add_vectors(vectors: list[TestVector], data_dir: Path | None = None) -> None:
-    """Merge ``vectors`` into the data in ``data_dir`` (default: the package data).
+def add_vectors(vectors: list[TestVector], data_dir: Path) -> None:
+    """Merge ``vectors`` into the data in ``data_dir`` (a folder you name: an installed package's
+    data is never written behind your back; a source checkout passes its ``kvspec/data`` folder).
 
     A vector whose name already exists replaces it in place; new ones are appended. This is
     how captured model K/V become family ``"real"`` test vectors::
@@ -385,11 +402,14 @@ def add_vectors(vectors: list[TestVector], data_dir: Path | None = None) -> None
         add_vectors([TestVector(name="real_tinyqwen3_l2_bf16", family="real", dtype="bfloat16",
                                 keys=k, values=v,
                                 provenance={"model": "my-model", "layer": 2,
-                                            "text": "...", "script": "my_capture.py"})])
+                                            "text": "...", "script": "my_capture.py"})],
+                    data_dir="packages/kvspec/src/kvspec/data")
 
     ``statistics`` are measured and stored when the vector leaves them empty.
     """
-    existing = _read_dir(Path(data_dir or DATA_DIR))
+    if data_dir is None or isinstance(data_dir, bool) or not isinstance(data_dir, (str, os.PathLike)):
+        raise ValueError(f"data_dir={data_dir!r} must name the vectors folder to write (a str or path)")
+    existing = _read_dir(Path(data_dir))
     incoming = {v.name: v for v in vectors}
     merged = [incoming.pop(v.name) if v.name in incoming else v for v in existing]
     merged.extend(v for v in vectors if v.name in incoming)
