@@ -13,6 +13,11 @@ from hypothesis import HealthCheck, settings
 
 torch.set_num_threads(1)
 
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: takes more than a few seconds (still runs by default)")
+
+
 # Property tests (test_properties.py): "ci" (the default) keeps the suite fast on a shared 2-core box;
 # HYPOTHESIS_PROFILE=thorough runs many more random sequences when changing the cache itself.
 settings.register_profile(

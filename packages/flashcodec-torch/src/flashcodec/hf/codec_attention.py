@@ -234,17 +234,22 @@ def _decode_on_rows(
     decode = steps == 1 and codec_cache.offset > 0
     if decode:
         usable, mask = _key_mask(found.get("attention_mask"), batch, total)
-    else:
-        heads = module.q_proj.weight.shape[0] // module.head_dim
-        usable, mask = _step_mask(found.get("attention_mask"), batch, heads, steps, total)
-    if not usable:
-        stats.fallback("attention mask layout")
-        return None
+        if not usable:
+            stats.fallback("attention mask layout")
+            return None
 
     # The module's own projections, norms and RoPE, in the order its forward applies them.
     input_shape = hidden.shape[:-1]
     hidden_shape = (*input_shape, -1, module.head_dim)
     query = module.q_proj(hidden).view(hidden_shape)
+    if not decode:
+        # the query heads this process computes, from the tensor: under tensor parallel the
+        # projection's weight may report the global shape (a DTensor) while the output holds
+        # only this rank's heads
+        usable, mask = _step_mask(found.get("attention_mask"), batch, query.shape[2], steps, total)
+        if not usable:
+            stats.fallback("attention mask layout")
+            return None
     key = module.k_proj(hidden).view(hidden_shape)
     if getattr(module, "q_norm", None) is not None:
         query = module.q_norm(query)
