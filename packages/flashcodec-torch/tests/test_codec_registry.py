@@ -20,8 +20,10 @@ from flashcodec.codecs import (
     CODECS,
     BlockCodec,
     ChannelInt4Codec,
+    KIVICodec,
     MixedJPEGCodec,
     PartSpec,
+    TokenIntCodec,
     ZeroPointJPEGCodec,
     make_codec,
 )
@@ -77,6 +79,8 @@ def test_every_registry_key_is_its_class_mode():
         "jpeg-mixed": MixedJPEGCodec,
         "jpeg-zp": ZeroPointJPEGCodec,
         "chan4": ChannelInt4Codec,
+        "kivi": KIVICodec,
+        "token-int": TokenIntCodec,
     }
     assert all(cls.mode == mode and issubclass(cls, BlockCodec) for mode, cls in CODECS.items())
 
@@ -84,7 +88,7 @@ def test_every_registry_key_is_its_class_mode():
 def test_an_unregistered_mode_names_the_registered_ones():
     with pytest.raises(
         KVConfigError,
-        match=r"mode must be one of \('jpeg', 'png', 'jpeg-mixed', 'jpeg-zp', 'chan4'\); got 'raw'",
+        match=r"mode must be one of \('jpeg', 'png', 'jpeg-mixed', 'jpeg-zp', 'chan4', 'kivi', 'token-int'\); got 'raw'",
     ):
         CodecKVCache(mode="raw", block_size=4)
 

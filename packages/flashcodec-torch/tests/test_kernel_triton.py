@@ -28,7 +28,7 @@ pytest.importorskip("triton")
 from conftest import CODECS  # noqa: E402
 from flashcodec import CodecKVCache, JPEGCodec, PNGCodec  # noqa: E402
 from flashcodec.attention import codec_decode_attention, coded_rows, materialized_decode_attention  # noqa: E402
-from flashcodec.codecs import ChannelInt4Codec, MixedJPEGCodec, ZeroPointJPEGCodec  # noqa: E402
+from flashcodec.codecs import ChannelInt4Codec, KIVICodec, MixedJPEGCodec, ZeroPointJPEGCodec  # noqa: E402
 from flashcodec.kernels import triton_attention as ta  # noqa: E402
 from flashcodec.kernels.naive import combine_partials, decode_attention_partials  # noqa: E402
 
@@ -95,6 +95,9 @@ CASES = {
         False,
     ),
     "mixed-int8-int4": (MixedJPEGCodec(4, (4, 8, 0, 4)), 1, 2, 2, 22, 16, torch.float32, 2, 2, False),
+    # kivi: keys per (block, channel) like chan4, values per token (a scale and zero point per row)
+    "kivi-int4-masked": (KIVICodec(4, raw_window=6), 2, 2, 2, 29, 16, torch.float32, 2, 2, True),
+    "kivi-int8-bf16": (KIVICodec(4, 8, 8, raw_window=5), 1, 2, 2, 27, 16, torch.bfloat16, 2, 2, False),
 }
 
 
@@ -188,7 +191,16 @@ def test_cuda_kernel_matches_reference(case):
 
 @needs_cuda
 @pytest.mark.parametrize(
-    "tier", ["jpeg-k2-int8", "jpeg-k2", "jpeg-k8-int4z", "chan64-int4-w64i8", "png-keep1"]
+    "tier",
+    [
+        "jpeg-k2-int8",
+        "jpeg-k2",
+        "jpeg-k8-int4z",
+        "chan64-int4-w64i8",
+        "kivi64-k4v4-w64i8",
+        "kivi64-k8v8-w64i8",
+        "png-keep1",
+    ],
 )
 def test_cuda_kernel_matches_materialized_at_length(tier):
     gen = torch.Generator().manual_seed(0)

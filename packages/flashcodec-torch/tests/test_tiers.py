@@ -26,6 +26,10 @@ NAMES = [
     "jpeg-k8-int4z-w96i8-mf",
     "chan64-int4-w64i8",
     "chan64-int4-w64i8-mf",
+    "kivi64-k8v8-w64i8",
+    "kivi64-k8v8-w64i8-mf",
+    "kivi64-k4v4-w64i8",
+    "kivi64-k4v4-w64i8-mf",
     "jpeg-k4",
     "jpeg-k2",
     "jpeg-k2-int8",
@@ -51,6 +55,8 @@ def test_names_order_and_codecs():
         "jpeg-k8-int4z-w64-mf",
         "jpeg-k8-int4z-w96i8-mf",
         "chan64-int4-w64i8-mf",
+        "kivi64-k8v8-w64i8-mf",
+        "kivi64-k4v4-w64i8-mf",
         "jpeg-k2-int8-mf",
     ]
 

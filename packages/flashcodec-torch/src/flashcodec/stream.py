@@ -325,7 +325,7 @@ class CodecStream:
                 torch.cat([old, new], dim=2)
                 for old, new in zip(self.tail_parts(cut, t), coder.encode(x), strict=True)
             )
-        parts = self.codec.encode(seq)
+        parts = self.codec.encode_blocks(seq, self.n_blocks)  # block n_blocks is the first of seq
         grown = self._grown_archive(self.n_blocks + n_new)
         # the tail got shorter: new buffers sized to it when it frees a step of slots (the old ones
         # stay intact for the undo), else the new tail is written over the old one from slot 0

@@ -146,8 +146,8 @@ TIERS: dict[str, Tier] = _registry(
     ),
     Tier(
         "kivi64-k8v8-w64i8",
-        "int8 keys per (64-token block, channel), int8 values per token, fp16 scale and zero each; "
-        "newest 64-127 tokens int8",
+        "int8 keys per (64-token block, channel), int8 values per token, first key exact; newest 64-127 "
+        "tokens int8",
         KIVICodec(64, key_bits=8, value_bits=8),
     ),
     Tier(
@@ -158,8 +158,8 @@ TIERS: dict[str, Tier] = _registry(
     ),
     Tier(
         "kivi64-k4v4-w64i8",
-        "int4 keys per (64-token block, channel), int4 values per token (KIVI's split), fp16 scale and "
-        "zero each; newest 64-127 tokens int8",
+        "int4 keys per (64-token block, channel), int4 values per token (KIVI), first key exact; "
+        "newest 64-127 tokens int8",
         KIVICodec(64, key_bits=4, value_bits=4),
     ),
     Tier(

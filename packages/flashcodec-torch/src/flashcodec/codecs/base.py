@@ -157,6 +157,12 @@ class BlockCodec(ABC):
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """``x [..., n*r, D]`` -> parts, each ``[..., n, *spec.shape]`` (see :meth:`part_specs`)."""
 
+    def encode_blocks(self, x: torch.Tensor, first_block: int) -> tuple[torch.Tensor, ...]:
+        """:meth:`encode` for the blocks ``first_block, first_block + 1, ...`` of a stream (block 0
+        starts at token 0): what a stream calls. :meth:`encode` here; a codec that treats the first
+        tokens of a sequence apart (:class:`~flashcodec.codecs.KIVICodec`: the attention sink) overrides it."""
+        return self.encode(x)
+
     @abstractmethod
     def decode(self, parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
         """Parts for ``n`` blocks -> ``[..., n*r, D]`` in ``dtype``."""
