@@ -90,7 +90,7 @@ TIERS: dict[str, Tier] = _registry(
     ),
     Tier(
         "jpeg-k8-int4",
-        "jpeg, all 8 coefficients stored int4 (two codes a byte) with a scale per (block, frequency)",
+        "jpeg, all 8 coefficients int4 with a scale per (block, frequency); loses to hqq 4-bit on a real model",
         JPEGCodec(8, keep_freqs=8, quant_bits=4),
     ),
     Tier(
@@ -101,7 +101,7 @@ TIERS: dict[str, Tier] = _registry(
     ),
     Tier(
         "jpeg-k8-int4z",
-        "jpeg, all 8 coefficients int4 with an fp16 scale and zero point per (block, frequency)",
+        "jpeg, all 8 coefficients int4, fp16 scale and zero per (block, frequency); loses to hqq 4-bit on a real model",
         ZeroPointJPEGCodec(8),
     ),
     Tier(
@@ -112,7 +112,7 @@ TIERS: dict[str, Tier] = _registry(
     ),
     Tier(
         "jpeg-k8-int4z-w64",
-        "jpeg-k8-int4z, the newest 64 to 71 tokens kept raw (a sliding window, as KIVI's residual)",
+        "jpeg-k8-int4z, the newest 64 to 71 tokens kept raw; loses to hqq 4-bit on a real model",
         ZeroPointJPEGCodec(8, raw_window=64),
     ),
     Tier(
@@ -123,8 +123,7 @@ TIERS: dict[str, Tier] = _registry(
     ),
     Tier(
         "jpeg-k8-int4z-w96i8",
-        "jpeg-k8-int4z, the newest 96 to 103 tokens kept out of the blocks in int8 per token (half "
-        "a bf16 window's bytes)",
+        "jpeg-k8-int4z, the newest 96 to 103 tokens in int8 per token; loses to hqq 4-bit on a real model",
         ZeroPointJPEGCodec(8, raw_window=96, window_bits=8),
     ),
     Tier(
@@ -168,9 +167,21 @@ TIERS: dict[str, Tier] = _registry(
         KIVICodec(64, key_bits=4, value_bits=4),
         materialization_free=True,
     ),
-    Tier("jpeg-k4", "jpeg, lowest 4 of 8 coefficients", JPEGCodec(8, keep_freqs=4)),
-    Tier("jpeg-k2", "jpeg, lowest 2 of 8 coefficients", JPEGCodec(8, keep_freqs=2)),
-    Tier("jpeg-k2-int8", "jpeg, lowest 2 of 8 coefficients, int8", JPEGCodec(8, keep_freqs=2, quant_bits=8)),
+    Tier(
+        "jpeg-k4",
+        "jpeg, lowest 4 of 8 coefficients: truncation, unusable on a real model",
+        JPEGCodec(8, keep_freqs=4),
+    ),
+    Tier(
+        "jpeg-k2",
+        "jpeg, lowest 2 of 8 coefficients: truncation, unusable on a real model",
+        JPEGCodec(8, keep_freqs=2),
+    ),
+    Tier(
+        "jpeg-k2-int8",
+        "jpeg, lowest 2 of 8 coefficients, int8: truncation, unusable on a real model",
+        JPEGCodec(8, keep_freqs=2, quant_bits=8),
+    ),
     Tier(
         "jpeg-k2-int8-mf",
         "jpeg-k2-int8 with materialization-free attention (decode on the int8 codes, prefill in chunks)",
