@@ -76,7 +76,7 @@ def ids_of(n, vocab=128, seed=0, batch=1):
 # ---------------------------------------------------------------- the layer
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_layer_update_returns_full_views_in_input_dtype(dtype):
-    layer = FlashCodecLayer(mode="png")
+    layer = FlashCodecLayer(mode="png", step_raw=False)  # the stored form's view itself
     k, v = kv(s=11, dtype=dtype)
     out_k, out_v = layer.update(k[:, :, :7], v[:, :, :7])
     out_k, out_v = layer.update(k[:, :, 7:], v[:, :, 7:])
@@ -89,7 +89,8 @@ def test_layer_update_returns_full_views_in_input_dtype(dtype):
 def test_layer_crop_conventions_and_errors():
     layer = FlashCodecLayer(mode="jpeg", keep_freqs=2)
     k, v = kv(s=21)
-    full_k, _ = (t.clone() for t in layer.update(k, v))
+    layer.update(k, v)
+    full_k = layer.keys.clone()  # the stored form (update returned the step's tokens raw)
     layer.crop(0)  # transformers 5.x: crop(0) must not drop anything
     assert layer.get_seq_length() == 21
     layer.crop(-5)  # drop the last 5 tokens
@@ -124,7 +125,8 @@ def test_layer_reorder_select_repeat_and_reset():
 def test_layer_rejected_update_leaves_layer_unchanged():
     layer = FlashCodecLayer(mode="jpeg", keep_freqs=4, quant_bits=8)
     k, v = kv(s=9)
-    before = tuple(t.clone() for t in layer.update(k, v))
+    layer.update(k, v)
+    before = tuple(t.clone() for t in layer.codec_cache.read())
     bad = k[:, :, :2].clone()
     bad[0, 0, 0, 0] = float("nan")
     with pytest.raises(ValueError):

@@ -18,6 +18,9 @@ Multi-token steps (prefill, chunked prefill, verification): :func:`codec_prefill
 coefficient form would need a ``[s, n_blocks * R]`` score tensor per head, so there the archived
 blocks are decoded :data:`CHUNK_TOKENS` tokens' worth at a time and folded into an online softmax
 (log-sum-exp): peak memory is one decoded chunk plus one pass's scores, never the whole view.
+Given the step's own keys and values as appended (``step_keys`` / ``step_values``, what
+:func:`flashcodec.hf.apply_codec_attention` passes by default), the step attends those tokens raw
+and only the earlier ones through their codes.
 
 Backends: ``"torch"`` (:mod:`flashcodec.kernels.naive`, split into chunks of blocks so its
 temporaries stay bounded) and ``"triton"`` (:mod:`flashcodec.kernels.triton_attention`, a split-K
@@ -33,7 +36,7 @@ import numbers
 import torch
 from kvspec import KVConfigError, KVDtypeError, KVShapeError
 
-from .kernels.naive import CodedRows, decode_attention_naive, prefill_attention_naive
+from .kernels.naive import CodedRows, decode_attention_naive, decoded_chunk, prefill_attention_naive
 from .stream import SPARE_BLOCKS, CodecStream
 
 __all__ = [
@@ -44,6 +47,7 @@ __all__ = [
     "codec_prefill_attention",
     "materialized_decode_attention",
     "materialized_prefill_attention",
+    "step_rows",
     "CHUNK_BLOCKS",
     "CHUNK_TOKENS",
     "chunk_blocks_for",
@@ -322,6 +326,51 @@ def _prefill_mask(mask: object, batch: int, heads: int, s: int, total: int, devi
     return mask.to(device=device, dtype=torch.float32)
 
 
+def _check_step(name: str, step: object, stream: CodecStream, s: int) -> None:
+    """Raise the kvspec error unless ``step`` is the ``[B, H, s, D]`` raw form of the stream's last
+    ``s`` tokens (its shape, dtype and device)."""
+    if not isinstance(step, torch.Tensor):
+        raise KVDtypeError(f"{name} must be a torch.Tensor or None; got {type(step).__name__}")
+    want = (stream.batch, stream.heads, s, stream.dim)
+    if tuple(step.shape) != want:
+        raise KVShapeError(f"{name} must have shape [B, H, s, D] = {list(want)}; got {list(step.shape)}")
+    if step.dtype != stream.dtype or step.device != stream.device:
+        raise KVDtypeError(
+            f"{name} must be {stream.dtype} on {stream.device} like its stream; got {step.dtype} on {step.device}"
+        )
+
+
+def step_rows(rows: CodedRows, step: torch.Tensor) -> CodedRows:
+    """``rows`` with its last ``s = step.shape[2]`` tokens taken from ``step`` (their raw form).
+
+    The archived blocks wholly before the step stay coded (views, nothing decoded); the tokens
+    between them and the step (at most ``r - 1`` of an archived block, or the stored tail's) are
+    decoded and put, with ``step``, into the raw tail the kernels attend to directly.
+    """
+    s = step.shape[2]
+    r, n = rows.block_size, rows.n_blocks
+    before = rows.seq_len - s
+    keep = min(n, before // r)
+    parts = []
+    if keep < n:  # the step starts inside archived block `keep`
+        parts.append(decoded_chunk(rows, keep, keep + 1)[:, :, : before - keep * r])
+    elif before > n * r:
+        parts.append(rows.tail[:, :, : before - n * r])
+    parts.append(step.to(rows.tail.dtype))
+
+    def cut(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t[:, :, :keep]
+
+    return rows._replace(
+        segments=tuple(seg[:, :, :keep] for seg in rows.segments),
+        scales=cut(rows.scales),
+        offsets=cut(rows.offsets),
+        channel_scales=cut(rows.channel_scales),
+        channel_offsets=cut(rows.channel_offsets),
+        tail=torch.cat(parts, dim=2) if len(parts) > 1 else parts[0],
+    )
+
+
 @torch.no_grad()
 def codec_prefill_attention(
     query: torch.Tensor,
@@ -331,6 +380,8 @@ def codec_prefill_attention(
     scale: float | None = None,
     attn_mask: torch.Tensor | None = None,
     chunk_blocks: int | None = None,
+    step_keys: torch.Tensor | None = None,
+    step_values: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of the ``s`` newest tokens over the coded streams, without the whole-history view.
 
@@ -344,6 +395,10 @@ def codec_prefill_attention(
             instead of the causal rule (transformers' 4-D masks: padding, custom masks).
         chunk_blocks: archived blocks decoded at a time (default :func:`chunk_blocks_for` the
             block size: 512 tokens' worth).
+        step_keys, step_values: both or neither: the raw ``[B, Hkv, s, D]`` / ``[B, Hkv, s, Dv]``
+            keys and values of the ``s`` query tokens as they were appended (stream dtype). Given,
+            the step attends its own tokens in that form and the earlier tokens as stored
+            (:func:`step_rows`), as transformers' ``QuantizedCache`` does in a prefill.
 
     Returns:
         ``[B, Hq, s, Dv]`` in ``query.dtype``; fp32 arithmetic on keys and values rounded to the
@@ -353,11 +408,19 @@ def codec_prefill_attention(
     """
     _check_prefill(query, key_stream, value_stream, scale, chunk_blocks)
     b, hq, s, d = query.shape
+    if (step_keys is None) != (step_values is None):
+        raise KVConfigError("step_keys and step_values must be given together (or neither)")
+    if step_keys is not None:
+        _check_step("step_keys", step_keys, key_stream, s)
+        _check_step("step_values", step_values, value_stream, s)
     mask = _prefill_mask(attn_mask, b, hq, s, key_stream.seq_len, query.device)
+    keys, values = coded_rows(key_stream), coded_rows(value_stream)
+    if step_keys is not None:
+        keys, values = step_rows(keys, step_keys), step_rows(values, step_values)
     return prefill_attention_naive(
         query,
-        coded_rows(key_stream),
-        coded_rows(value_stream),
+        keys,
+        values,
         scale=1.0 / math.sqrt(d) if scale is None else float(scale),
         mask=mask,
         chunk_blocks=chunk_blocks or chunk_blocks_for(key_stream.block_size),

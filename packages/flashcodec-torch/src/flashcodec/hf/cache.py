@@ -78,6 +78,10 @@ class FlashCodecCache(Cache):
             codec layer of the model.
         config: the model's config. When given, layers are built from its ``layer_types``: codec
             layers for ``full_attention``, transformers' native layers for everything else.
+        step_raw: True (the default): a multi-token step (prefill, chunked prefill, verification)
+            attends its own tokens as given and the earlier ones as stored, as transformers'
+            ``QuantizedCache`` does; the tokens are stored coded either way. False: it attends
+            the stored form of every token, its own included.
 
     Every user error raises ``KVConfigError`` (a ``ValueError``) before anything is built.
 
@@ -102,7 +106,12 @@ class FlashCodecCache(Cache):
         delta_dtype: torch.dtype | str | None = _KW["delta_dtype"],
         check_finite: bool = True,
         initial_blocks: int = 16,
+        step_raw: bool = True,
     ):
+        if not isinstance(step_raw, bool):
+            raise KVConfigError(f"step_raw must be True or False; got {step_raw!r}")
+        #: whether a multi-token step attends its own tokens as given (:class:`FlashCodecLayer`)
+        self.step_raw = step_raw
         keywords = dict(
             mode=mode,
             block_size=block_size,
@@ -139,7 +148,7 @@ class FlashCodecCache(Cache):
             per_layer, self.codec_defaults, base_keywords, codec_layers=codec_idx, num_layers=len(types)
         )
         layers = [
-            FlashCodecLayer(**self._options_for(i))
+            FlashCodecLayer(step_raw=self.step_raw, **self._options_for(i))
             if t in CODEC_LAYER_TYPES
             else DYNAMIC_LAYER_TYPE_MAPPING[t](**kw)
             for i, (t, kw) in enumerate(zip(types, native_kwargs, strict=True))
@@ -157,7 +166,7 @@ class FlashCodecCache(Cache):
         """A cache laid out for ``config``: codec layers on full attention, native layers elsewhere.
 
         ``options``: the constructor's ``codec`` (or codec keywords), ``per_layer``,
-        ``check_finite`` and ``initial_blocks``.
+        ``check_finite``, ``initial_blocks`` and ``step_raw``.
         """
         if config is None:
             raise KVConfigError(
@@ -207,7 +216,9 @@ class FlashCodecCache(Cache):
         layer_idx = self._check_layer_idx(layer_idx)
         if self.layer_types is None:
             while len(self.layers) <= layer_idx:
-                self.layers.append(FlashCodecLayer(**self._options_for(len(self.layers))))
+                self.layers.append(
+                    FlashCodecLayer(step_raw=self.step_raw, **self._options_for(len(self.layers)))
+                )
 
     # ------------------------------------------------------------------ description
     @property

@@ -11,7 +11,8 @@ codec cache *without reading it*, and replaces the attention output before ``o_p
   layer): attention on the stored rows, int8 codes and scales as stored;
 * :func:`flashcodec.attention.codec_prefill_attention` for a multi-token step (prefill, chunked
   prefill, assisted decoding's verification): the archive is decoded a chunk at a time and folded
-  into an online softmax, so no whole-history view exists at any point.
+  into an online softmax, so no whole-history view exists at any point; with the layer's
+  ``step_raw`` (the default) the step's own tokens are attended as computed, not as stored.
 
 Everything else falls back to the original forward, unchanged:
 
@@ -272,8 +273,9 @@ def _decode_on_rows(
         )
         stats.coded += 1
     else:
+        raw = dict(step_keys=key, step_values=value) if layer.step_raw else {}
         out = codec_prefill_attention(
-            query, codec_cache.keys, codec_cache.values, scale=module.scaling, attn_mask=mask
+            query, codec_cache.keys, codec_cache.values, scale=module.scaling, attn_mask=mask, **raw
         )
         stats.chunked += 1
     out = out.transpose(1, 2).reshape(*input_shape, -1).contiguous()

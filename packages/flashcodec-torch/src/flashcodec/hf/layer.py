@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from kvspec import KVShapeError, KVTrimError
+from kvspec import KVConfigError, KVShapeError, KVTrimError
 from transformers.cache_utils import CacheLayerMixin
 
 from ..cache import CodecKVCache
@@ -34,11 +34,16 @@ class FlashCodecLayer(CacheLayerMixin):
     and ``check_finite``, ``initial_blocks``), validated here (``KVConfigError``). The codec is
     ``layer.codec_cache.codec``.
 
+    ``step_raw`` (default True): a multi-token step (a prefill, a chunk of one, a verification;
+    any step but one token on a filled layer) attends its own ``s`` tokens as given and the earlier
+    tokens as stored, as transformers' ``QuantizedCache`` does; False: on the stored form of all.
+
     Shapes: ``update`` takes ``key_states [B, H, s, D]`` and ``value_states [B, H, s, Dv]`` and
     returns the whole sequence ``[B, H, S, D]`` / ``[B, H, S, Dv]`` in the input dtype (archived
-    blocks reconstructed, the incomplete block raw). ``keys`` / ``values`` are that latest view
-    (``None`` before the first update); they are views of memoized buffers, valid until the next
-    call that changes the layer.
+    blocks reconstructed, the newest tokens as the codec's tail holds them; with ``step_raw`` the
+    step's own tokens as given). ``keys`` / ``values`` are the stored form's latest view (``None``
+    before the first update); they are views of memoized buffers, valid until the next call that
+    changes the layer.
 
     Not supported: offloading (the compressed archive is the memory saving) and ``torch.compile``
     (the archive grows; ``is_compileable`` is False so ``generate`` never compiles around it).
@@ -48,9 +53,13 @@ class FlashCodecLayer(CacheLayerMixin):
     is_croppable = True
     is_compileable = False
 
-    def __init__(self, **cache_options: Any):
+    def __init__(self, *, step_raw: bool = True, **cache_options: Any):
         super().__init__()
+        if not isinstance(step_raw, bool):
+            raise KVConfigError(f"step_raw must be True or False; got {step_raw!r}")
         self.codec_cache = CodecKVCache(**cache_options)
+        #: whether a multi-token step attends its own tokens as given (see :meth:`update`)
+        self.step_raw = step_raw
         self.device: torch.device | None = None
         self.dtype: torch.dtype | None = None
 
@@ -68,7 +77,8 @@ class FlashCodecLayer(CacheLayerMixin):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append ``key_states [B, H, s, D]`` / ``value_states [B, H, s, Dv]``; return the full views.
+        """Append ``key_states [B, H, s, D]`` / ``value_states [B, H, s, Dv]``; return the full views
+        (with :attr:`step_raw`, a multi-token step's own tokens as given).
 
         Complete blocks are encoded once and archived; reads decode only blocks not decoded before.
         A rejected input (kvspec error) leaves the layer as it was, a fresh layer uninitialized.
@@ -81,10 +91,21 @@ class FlashCodecLayer(CacheLayerMixin):
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
             return self.keys, self.values
+        before = self.codec_cache.offset
         keys, values = self.codec_cache.update_and_fetch(key_states, value_states)  # validates first
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.keys, self.values = keys, values
+        if self.step_raw and (key_states.shape[-2] > 1 or before == 0):
+            # the step's own tokens as given, the earlier ones as stored: the codec's error on
+            # these tokens would otherwise reach every later layer's keys and values through
+            # this layer's output (a copy, so the memoized view keeps the stored form)
+            if before == 0:
+                return key_states, value_states
+            return (
+                torch.cat([keys[:, :, :before], key_states], dim=2),
+                torch.cat([values[:, :, :before], value_states], dim=2),
+            )
         return self.keys, self.values
 
     def _refresh(self) -> None:

@@ -143,6 +143,7 @@ def apply_flash_codec(
     check_finite: bool = True,
     initial_blocks: int = 16,
     materialization_free: bool = False,
+    step_raw: bool = True,
 ) -> torch.nn.Module:
     """Make every ``model.generate()`` of this one instance default to a :class:`FlashCodecCache`.
 
@@ -150,7 +151,8 @@ def apply_flash_codec(
         model: a transformers decoder-only model with ``generate`` (its ``config`` lays out the
             cache: codec layers on full attention, native layers elsewhere).
         mode, block_size, keep_freqs, keep_ratio, quant_bits, codec, per_layer, delta_dtype,
-            check_finite, initial_blocks: as :class:`FlashCodecCache` (``codec=`` or the keyword form).
+            check_finite, initial_blocks, step_raw: as :class:`FlashCodecCache` (``codec=`` or the
+            keyword form).
         materialization_free: also wrap the model's Llama / Qwen-style attention modules so decode
             steps attend on the stored rows and prefill / multi-token steps on the archive a chunk
             at a time, never building the K/V view
@@ -172,7 +174,9 @@ def apply_flash_codec(
     options: dict[str, Any] = {k: v for k, v in keywords.items() if v is not _KW[k]}
     if codec is not None:
         options["codec"] = codec
-    options.update(per_layer=per_layer, check_finite=check_finite, initial_blocks=initial_blocks)
+    options.update(
+        per_layer=per_layer, check_finite=check_finite, initial_blocks=initial_blocks, step_raw=step_raw
+    )
     if not isinstance(materialization_free, bool):
         raise KVConfigError(f"materialization_free must be True or False; got {materialization_free!r}")
     _check_model(model, "apply_flash_codec", needs_generate=True)
