@@ -1,0 +1,99 @@
+"""The flashcodec tiers that target the real model, beside transformers' hqq caches, in one run.
+
+Runs ``flashcodec compare`` (kvbench's protocol) on the real model (SmolLM2-135M-Instruct, bf16,
+attention on the codes for the ``-mf`` tiers) with :data:`COMPARE_ARGS`, keeps its whole result and
+adds a summary per row of the long run (2 windows of 1,792 prefilled + 256 scored tokens, decode
+timed at 2,048 tokens): bytes against the uncompressed bf16 cache, resident and averaged over
+decoding (``resident_ratio_decode_mean``), KL to the baseline's next-token distribution, top-1
+agreement, and decode tokens/s as a ratio to ``hf-hqq-q4`` in the same run.
+
+    OMP_NUM_THREADS=1 hatch run bench:python benchmarks/flashcodec/real_tiers.py
+    # writes benchmarks/results/flashcodec_real_tiers.json; --tiers to run other tiers
+
+The targets it checks (the real-model issue's, against hqq 4-bit / 8-bit in the same run):
+``kl_vs_hqq_q4`` and ``bytes_vs_hqq_q4`` per row, ``decode_vs_hqq_q4`` for speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from common import RESULTS, tier_list
+from kvbench.results import write_json
+
+#: the tiers measured by default: the new split codecs, and the per-channel tier they replace
+TIERS = "kivi64-k4v4-w64i8-mf,kivi64-k8v8-w64i8-mf,chan64-int4-w64i8-mf"
+
+COMPARE_ARGS = [
+    "--peers", "hf-hqq-q4,hf-hqq-q8",
+    "--windows", "1", "--context-tokens", "192", "--scored-tokens", "128", "--prompt-count", "1",
+    "--long-context", "2048", "--long-windows", "2", "--long-scored-tokens", "256",
+    "--quiet",
+]  # fmt: skip
+
+KEPT = (
+    "kv_ratio",
+    "resident_ratio_decode_mean",
+    "kl_mean",
+    "kl_p99",
+    "top1_agreement",
+    "ppl_delta",
+    "decode_tokens_per_s",
+)
+
+
+def summarize(result: dict, run_name: str = "long") -> list[dict]:
+    """One row per candidate of ``run_name``: :data:`KEPT` plus ratios to ``hf-hqq-q4``."""
+    run = next(r for r in result["runs"] if r["name"] == run_name)
+    rows = {row["name"]: row for row in run["rows"]}
+    peer = rows.get("hf-hqq-q4")
+    out = []
+    for name, row in rows.items():
+        item = {"name": name, **{k: row.get(k) for k in KEPT}}
+        if peer is not None:
+            item["bytes_vs_hqq_q4"] = row["resident_ratio_decode_mean"] / peer["resident_ratio_decode_mean"]
+            item["kl_vs_hqq_q4"] = row["kl_mean"] / peer["kl_mean"] if peer["kl_mean"] else None
+            item["decode_vs_hqq_q4"] = row["decode_tokens_per_s"] / peer["decode_tokens_per_s"]
+        out.append(item)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tiers", type=tier_list, default=tier_list(TIERS))
+    parser.add_argument(
+        "--model", default=None, help="kvbench model name or directory (default: the real model)"
+    )
+    parser.add_argument("--compare-json", type=Path, help="summarize this compare JSON instead of running")
+    parser.add_argument("--out", type=Path, default=RESULTS / "flashcodec_real_tiers.json")
+    args = parser.parse_args(argv)
+    cli = ["--tiers", ",".join(args.tiers), *COMPARE_ARGS]
+    if args.model:
+        cli = ["--model", args.model, *cli]
+    path = args.compare_json
+    if path is None:
+        from flashcodec.compare import main as compare_main
+
+        path = Path(tempfile.mkdtemp()) / "compare.json"
+        code = compare_main([*cli, "--json", str(path)])
+        if code:
+            raise SystemExit(f"flashcodec compare exited with {code}")
+    result = json.loads(path.read_text())
+    result["command"] = "python -m flashcodec.compare " + " ".join(cli)
+    result["summary_long"] = summarize(result)
+    write_json(args.out, result)
+    for row in result["summary_long"]:
+        print(
+            f"{row['name']:26s} bytes {row['resident_ratio_decode_mean']:.3f}  KL {row['kl_mean']:.2e}  "
+            f"top-1 {row['top1_agreement']:.3f}  decode x hqq-q4 {row.get('decode_vs_hqq_q4') or 0:.2f}"
+        )
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
