@@ -45,6 +45,9 @@ CONFIGS = {
     "full-rank-16bit": KVCacheConfig(head_dim=D, palu_rank=D, palu_hi_bit=16, palu_lo_bit=16),
     "hi-lo-split": KVCacheConfig(head_dim=D, palu_n_head_groups=2),
     "water-filling-2bit": KVCacheConfig(head_dim=D, palu_bits=2.0, palu_n_head_groups=4),
+    "sinks-token-scale-2bit": KVCacheConfig(
+        head_dim=D, palu_bits=2.0, palu_sink_tokens=3, palu_token_scale=True
+    ),
 }
 
 
@@ -152,16 +155,15 @@ class _ByteTokenizer:
         return list(text.encode("utf-8"))
 
 
-def test_calibrated_cache_equals_rebuild_then_sdpa(tmp_path):
+@pytest.mark.parametrize("sinks", [0, 4], ids=["no-sinks", "4-sinks"])
+def test_calibrated_cache_equals_rebuild_then_sdpa(tmp_path, sinks):
     from palu_mlx.calibration import calibrate
 
     model = make_tiny_qwen3(seed=5)
     path = tmp_path / "tiny.safetensors"
     calibrate(model, _ByteTokenizer(), window=64, max_tokens=192, progress=False).save(path)
-    caches = KVCacheBuilder.for_model(
-        model, KVCacheConfig(head_dim=D, palu_calibration=str(path), palu_bits=2.0)
-    )
-    cache = caches[0]
+    config = KVCacheConfig(head_dim=D, palu_calibration=str(path), palu_bits=2.0, palu_sink_tokens=sinks)
+    cache = KVCacheBuilder.for_model(model, config)[0]
     assert cache.latent_store() is None  # empty
     # the default calibration is attention-weighted: values leave the latent domain through its decoder
     assert cache._value.projection.decoder is not None and cache._key.projection.decoder is not None

@@ -61,6 +61,9 @@ class LatentStore:
         rotary: the RoPE to apply to rebuilt keys at their positions (pre-RoPE keys), or None.
         value_latents: ``(start, stop) -> [B, H, stop-start, r_v]`` float32 value latents.
         value_projection: the values' per-group projection.
+        exact_keys: ``[B, H, m, D]`` keys of the first ``m`` tokens held exactly, as attention
+            uses them (rotated), or None; those tokens are read from here, not from the codes.
+        exact_values: ``[B, H, m, Dv]`` their values, or None.
     """
 
     heads: int
@@ -70,6 +73,13 @@ class LatentStore:
     rotary: Rotary | None
     value_latents: Callable[[int, int], mx.array]
     value_projection: GroupProjection
+    exact_keys: mx.array | None = None
+    exact_values: mx.array | None = None
+
+    @property
+    def exact(self) -> int:
+        """Tokens at the start read exactly (0 without an exact prefix)."""
+        return 0 if self.exact_keys is None else self.exact_keys.shape[2]
 
     def keys(self, start: int, stop: int) -> mx.array:
         """Rebuilt keys of tokens ``[start, stop)``, rotated at their positions, float32."""
@@ -115,33 +125,65 @@ def latent_attention(
     # the running max starts at the masked-score floor and the sums at zero, so the first chunk
     # goes through the same update as every other (its correction factor is exp(floor - max) = 0)
     running_max, running_sum, acc = mx.array(_MASKED), mx.array(0.0), mx.array(0.0)
-    several = store.length > chunk
-    for start in range(0, store.length, chunk):
+    # the exact prefix (attention sinks) is one more chunk whose values are full rows, not latents
+    exact_sum, exact_acc = mx.array(0.0), mx.array(0.0)
+    m = store.exact
+    if m:
+        scores = _masked_scores(
+            q @ store.exact_keys.astype(mx.float32).swapaxes(-1, -2), mask, 0, m, store, b, rep, n_q
+        )
+        running_max = mx.maximum(running_max, mx.max(scores, axis=-1, keepdims=True))
+        p = mx.exp(scores - running_max)
+        exact_sum = mx.sum(p, axis=-1, keepdims=True)
+        exact_acc = p @ store.exact_values.astype(mx.float32)
+    several = store.length - m > chunk
+    for start in range(m, store.length, chunk):
         stop = min(store.length, start + chunk)
         scores = q @ store.keys(start, stop).swapaxes(-1, -2)  # [B, H, rows, c]
-        m = _chunk_mask(mask, start, stop, n_q, store.length, rep)
-        if m is not None:
-            s5 = scores.reshape(b, h, rep, n_q, stop - start)
-            if m.dtype == mx.bool_:
-                s5 = mx.where(m, s5, _MASKED)
-            else:  # additive; -inf entries are floored like boolean ones (no inf - inf = NaN)
-                s5 = mx.maximum(s5 + m.astype(mx.float32), _MASKED)
-            scores = s5.reshape(b, h, rows, stop - start)
+        scores = _masked_scores(scores, mask, start, stop, store, b, rep, n_q)
         new_max = mx.maximum(running_max, mx.max(scores, axis=-1, keepdims=True))
         p = mx.exp(scores - new_max)
         correction = mx.exp(running_max - new_max)
         running_sum = running_sum * correction + mx.sum(p, axis=-1, keepdims=True)
         acc = acc * correction + p @ store.value_latents(start, stop)
+        if m:
+            exact_sum, exact_acc = exact_sum * correction, exact_acc * correction
         running_max = new_max
         if several:
             # MLX would otherwise build every chunk's graph and may hold all their transients at
             # once; evaluating chunk by chunk keeps one chunk's keys alive (a sync point, so a
             # model wrapped in mx.compile cannot run multi-chunk attention)
             mx.eval(running_max, running_sum, acc)
-    latent_out = acc / running_sum  # [B, H, rows, r_v]
-    # back to values: (p L_v) V_vᵀ + μ_v, per head group (the heads of a group share a projection)
-    out = reconstruct(latent_out, store.value_projection, mx.float32)  # [B, H, rows, Dv]
+    if m:
+        # (p L_v) V_vᵀ + μ_v Σp for the coded tokens, plus p·v for the exact ones, over all weights
+        safe = mx.maximum(running_sum, 1e-30)
+        coded = reconstruct(
+            mx.broadcast_to(acc / safe, (b, h, rows, store.value_projection.rank)),
+            store.value_projection,
+            mx.float32,
+        )
+        out = (coded * running_sum + exact_acc) / (running_sum + exact_sum)
+    else:
+        latent_out = acc / running_sum  # [B, H, rows, r_v]
+        # back to values: (p L_v) V_vᵀ + μ_v, per head group (the heads of a group share a projection)
+        out = reconstruct(latent_out, store.value_projection, mx.float32)  # [B, H, rows, Dv]
     return out.reshape(b, hq, n_q, out.shape[-1]).astype(queries.dtype)
+
+
+def _masked_scores(
+    scores: mx.array, mask: Any, start: int, stop: int, store: LatentStore, b: int, rep: int, n_q: int
+) -> mx.array:
+    """``scores [B, H, rows, c]`` of key tokens ``[start, stop)`` with ``mask`` applied."""
+    m = _chunk_mask(mask, start, stop, n_q, store.length, rep)
+    if m is None:
+        return scores
+    h, rows = scores.shape[1], scores.shape[2]
+    s5 = scores.reshape(b, h, rep, n_q, stop - start)
+    if m.dtype == mx.bool_:
+        s5 = mx.where(m, s5, _MASKED)
+    else:  # additive; -inf entries are floored like boolean ones (no inf - inf = NaN)
+        s5 = mx.maximum(s5 + m.astype(mx.float32), _MASKED)
+    return s5.reshape(b, h, rows, stop - start)
 
 
 # --------------------------------------------------------------------------- routing

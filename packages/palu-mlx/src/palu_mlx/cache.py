@@ -53,6 +53,7 @@ from .mixed_bit import (
     water_fill,
 )
 from .rope import Rotary
+from .sinks import ExactPrefix
 from .state_checks import (
     StateArrays,
     parse_meta_state,
@@ -117,6 +118,7 @@ class PaluKVCache(CacheLayer):
         self._value_coder: MixedBitCoder | None = None
         self._key_codes: dict[str, mx.array] | None = None
         self._value_codes: dict[str, mx.array] | None = None
+        self._sinks = ExactPrefix(config.palu_sink_tokens)
 
     # ------------------------------------------------------------------ validation
     def _check_dims(self, h: int, d: int, dv: int) -> None:
@@ -151,6 +153,9 @@ class PaluKVCache(CacheLayer):
             exact_values = write_rows(self._exact_values, values, prev, self.step)
             if end >= self.config.min_fit_tokens(d):
                 self._fit(self._pre_rope(exact_keys[..., :end, :], 0), exact_values[..., :end, :], keys.dtype)
+                self._sinks = ExactPrefix(self.config.palu_sink_tokens).write(
+                    exact_keys[..., :end, :], exact_values[..., :end, :], 0
+                )
                 self._exact_keys = self._exact_values = None
             else:
                 self._exact_keys, self._exact_values = exact_keys, exact_values
@@ -162,7 +167,8 @@ class PaluKVCache(CacheLayer):
             value_codes = self._append_codes(
                 self._value_codes, self._value_coder, self._value_proj, values, prev
             )
-            self._key_codes, self._value_codes = key_codes, value_codes
+            sinks = self._sinks.write(keys, values, prev)
+            self._key_codes, self._value_codes, self._sinks = key_codes, value_codes, sinks
         self._shape, self._dtype = (b, h, d, dv), keys.dtype
         self.offset = end
         return self._fetch()
@@ -240,7 +246,7 @@ class PaluKVCache(CacheLayer):
                 singular_values=mx.contiguous(mx.take(proj.singular_values, cols, axis=1)),
             )
             projs.append(proj.astype(compact_dtype(dtype)))
-            coders.append(_FixedFields(FixedQuantCoder(widths_kept, steps)))
+            coders.append(_FixedFields(FixedQuantCoder(widths_kept, steps, cfg.palu_token_scale)))
         key_codes = self._append_codes(None, coders[0], projs[0], keys, 0)
         value_codes = self._append_codes(None, coders[1], projs[1], values, 0)
         self._key_codes, self._value_codes = key_codes, value_codes
@@ -257,7 +263,9 @@ class PaluKVCache(CacheLayer):
         else:
             latents = self._key_coder.decode({name: buf[..., :n, :] for name, buf in self._key_codes.items()})
             keys = self.rotary.rotate(reconstruct(latents, self._key_proj, mx.float32), 0).astype(self._dtype)
-        return keys, self._reconstruct(self._value_codes, self._value_coder, self._value_proj, n)
+        values = self._reconstruct(self._value_codes, self._value_coder, self._value_proj, n)
+        sinks = self._sinks
+        return sinks.overlay(keys, sinks.keys, n), sinks.overlay(values, sinks.values, n)
 
     def latent_store(self) -> LatentStore | None:
         """The latent codes for :func:`~palu_mlx.attention.latent_attention`; None before the fit."""
@@ -267,6 +275,7 @@ class PaluKVCache(CacheLayer):
         def latents(buffers: dict[str, mx.array], coder: MixedBitCoder) -> Callable[[int, int], mx.array]:
             return lambda start, stop: coder.decode({k: b[..., start:stop, :] for k, b in buffers.items()})
 
+        m = self._sinks.count(self.offset)
         return LatentStore(
             heads=self._shape[1],
             length=self.offset,
@@ -275,6 +284,8 @@ class PaluKVCache(CacheLayer):
             rotary=self.rotary,
             value_latents=latents(self._value_codes, self._value_coder),
             value_projection=self._value_proj,
+            exact_keys=self._sinks.keys[..., :m, :] if m else None,
+            exact_values=self._sinks.values[..., :m, :] if m else None,
         )
 
     def _reconstruct(self, buffers, coder: MixedBitCoder, projection: GroupProjection, n: int) -> mx.array:
@@ -293,6 +304,8 @@ class PaluKVCache(CacheLayer):
 
         Before the fit: ``exact_keys``, ``exact_values``. After: ``key.basis``,
         ``key.mean``, ``key.singular_values``, ``key.seg<i>.<field>`` (and ``value.*``).
+        With ``palu_sink_tokens`` (after the fit) also ``sink.keys`` / ``sink.values``, the first
+        ``min(palu_sink_tokens, offset)`` tokens as given.
         On the pre-RoPE path also ``rope.inv_freq`` (even when empty). Copies: writing into
         them (or into numpy views of them) cannot change the cache.
         """
@@ -317,6 +330,10 @@ class PaluKVCache(CacheLayer):
                 out[f"{prefix}.{name}"] = arr
             for name, arr in codes.items():
                 out[f"{prefix}.{name}"] = arr[..., :n, :]
+        m = self._sinks.count(n)
+        if m:
+            out["sink.keys"] = self._sinks.keys[..., :m, :]
+            out["sink.values"] = self._sinks.values[..., :m, :]
         return {k: detached(v) for k, v in out.items()}
 
     @property
@@ -402,7 +419,7 @@ class PaluKVCache(CacheLayer):
                 if fixed is not None:
                     widths = read_widths(fixed, f"{prefix}_fixed_widths", owner)
                     steps = arrays.take(f"{prefix}.steps", (h, len(widths)), mx.float32, positive=True)
-                    coder = _FixedFields(FixedQuantCoder(widths, detached(steps)))
+                    coder = _FixedFields(FixedQuantCoder(widths, detached(steps), config.palu_token_scale))
                     if coder.segments != segments:
                         raise KVDataError(
                             f"{owner}: meta_state {prefix}_segments {layout[f'{prefix}_segments']} do not match "
@@ -425,7 +442,17 @@ class PaluKVCache(CacheLayer):
                     for name, (width, field_dtype) in coder.field_widths().items()
                 }
                 parts[prefix] = (proj, coder, codes)
+            m = min(config.palu_sink_tokens, offset)
+            sink = (
+                [arrays.take(f"sink.{p}", (b, h, m, w), dtype) for p, w in (("keys", d), ("values", dv))]
+                if m
+                else None
+            )
             arrays.finish()
+            if sink is not None:
+                cache._sinks = ExactPrefix(config.palu_sink_tokens).write(
+                    detached(sink[0]), detached(sink[1]), 0
+                )
             for prefix, (proj, coder, codes) in parts.items():
                 proj = GroupProjection(**{k: detached(v) for k, v in proj.arrays().items()})
                 setattr(cache, f"_{prefix}_proj", proj)
@@ -450,6 +477,8 @@ class PaluKVCache(CacheLayer):
             out += list(proj.arrays().values())
             coder = self._key_coder if which == "key" else self._value_coder
             out += list(_coder_constants(coder).values())
+            sinks = self._sinks.arrays()
+            out += sinks[:1] if which == "key" else sinks[1:]
         out += list((codes or {}).values())
         return out
 

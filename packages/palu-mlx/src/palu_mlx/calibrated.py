@@ -36,6 +36,7 @@ from .layer import SUPPORTED_DTYPES, CacheLayer, detached, write_rows
 from .lowrank import GroupProjection, project, reconstruct
 from .mixed_bit import water_fill
 from .rope import Rotary
+from .sinks import ExactPrefix
 from .state_checks import (
     StateArrays,
     parse_meta_state,
@@ -46,7 +47,14 @@ from .state_checks import (
     read_widths,
 )
 
-__all__ = ["FixedQuantCoder", "CalibratedKVCache", "calibrated_caches", "GAUSSIAN_STEP"]
+__all__ = [
+    "FixedQuantCoder",
+    "CalibratedKVCache",
+    "calibrated_caches",
+    "GAUSSIAN_STEP",
+    "TOKEN_SCALE_BYTES",
+    "token_scales",
+]
 
 #: MSE-optimal uniform quantizer step (in standard deviations) for a unit Gaussian, 2^b levels.
 GAUSSIAN_STEP: dict[int, float] = {
@@ -61,21 +69,48 @@ GAUSSIAN_STEP: dict[int, float] = {
 }
 
 
+#: bytes of the per-token scale a :class:`FixedQuantCoder` with ``token_scale`` puts in front of
+#: each row (one float16)
+TOKEN_SCALE_BYTES = 2
+
+
+def token_scales(normalized: mx.array, half_levels: mx.array, wide: mx.array) -> mx.array:
+    """Per-token scale of latents already divided by their channel steps: ``[..., r]`` -> ``[..., 1]``.
+
+    The scale is the smallest factor that keeps every channel of at least 2 bits inside its
+    quantizer's range (``half_levels`` steps either side of zero), so no such channel clips:
+    held-out latents reach 6-8 standard deviations of the fit tokens' spread (attention sinks,
+    huge-norm tokens), far outside a fixed range fitted on the typical tokens. 1-bit channels
+    are left out: their quantizer is a sign, clipping by design. Floored at 2^-14 (float16's
+    smallest normal) so an all-zero token decodes to zeros instead of dividing by zero.
+    """
+    ratio = mx.abs(normalized) / half_levels
+    ratio = mx.where(wide, ratio, 0.0)
+    return mx.maximum(mx.max(ratio, axis=-1, keepdims=True), 2.0**-14)
+
+
 @dataclass(frozen=True)
 class FixedQuantCoder:
-    """Per-channel fixed uniform quantizers and a whole-byte bitstream per token and head.
+    """Per-channel uniform quantizers and a whole-byte bitstream per token and head.
 
     Attributes:
         widths: ``r`` ints in ``[1, 8]``, the bits of each latent channel (shared by the heads).
         steps: ``[H, r]`` float32 quantizer steps per head and channel.
+        token_scale: False: the steps are fixed, latents outside the range clip to the end levels,
+            and a row holds only the codes. True: each token and head also stores one float16 scale
+            (:func:`token_scales`, the first :data:`TOKEN_SCALE_BYTES` bytes of its row) that
+            multiplies every step of that row, chosen so that no channel of 2 bits or more clips.
     """
 
     widths: tuple[int, ...]
     steps: mx.array
+    token_scale: bool = False
 
     def __post_init__(self) -> None:
         if not self.widths or any(not 1 <= w <= 8 for w in self.widths):
             raise KVConfigError(f"widths={self.widths!r} must be a non-empty list of ints in [1, 8]")
+        if not isinstance(self.token_scale, bool):
+            raise KVConfigError(f"token_scale={self.token_scale!r} must be True or False")
 
     @property
     def rank(self) -> int:
@@ -83,16 +118,23 @@ class FixedQuantCoder:
 
     @property
     def bits_per_row(self) -> int:
+        """Code bits of one token and head (the scale, if any, not counted)."""
         return sum(self.widths)
 
     @property
-    def bytes_per_row(self) -> int:
-        """Bytes of one token and head: ``ceil(sum(widths) / 8)``."""
+    def code_bytes(self) -> int:
+        """Bytes of the codes of one token and head: ``ceil(sum(widths) / 8)``."""
         return -(-self.bits_per_row // 8)
 
+    @property
+    def bytes_per_row(self) -> int:
+        """Bytes of one token and head: the codes, plus the float16 scale with ``token_scale``."""
+        return self.code_bytes + (TOKEN_SCALE_BYTES if self.token_scale else 0)
+
     @cached_property
-    def _layout(self) -> tuple[mx.array, mx.array, mx.array, mx.array, mx.array, mx.array]:
-        """Per channel: first byte, bit shift inside it, mask, levels; and the byte one-hots.
+    def _layout(self) -> tuple[mx.array, ...]:
+        """Per channel: first byte, bit shift inside it, mask, levels; the byte one-hots; the
+        channels a token scale covers.
 
         A code of at most 8 bits starting at stream bit ``o`` lies in bytes ``o // 8`` and
         ``o // 8 + 1``, so encoding adds its low and high parts into those two bytes and
@@ -100,7 +142,7 @@ class FixedQuantCoder:
         """
         start = np.concatenate([[0], np.cumsum(self.widths)[:-1]])
         first = start // 8
-        onehot_lo = np.zeros((self.rank, self.bytes_per_row + 1), dtype=np.float32)
+        onehot_lo = np.zeros((self.rank, self.code_bytes + 1), dtype=np.float32)
         onehot_lo[np.arange(self.rank), first] = 1.0
         onehot_hi = np.zeros_like(onehot_lo)
         onehot_hi[np.arange(self.rank), first + 1] = 1.0
@@ -111,27 +153,44 @@ class FixedQuantCoder:
             mx.array([1 << w for w in self.widths], dtype=mx.float32),
             mx.array(onehot_lo),
             mx.array(onehot_hi),
+            mx.array([w >= 2 for w in self.widths]),
         )
 
     def encode(self, latents: mx.array) -> mx.array:
-        """Latents ``[B, H, S, r]`` -> packed codes ``[B, H, S, bytes_per_row]`` uint8."""
-        _, shift, _, levels, onehot_lo, onehot_hi = self._layout
-        q = mx.floor(latents.astype(mx.float32) / self.steps[None, :, None, :] + levels / 2)
+        """Latents ``[B, H, S, r]`` -> packed rows ``[B, H, S, bytes_per_row]`` uint8."""
+        _, shift, _, levels, onehot_lo, onehot_hi, wide = self._layout
+        u = latents.astype(mx.float32) / self.steps[None, :, None, :]
+        scale_bytes = None
+        if self.token_scale:
+            # quantize against the stored (float16) scale, so decoding sees the same number; the
+            # 2^-10 nudge rounds it up, so the largest channel stays inside the range at 8 bits too
+            scale = (token_scales(u, levels / 2, wide) * (1.0 + 2.0**-10)).astype(mx.float16)
+            u = u / scale.astype(mx.float32)
+            scale_bytes = scale.view(mx.uint8)
+        q = mx.floor(u + levels / 2)
         q = mx.clip(q, 0, levels - 1).astype(mx.uint32) << shift
         # the fields of one byte are disjoint, so their float32 sum (< 256) is their bitwise OR
         lo = (q & 0xFF).astype(mx.float32) @ onehot_lo
         hi = (q >> 8).astype(mx.float32) @ onehot_hi
-        return (lo + hi)[..., : self.bytes_per_row].astype(mx.uint8)
+        codes = (lo + hi)[..., : self.code_bytes].astype(mx.uint8)
+        return codes if scale_bytes is None else mx.concatenate([scale_bytes, codes], axis=-1)
 
     def decode(self, packed: mx.array) -> mx.array:
-        """Packed codes ``[B, H, S, bytes_per_row]`` -> latents ``[B, H, S, r]`` float32."""
-        first, shift, mask, levels, _, _ = self._layout
+        """Packed rows ``[B, H, S, bytes_per_row]`` -> latents ``[B, H, S, r]`` float32."""
+        first, shift, mask, levels, _, _, _ = self._layout
+        scale = None
+        if self.token_scale:
+            scale = mx.contiguous(packed[..., :TOKEN_SCALE_BYTES]).view(mx.float16).astype(mx.float32)
+            packed = packed[..., TOKEN_SCALE_BYTES:]
         b = mx.concatenate([packed, mx.zeros((*packed.shape[:-1], 1), dtype=mx.uint8)], axis=-1).astype(
             mx.uint32
         )
         pair = mx.take(b, first, axis=-1) | (mx.take(b, first + 1, axis=-1) << 8)
         codes = ((pair >> shift) & mask).astype(mx.float32)
-        return (codes + 0.5 - levels / 2) * self.steps[None, :, None, :]
+        steps = self.steps[None, :, None, :]
+        if scale is not None:
+            steps = steps * scale
+        return (codes + 0.5 - levels / 2) * steps
 
 
 @dataclass(frozen=True)
@@ -145,7 +204,7 @@ class _TensorCode:
         return {**out, "steps": self.coder.steps}
 
 
-def _tensor_code(t: TensorCalibration, widths: np.ndarray) -> _TensorCode:
+def _tensor_code(t: TensorCalibration, widths: np.ndarray, token_scale: bool = False) -> _TensorCode:
     keep = int(np.count_nonzero(widths)) or 1
     widths = tuple(int(w) for w in widths[:keep]) if widths[0] > 0 else (1,)
     sigma = mx.sqrt(mx.maximum(t.variance[:, :keep], 1e-12))
@@ -155,7 +214,7 @@ def _tensor_code(t: TensorCalibration, widths: np.ndarray) -> _TensorCode:
     projection = GroupProjection(
         basis=basis, mean=t.mean, singular_values=t.variance[:, :keep], decoder=decoder
     )
-    return _TensorCode(projection, FixedQuantCoder(widths, steps))
+    return _TensorCode(projection, FixedQuantCoder(widths, steps, token_scale))
 
 
 def allocate_widths(calibration: Calibration, bits: float) -> list[tuple[np.ndarray, np.ndarray] | None]:
@@ -184,6 +243,7 @@ class CalibratedKVCache(CacheLayer):
         self._key, self._value, self.rotary = key, value, rotary
         self._key_codes: mx.array | None = None
         self._value_codes: mx.array | None = None
+        self._sinks = ExactPrefix(config.palu_sink_tokens)
 
     def _check_dims(self, h: int, d: int, dv: int) -> None:
         want = (self._key.projection.n_groups, self._key.projection.dim, self._value.projection.dim)
@@ -202,7 +262,8 @@ class CalibratedKVCache(CacheLayer):
         # both written before either is kept: a failure on the values leaves the keys as they were
         key_codes = write_rows(self._key_codes, kc, prev, self.step)
         value_codes = write_rows(self._value_codes, vc, prev, self.step)
-        self._key_codes, self._value_codes = key_codes, value_codes
+        sinks = self._sinks.write(keys, values, prev)
+        self._key_codes, self._value_codes, self._sinks = key_codes, value_codes, sinks
         self._shape, self._dtype = (b, h, d, dv), keys.dtype
         self.offset = prev + keys.shape[2]
         return self._fetch()
@@ -217,13 +278,16 @@ class CalibratedKVCache(CacheLayer):
             keys = self.rotary.rotate(reconstruct(kl, self._key.projection, mx.float32), 0).astype(
                 self._dtype
             )
-        return keys, reconstruct(vl, self._value.projection, self._dtype)
+        values = reconstruct(vl, self._value.projection, self._dtype)
+        sinks = self._sinks
+        return sinks.overlay(keys, sinks.keys, n), sinks.overlay(values, sinks.values, n)
 
     def latent_store(self) -> LatentStore | None:
         """The packed codes for :func:`~palu_mlx.attention.latent_attention`; None while empty."""
         if self._key_codes is None:
             return None
         key_codes, value_codes = self._key_codes, self._value_codes
+        m = self._sinks.count(self.offset)
         return LatentStore(
             heads=self._shape[1],
             length=self.offset,
@@ -232,6 +296,8 @@ class CalibratedKVCache(CacheLayer):
             rotary=self.rotary,
             value_latents=lambda start, stop: self._value.coder.decode(value_codes[..., start:stop, :]),
             value_projection=self._value.projection,
+            exact_keys=self._sinks.keys[..., :m, :] if m else None,
+            exact_values=self._sinks.values[..., :m, :] if m else None,
         )
 
     # ---------------------------------------------------------------- state
@@ -248,6 +314,10 @@ class CalibratedKVCache(CacheLayer):
         if self._key_codes is not None:
             out["key.codes"] = self._key_codes[..., : self.offset, :]
             out["value.codes"] = self._value_codes[..., : self.offset, :]
+        m = self._sinks.count(self.offset)
+        if m:
+            out["sink.keys"] = self._sinks.keys[..., :m, :]
+            out["sink.values"] = self._sinks.values[..., :m, :]
         return {k: detached(v) for k, v in out.items()}
 
     @property
@@ -296,7 +366,9 @@ class CalibratedKVCache(CacheLayer):
             )
             codes = None
             if shape is not None:
-                row_bytes = -(-sum(widths) // 8)
+                row_bytes = FixedQuantCoder(
+                    widths, mx.ones((1, len(widths))), config.palu_token_scale
+                ).bytes_per_row
                 codes = arrays.take(f"{prefix}.codes", (shape[0], h, offset, row_bytes), mx.uint8)
             taken[prefix] = (widths, basis, mean, steps, codes, decoder)
         key_heads, value_heads = taken["key"][1].shape[0], taken["value"][1].shape[0]
@@ -306,6 +378,15 @@ class CalibratedKVCache(CacheLayer):
             )
         rope = read_rope(read_field(runtime, "rope", owner), taken["key"][1].shape[1], owner)
         inv_freq = None if rope is None else arrays.take("rope.inv_freq", (rope[0] // 2,), mx.float32)
+        m = 0 if shape is None else min(config.palu_sink_tokens, offset)
+        sink = (
+            [
+                arrays.take(f"sink.{p}", (shape[0], shape[1], m, w), dtype)
+                for p, w in (("keys", shape[2]), ("values", shape[3]))
+            ]
+            if m
+            else None
+        )
         arrays.finish()
         tensor_codes = {}
         for prefix, (widths, basis, mean, steps, _, decoder) in taken.items():
@@ -316,19 +397,22 @@ class CalibratedKVCache(CacheLayer):
                 singular_values=steps,
                 decoder=None if decoder is None else detached(decoder),
             )
-            tensor_codes[prefix] = _TensorCode(proj, FixedQuantCoder(widths, steps))
+            tensor_codes[prefix] = _TensorCode(proj, FixedQuantCoder(widths, steps, config.palu_token_scale))
         rotary = None if rope is None else Rotary(detached(inv_freq), *rope)
         cache = cls(config, tensor_codes["key"], tensor_codes["value"], rotary)
         if shape is not None:
             cache._key_codes = write_rows(None, taken["key"][4], 0, cls.step)
             cache._value_codes = write_rows(None, taken["value"][4], 0, cls.step)
             cache._shape, cache._dtype, cache.offset = shape, dtype, offset
+            if sink is not None:
+                cache._sinks = cache._sinks.write(detached(sink[0]), detached(sink[1]), 0)
         return cache
 
     # ---------------------------------------------------------------- measured storage
     def held_arrays(self) -> list[mx.array]:
-        """The per-sequence arrays: packed key and value codes (at their grown capacity)."""
-        return [a for a in (self._key_codes, self._value_codes) if a is not None]
+        """The per-sequence arrays: packed key and value codes (at their grown capacity) and the
+        exact first tokens (``palu_sink_tokens``)."""
+        return [a for a in (self._key_codes, self._value_codes) if a is not None] + self._sinks.arrays()
 
     @property
     def nbytes(self) -> int:
@@ -378,8 +462,8 @@ def calibrated_caches(
         if widths is None:
             out.append(None)
             continue
-        key = _tensor_code(calibration.keys[i], widths[0])
-        value = _tensor_code(calibration.values[i], widths[1])
+        key = _tensor_code(calibration.keys[i], widths[0], config.palu_token_scale)
+        value = _tensor_code(calibration.values[i], widths[1], config.palu_token_scale)
         rotary = rotaries[i] if calibration.pre_rope else None
         out.append(CalibratedKVCache(config, key, value, rotary))
     return out

@@ -110,6 +110,16 @@ class KVCacheConfig:
             reconstructed keys at their positions (see :mod:`palu_mlx.rope`); False, or an
             unsupported architecture (with a warning), caches the post-RoPE keys. A cache built
             without a model (``PaluKVCache(config)``) always codes the keys it is given.
+        palu_token_scale: the bit-budget coder (``palu_bits``, fitted at the prefill or
+            calibrated) stores one float16 scale per token and head beside the codes, chosen so that
+            no latent channel of 2 bits or more clips (see
+            :class:`~palu_mlx.calibrated.FixedQuantCoder`); 16 bits per token, head and tensor on
+            top of the budget. False: fixed ranges from the fit tokens' variance, no side
+            information per token.
+        palu_sink_tokens: the first this many tokens of a sequence are also kept exactly (input
+            dtype) and attention reads them instead of their codes. Real models send a large share
+            of attention (often half) to the first token, an attention sink whose values are far
+            from the typical token's: a coding error there moves every later output. 0 keeps none.
         naive_bits, naive_group_size: bit width and group size of the ``"naive"`` baseline
             (uniform ``mx.quantize`` of the full K/V; group size 32, 64 or 128).
     """
@@ -129,6 +139,8 @@ class KVCacheConfig:
     palu_min_fit_tokens: int | None = None
     palu_check_finite: bool = True
     palu_pre_rope: bool = True
+    palu_token_scale: bool = False
+    palu_sink_tokens: int = 0
     naive_bits: int = 2
     naive_group_size: int = 64
 
@@ -193,6 +205,13 @@ class KVCacheConfig:
             raise KVConfigError(f"palu_check_finite={self.palu_check_finite!r} must be True or False")
         if not isinstance(self.palu_pre_rope, bool):
             raise KVConfigError(f"palu_pre_rope={self.palu_pre_rope!r} must be True or False")
+        if not _is_int(self.palu_sink_tokens) or self.palu_sink_tokens < 0:
+            raise KVConfigError(
+                f"palu_sink_tokens={self.palu_sink_tokens!r} must be a non-negative integer "
+                "(tokens at the start of the sequence kept exactly)"
+            )
+        if not isinstance(self.palu_token_scale, bool):
+            raise KVConfigError(f"palu_token_scale={self.palu_token_scale!r} must be True or False")
         if not _is_int(self.naive_bits) or self.naive_bits not in PACKABLE_BITS:
             raise KVConfigError(
                 f"naive_bits={self.naive_bits!r} cannot be packed; allowed: {', '.join(map(str, PACKABLE_BITS))}"
