@@ -71,7 +71,11 @@ def _registry(*tiers: Tier) -> dict[str, Tier]:
 
 #: every tier by name, easiest first (each ``-mf`` tier right after the tier it shares a codec with)
 TIERS: dict[str, Tier] = _registry(
-    Tier("png-keep1", "png, anchor + all deltas (fp64): lossless", PNGCodec(8, keep_ratio=1.0)),
+    Tier(
+        "png-keep1",
+        "png, anchor + all deltas (fp64): lossless, but larger than the uncompressed cache (8-byte deltas)",
+        PNGCodec(8, keep_ratio=1.0),
+    ),
     Tier(
         "jpeg-k8",
         "jpeg, all 8 DCT coefficients of each 8-token block (lossless basis, rounding only)",
