@@ -84,7 +84,9 @@ def make_harness():
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiers", default=TIERS, help=f"comma-separated registry tiers (default {TIERS})")
-    parser.add_argument("--model", default=None, help="model for the compare (default: its default, the real model)")
+    parser.add_argument(
+        "--model", default=None, help="model for the compare (default: its default, the real model)"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS / "flashcodec_step_raw.json")
     args, rest = parser.parse_known_args(argv)  # the rest goes to the compare command
     import warnings
