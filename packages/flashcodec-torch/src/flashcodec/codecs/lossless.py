@@ -56,7 +56,8 @@ class ExponentPacked:
 
     Attributes:
         shape: the original ``[..., S, D]`` shape; ``dtype``: bf16 or fp16; ``group``: tokens per group.
-        rest: uint8, one byte an element: bf16 sign and mantissa; fp16 the mantissa's low byte.
+        rest: uint8, one byte an element (channel-major): bf16 sign and mantissa; fp16 the
+            mantissa's low byte.
         codes: uint8 exponent codes, two a byte (bf16); fp16: one a byte, the sign and the
             mantissa's top two bits in its upper nibble.
         top: uint8 ``[..., D, n_groups]``: the largest exponent of each (channel, group).
@@ -186,8 +187,8 @@ class ExponentCoder:
         s, d = x.shape[-2], x.shape[-1]
         n_groups = -(-s // g)
         # channel-major, padded to whole groups: [..., D, n_groups, g] (padding: +0.0, code 15)
-        bits = x.transpose(-1, -2).contiguous().view(torch.int16)
-        bits = torch.nn.functional.pad(bits, (0, n_groups * g - s)).view(*x.shape[:-2], d, n_groups, g)
+        plain = x.transpose(-1, -2).contiguous().view(torch.int16)  # [..., D, S]
+        bits = torch.nn.functional.pad(plain, (0, n_groups * g - s)).view(*x.shape[:-2], d, n_groups, g)
         # int16 shifts are arithmetic: mask after shifting so the sign bit never leaks in
         exponent = ((bits >> m_bits) & ((1 << e_bits) - 1)).to(torch.uint8)
         top = exponent.amax(dim=-1, keepdim=True)
@@ -199,11 +200,12 @@ class ExponentCoder:
         exc_index = flat_exc.nonzero().flatten().to(index_dtype)
         exc_exponent = exponent.flatten()[exc_index.long()]
         if m_bits == 7:  # bf16: sign + mantissa in one byte, codes two a byte
-            rest = (((bits >> 8) & 0x80) | (bits & 0x7F)).to(torch.uint8).flatten()
+            # the padding's bytes are not kept: only the codes need whole groups
+            rest = (((plain >> 8) & 0x80) | (plain & 0x7F)).to(torch.uint8).flatten()
             flat = code.flatten()
             codes = flat[0::2] | (flat[1::2] << 4)  # g is even, so the count is even
         else:  # fp16: the mantissa's low byte apart; sign and its top 2 bits above the code
-            rest = (bits & 0xFF).to(torch.uint8).flatten()
+            rest = (plain & 0xFF).to(torch.uint8).flatten()
             high = (((bits >> 13) & 4) | ((bits >> 8) & 3)).to(torch.uint8)
             codes = (code | (high << 4)).flatten()
         return ExponentPacked(
@@ -235,12 +237,11 @@ class ExponentCoder:
         exponent = (packed.top.unsqueeze(-1) - code).masked_fill_(code == ESCAPE, 0).flatten()
         if packed.exc_index.numel():
             exponent[packed.exc_index.long()] = packed.exc_exponent
-        exponent = exponent.to(torch.int16) << m_bits
-        rest = packed.rest.to(torch.int16)
+        exponent = (exponent.to(torch.int16) << m_bits).view(*lead, d, n_groups * g)[..., :s]
+        rest = packed.rest.to(torch.int16).view(*lead, d, s)
         if m_bits == 7:
             bits = exponent | ((rest & 0x80) << 8) | (rest & 0x7F)
         else:
-            high = (packed.codes >> 4).to(torch.int16)
+            high = (packed.codes >> 4).to(torch.int16).view(*lead, d, n_groups * g)[..., :s]
             bits = exponent | ((high & 4) << 13) | ((high & 3) << 8) | rest
-        bits = bits.view(*lead, d, n_groups * g)[..., :s]
         return bits.view(packed.dtype).transpose(-1, -2).contiguous()
