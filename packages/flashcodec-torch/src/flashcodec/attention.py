@@ -352,8 +352,9 @@ def step_rows(rows: CodedRows, step: torch.Tensor) -> CodedRows:
     before = rows.seq_len - s
     keep = min(n, before // r)
     parts = []
-    if keep < n:  # the step starts inside archived block `keep`
-        parts.append(decoded_chunk(rows, keep, keep + 1)[:, :, : before - keep * r])
+    if keep < n:  # the step starts inside archived block `keep` (or at its first token)
+        if before > keep * r:
+            parts.append(decoded_chunk(rows, keep, keep + 1)[:, :, : before - keep * r])
     elif before > n * r:
         parts.append(rows.tail[:, :, : before - n * r])
     parts.append(step.to(rows.tail.dtype))
