@@ -3,8 +3,15 @@
 * ``palu-mlx calibrate --model PATH_OR_ID --out FILE [--text FILE] [--max-tokens N|all]
   [--weighting attention|none] [--dtype auto|float32|model]``: fit per-layer, per-KV-head
   projections on calibration text (:mod:`palu_mlx.calibration`); needs only palu-mlx.
+* ``palu-mlx generate [mlx_lm.generate's options] [--palu-bits B | --palu-tier NAME]
+  [--calibration FILE]`` (:mod:`palu_mlx.generate`): mlx-lm's generate with palu's cache.
+* ``palu-mlx server [mlx_lm.server's options] [palu's options]`` (:mod:`palu_mlx.server`):
+  mlx-lm's OpenAI-compatible server with palu's cache.
 * ``palu-mlx compare [options]`` (see :mod:`palu_mlx.compare`): needs the ``compare`` extra
   (kvbench); without it, it says how to install it.
+
+``--model`` of calibrate, generate and server also takes kvbench's named models
+(``smollm2-135m``, ``tiny-qwen3``) when kvbench is installed.
 """
 
 from __future__ import annotations
@@ -16,6 +23,8 @@ from collections.abc import Sequence
 __all__ = ["main", "calibrate_main"]
 
 _CALIBRATE_HELP = "fit per-layer, per-KV-head projections for a model on calibration text"
+_GENERATE_HELP = "generate text with mlx-lm and palu's KV cache (mlx_lm.generate's options)"
+_SERVER_HELP = "mlx-lm's OpenAI-compatible server with palu's KV cache (mlx_lm.server's options)"
 
 # Debian / Ubuntu's OpenBLAS (libopenblas0-pthread), whose libblas.so.3 mlx's Linux CPU wheel can be
 # pointed at with LD_PRELOAD: its float32 matmuls are many times faster than the bundled reference BLAS
@@ -56,7 +65,11 @@ def calibrate_main(argv: Sequence[str]) -> int:
     from .calibration import COMPUTE_DTYPES, DEFAULT_MAX_TOKENS, WEIGHTINGS
 
     parser = argparse.ArgumentParser(prog="palu-mlx calibrate", description=_CALIBRATE_HELP)
-    parser.add_argument("--model", required=True, help="mlx-lm model: a local path or a Hugging Face id")
+    parser.add_argument(
+        "--model",
+        required=True,
+        help="mlx-lm model: a local path, a Hugging Face id, or a named model (smollm2-135m, tiny-qwen3; needs kvbench)",
+    )
     parser.add_argument("--out", required=True, help="calibration file to write (.safetensors)")
     parser.add_argument(
         "--text",
@@ -95,14 +108,20 @@ def calibrate_main(argv: Sequence[str]) -> int:
     from kvspec import KVSpecError
 
     from .calibration import _compute_dtype, calibrate
+    from .serving import ModelNameError, resolve_model_arg
 
+    try:
+        model_path = resolve_model_arg(args.model)
+    except ModelNameError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     try:
         text = None if args.text is None else open(args.text, encoding="utf-8").read()
     except OSError as exc:
         print(f"error: --text {args.text!r} cannot be read: {exc}", file=sys.stderr)
         return 1
     try:
-        model, tokenizer = mlx_lm.load(args.model)
+        model, tokenizer = mlx_lm.load(model_path)
     except Exception as exc:  # noqa: BLE001 - any loading failure is the user's --model
         print(f"error: --model {args.model!r} cannot be loaded: {exc}", file=sys.stderr)
         return 1
@@ -146,6 +165,26 @@ def _calibrate():
     return calibrate_main
 
 
+def _generate():
+    from .generate import generate_main
+
+    return generate_main
+
+
+def _server():
+    from .server import server_main
+
+    return server_main
+
+
+_COMMANDS = {
+    "generate": (_GENERATE_HELP, _generate),
+    "server": (_SERVER_HELP, _server),
+    "compare": ("compare palu tiers with mlx-lm's caches on a model", _compare),
+    "calibrate": (_CALIBRATE_HELP, _calibrate),
+}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Dispatch ``palu-mlx <command>``; returns the exit code (2 for an unknown command)."""
     if argv is not None and (
@@ -158,18 +197,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         from kvbench.cli import dispatch
     except ImportError:
-        if args and args[0] == "calibrate":
-            return calibrate_main(args[1:])
+        if args and args[0] in _COMMANDS and args[0] != "compare":
+            return _COMMANDS[args[0]][1]()(args[1:])
         print('error: palu-mlx compare needs kvbench: pip install "palu-mlx[compare]"', file=sys.stderr)
         return 2
-    return dispatch(
-        "palu-mlx",
-        {
-            "compare": ("compare palu tiers with mlx-lm's caches on a model", _compare),
-            "calibrate": (_CALIBRATE_HELP, _calibrate),
-        },
-        args,
-    )
+    return dispatch("palu-mlx", _COMMANDS, args)
 
 
 if __name__ == "__main__":

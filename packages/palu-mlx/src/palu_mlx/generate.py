@@ -1,0 +1,275 @@
+"""``palu-mlx generate``: ``mlx_lm.generate`` with palu's KV cache.
+
+Every option of ``mlx_lm.generate`` is kept (its own argument parser is reused) and means what it
+means there: ``--model``, ``--prompt`` (``-`` reads stdin), ``--max-tokens``, ``--temp`` and the
+other sampling options, the chat template options, ``--prompt-cache-file``. palu adds
+``--palu-bits`` / ``--palu-tier`` and ``--calibration``; ``--model`` also takes kvbench's named
+models. It prints what mlx-lm prints (the text, prompt and generation tokens per second, peak
+memory) and then the KV bytes the cache holds against an uncompressed cache of the same tokens.
+
+``--prompt-cache-file FILE``:
+
+* a file ``mlx_lm.cache_prompt`` wrote is loaded as ``mlx_lm.generate`` loads it (the prompt
+  continues the cached one, with mlx-lm's rule for chat templates) and left as it is;
+* a palu-mlx file (or a file that does not exist yet) is a conversation: the cache and the
+  conversation's messages are loaded, the new prompt is the next user turn, and after the reply
+  the file is written back (palu's prompt-cache format), so the next call continues from it.
+  Cached tokens that the chat template renders differently are trimmed and recomputed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Sequence
+
+__all__ = ["generate_main"]
+
+_PALU_FORMAT = "palu-mlx.prompt-cache.v1"
+# keys of a palu conversation file's metadata besides mlx-lm's "model" and "tokenizer_config"
+_MESSAGES, _TOKENS = "palu_messages", "palu_tokens"
+
+
+def _parser():
+    from mlx_lm.generate import setup_arg_parser
+
+    from .serving import add_palu_arguments
+
+    parser = setup_arg_parser()
+    parser.prog = "palu-mlx generate"
+    parser.description = "mlx_lm.generate with palu's compressed KV cache"
+    add_palu_arguments(parser)
+    return parser
+
+
+def _is_palu_file(path: str) -> bool:
+    import mlx.core as mx
+
+    try:
+        _, meta = mx.load(path, return_metadata=True)
+    except (OSError, RuntimeError, ValueError):
+        return False
+    return meta.get("format") == _PALU_FORMAT
+
+
+def _error(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 1
+
+
+def generate_main(argv: Sequence[str]) -> int:
+    """``palu-mlx generate``: returns the exit code (1 with a one-line error on a user mistake)."""
+    args = _parser().parse_args(list(argv))
+    if args.kv_bits is not None:
+        return _error(
+            f"--kv-bits {args.kv_bits}: mlx-lm's quantized cache replaces palu's; use --palu-bits instead"
+        )
+    if args.max_kv_size is not None:
+        return _error(f"--max-kv-size {args.max_kv_size}: palu caches keep every token; drop --max-kv-size")
+    if args.image:
+        return _error("--image is not supported by palu-mlx generate; use mlx_lm.generate")
+
+    import mlx.core as mx
+    import mlx_lm
+    from kvspec import KVSpecError
+    from mlx_lm.generate import stream_generate
+    from mlx_lm.models.cache import load_prompt_cache as mlx_load_prompt_cache
+    from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+    from mlx_lm.sample_utils import make_sampler
+
+    from .builder import KVCacheBuilder, load_prompt_cache, save_prompt_cache
+    from .serving import ModelNameError, describe, kv_bytes, palu_config, resolve_model_arg
+
+    if args.seed is not None:
+        mx.random.seed(args.seed)
+
+    # ------------------------------------------------------------------ the prompt cache file
+    cache_file = args.prompt_cache_file
+    if cache_file is not None and not cache_file.endswith(".safetensors"):
+        cache_file += ".safetensors"  # as mx.save_safetensors names what it writes
+    cached, metadata, palu_file = None, {}, True
+    if cache_file is not None and os.path.exists(cache_file):
+        palu_file = _is_palu_file(cache_file)
+        try:
+            if palu_file:
+                cached, metadata = load_prompt_cache(cache_file, return_metadata=True)
+            else:
+                cached, metadata = mlx_load_prompt_cache(cache_file, return_metadata=True)
+        except (KVSpecError, ValueError, KeyError, OSError) as exc:
+            return _error(f"--prompt-cache-file {cache_file!r} cannot be loaded: {exc}")
+    model_arg = args.model
+    if cached is not None and "model" in metadata:
+        if model_arg is None:
+            model_arg = metadata["model"]
+        elif model_arg != metadata["model"]:
+            return _error(
+                f"--model {model_arg!r} differs from the model the prompt cache was made with "
+                f"({metadata['model']!r})"
+            )
+    if model_arg is None:
+        return _error(
+            "--model is required (a local directory, a hub id or a named model such as smollm2-135m)"
+        )
+
+    # ------------------------------------------------------------------ model and palu caches
+    try:
+        model_path = resolve_model_arg(model_arg)
+    except ModelNameError as exc:
+        return _error(str(exc))
+    tokenizer_config = json.loads(metadata.get("tokenizer_config", "{}")) if cached is not None else {}
+    tokenizer_config["trust_remote_code"] = args.trust_remote_code
+    try:
+        model, tokenizer = mlx_lm.load(
+            model_path,
+            adapter_path=args.adapter_path,
+            tokenizer_config=tokenizer_config,
+            model_config={"quantize_activations": args.quantize_activations},
+        )
+    except Exception as exc:  # noqa: BLE001 - any loading failure is the user's --model
+        return _error(f"--model {model_arg!r} cannot be loaded: {exc}")
+    for eos_token in args.extra_eos_token:
+        tokenizer.add_eos_token(eos_token)
+    try:
+        config = palu_config(model, args)
+        KVCacheBuilder.install(model, config)
+    except KVSpecError as exc:
+        return _error(str(exc))
+    if args.verbose:
+        print(describe(config), file=sys.stderr)
+
+    # ------------------------------------------------------------------ the prompt
+    prompt = args.prompt.replace("\\n", "\n").replace("\\t", "\t")
+    prompt = sys.stdin.read() if prompt == "-" else prompt
+    template_kwargs = json.loads(args.chat_template_config) if args.chat_template_config else {}
+    use_chat_template = not args.ignore_chat_template and tokenizer.has_chat_template
+    if args.use_default_chat_template and tokenizer.chat_template is None:
+        tokenizer.chat_template = tokenizer.default_chat_template
+        use_chat_template = not args.ignore_chat_template
+    has_prefill = args.prefill_response is not None
+    messages: list[dict[str, str]] = []
+    if palu_file and _MESSAGES in metadata:
+        messages = json.loads(metadata[_MESSAGES])
+    elif args.system_prompt is not None:
+        messages = [{"role": "system", "content": args.system_prompt}]
+    messages.append({"role": "user", "content": prompt})
+    if has_prefill:
+        messages.append({"role": "assistant", "content": args.prefill_response})
+
+    cached_tokens: list[int] = json.loads(metadata.get(_TOKENS, "[]")) if palu_file else []
+    if use_chat_template:
+        text = tokenizer.apply_chat_template(
+            messages,
+            tokenize=False,
+            continue_final_message=has_prefill,
+            add_generation_prompt=not has_prefill,
+            **template_kwargs,
+        )
+        if cached is not None and not palu_file:
+            # mlx-lm's rule for its own cache files: the cache holds the template up to the query
+            probe = [*messages[:-1], {"role": messages[-1]["role"], "content": "<query>"}]
+            test = tokenizer.apply_chat_template(
+                probe,
+                tokenize=False,
+                continue_final_message=has_prefill,
+                add_generation_prompt=not has_prefill,
+            )
+            text = text[test.index("<query>") :]
+        tokens = tokenizer.encode(text, add_special_tokens=False)
+    else:
+        tokens = tokenizer.encode(prompt, add_special_tokens=cached is None)
+        if cached is not None and palu_file:
+            tokens = cached_tokens + tokens
+
+    cache = cached if cached is not None else make_prompt_cache(model)
+    if palu_file and cached is not None:
+        # the file's tokens are a prefix of the new conversation up to where the template agrees
+        common = 0
+        for a, b in zip(cached_tokens, tokens, strict=False):
+            if a != b:
+                break
+            common += 1
+        common = min(common, len(tokens) - 1)  # at least one token goes through the model
+        trim_prompt_cache(cache, len(cached_tokens) - common)
+        fed = tokens[common:]
+        prefix = tokens[:common]
+    else:
+        fed, prefix = tokens, []
+
+    # ------------------------------------------------------------------ generation (mlx-lm's output)
+    draft_model = None
+    if args.draft_model is not None:
+        draft_model, draft_tokenizer = mlx_lm.load(args.draft_model)
+        if draft_tokenizer.vocab_size != tokenizer.vocab_size:
+            return _error("--draft-model's tokenizer does not match the model's")
+        if cached is None:
+            cache = cache + make_prompt_cache(draft_model)
+    sampler = make_sampler(
+        args.temp,
+        args.top_p,
+        args.min_p,
+        args.min_tokens_to_keep,
+        top_k=args.top_k,
+        xtc_probability=args.xtc_probability,
+        xtc_threshold=args.xtc_threshold,
+        xtc_special_tokens=tokenizer.encode("\n") + list(tokenizer.eos_token_ids),
+    )
+    if args.verbose:
+        print("=" * 10)
+    reply, generated, response = "", [], None
+    for response in stream_generate(
+        model,
+        tokenizer,
+        mx.array(fed),
+        max_tokens=args.max_tokens,
+        sampler=sampler,
+        prompt_cache=cache,
+        prefill_step_size=args.prefill_step_size,
+        draft_model=draft_model,
+        num_draft_tokens=args.num_draft_tokens,
+    ):
+        if args.verbose:
+            print(response.text, end="", flush=True)
+        reply += response.text
+        generated.append(int(response.token))
+    if not args.verbose:
+        print(reply)
+    else:
+        print()
+        print("=" * 10)
+        if response is None or not reply:
+            print("No text generated for this prompt")
+        if response is not None:
+            print(f"Prompt: {response.prompt_tokens} tokens, {response.prompt_tps:.3f} tokens-per-sec")
+            print(
+                f"Generation: {response.generation_tokens} tokens, {response.generation_tps:.3f} tokens-per-sec"
+            )
+            print(f"Peak memory: {response.peak_memory:.3f} GB")
+        held, raw = kv_bytes(cache)
+        n = max((c.size() for c in cache), default=0)
+        versus = f"{held / raw:.3f}x " if raw else ""
+        print(
+            f"KV cache: {held / 1e6:.3f} MB held for {n} tokens ({versus}an uncompressed cache's {raw / 1e6:.3f} MB)"
+        )
+
+    # ------------------------------------------------------------------ the conversation, written back
+    if cache_file is not None and palu_file:
+        n = max((c.size() for c in cache), default=0)
+        all_tokens = prefix + fed + generated
+        if has_prefill:
+            messages[-1] = {"role": "assistant", "content": args.prefill_response + reply}
+        else:
+            messages.append({"role": "assistant", "content": reply})
+        meta = {
+            "model": model_arg,
+            "tokenizer_config": json.dumps(
+                {k: v for k, v in tokenizer_config.items() if k != "trust_remote_code"}
+            ),
+            _MESSAGES: json.dumps(messages),
+            _TOKENS: json.dumps(all_tokens[:n]),
+        }
+        try:
+            save_prompt_cache(cache_file, cache, meta)
+        except KVSpecError as exc:
+            return _error(f"--prompt-cache-file {cache_file!r} cannot be written: {exc}")
+    return 0

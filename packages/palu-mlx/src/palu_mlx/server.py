@@ -1,0 +1,143 @@
+"""``palu-mlx server``: mlx-lm's OpenAI-compatible server with palu's KV cache.
+
+Everything but the cache is mlx-lm's: its argument parser (every ``mlx_lm.server`` option, with
+its defaults), its HTTP handler and errors, its prompt cache (``LRUPromptCache``) and its batch
+generator. :class:`PaluModelProvider` is mlx-lm's ``ModelProvider`` with one change: right
+after a model loads it installs palu caches (``KVCacheBuilder.install``), and then decides, as
+mlx-lm does, whether the model is batchable (every layer cache has ``merge``). palu caches have
+one (:mod:`palu_mlx.batch`), so concurrent requests are batched; a draft model or ``--kv-bits``
+(which palu refuses) would send requests to mlx-lm's one-at-a-time path, and the log says which.
+
+The prompt cache keeps each conversation's palu caches, compressed, and reuses them for
+follow-ups the way it reuses mlx-lm's own caches (trimmed to the common prefix).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import types
+from collections.abc import Sequence
+
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.server import ModelProvider
+
+from .builder import KVCacheBuilder
+from .config import KVCacheConfig
+from .serving import describe, palu_config
+
+__all__ = ["PaluModelProvider", "server_parser", "server_main"]
+
+_log = logging.getLogger("palu_mlx.server")
+
+
+class _Captured(Exception):
+    def __init__(self, parser: argparse.ArgumentParser):
+        super().__init__("parser captured")
+        self.parser = parser
+
+
+class _CapturingParser(argparse.ArgumentParser):
+    def parse_args(self, args=None, namespace=None):  # noqa: D401 - argparse's signature
+        raise _Captured(self)
+
+
+def _mlx_server_parser() -> argparse.ArgumentParser:
+    """mlx-lm's own ``mlx_lm.server`` parser, every option and default as mlx-lm defines them.
+
+    mlx-lm builds it inside ``mlx_lm.server.main`` and parses at once; running ``main`` with
+    that module's ``argparse`` seen through a parser class whose ``parse_args`` hands the parser
+    back (before anything is loaded or served) gives it without copying it.
+    """
+    import mlx_lm.server as mlx_server
+
+    shim = types.SimpleNamespace(**vars(argparse))
+    shim.ArgumentParser = _CapturingParser
+    real = mlx_server.argparse
+    mlx_server.argparse = shim
+    try:
+        mlx_server.main()
+    except _Captured as captured:
+        parser = captured.parser
+        parser.__class__ = argparse.ArgumentParser  # parses for real from now on
+        return parser
+    finally:
+        mlx_server.argparse = real
+    raise RuntimeError("mlx_lm.server.main did not build its argument parser as expected")
+
+
+def server_parser() -> argparse.ArgumentParser:
+    """mlx-lm's server parser with palu's options added (``palu-mlx server --help``)."""
+    from .serving import add_palu_arguments
+
+    parser = _mlx_server_parser()
+    parser.prog = "palu-mlx server"
+    parser.description = "mlx-lm's OpenAI-compatible HTTP server with palu's compressed KV cache"
+    add_palu_arguments(parser)
+    return parser
+
+
+class PaluModelProvider(ModelProvider):
+    """mlx-lm's ``ModelProvider`` that installs palu caches on every model it loads.
+
+    ``cli_args`` carries palu's options (``palu_bits``, ``palu_tier``, ``calibration``) beside
+    mlx-lm's. After the install, ``is_batchable`` is decided again the way mlx-lm decides it.
+    """
+
+    palu_config: KVCacheConfig | None = None
+
+    def _load(self, model_path, adapter_path=None, draft_model_path=None):
+        super()._load(model_path, adapter_path, draft_model_path)
+        config = palu_config(self.model, self.cli_args)
+        KVCacheBuilder.install(self.model, config)
+        self.palu_config = config
+        # mlx-lm's rule, on the caches the model now makes
+        self.is_batchable = self.draft_model is None and all(
+            hasattr(c, "merge") for c in make_prompt_cache(self.model)
+        )
+        if self.is_batchable:
+            path = "batched (palu caches merge into palu_mlx.batch.BatchedLayerCache)"
+        else:
+            path = "one request at a time (a draft model is loaded)"
+        _log.info("%s: %s; requests are served %s", model_path, describe(config), path)
+
+
+def server_main(argv: Sequence[str]) -> int:
+    """``palu-mlx server``: serves until interrupted; returns the exit code (1 on a bad option)."""
+    parser = server_parser()
+    args = parser.parse_args(list(argv))
+    if args.kv_bits is not None:
+        print(
+            f"error: --kv-bits {args.kv_bits}: mlx-lm's quantized cache replaces palu's; use --palu-bits",
+            file=sys.stderr,
+        )
+        return 1
+
+    from kvspec import KVSpecError
+    from mlx_lm.server import run
+    from mlx_lm.utils import maybe_set_recommended_wired_limit
+
+    from .serving import ModelNameError, resolve_model_arg
+
+    if args.model is not None:
+        try:
+            args.model = resolve_model_arg(args.model)
+        except ModelNameError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper(), None),
+        format="%(asctime)s - %(levelname)s - %(message)s",
+    )
+    _ = maybe_set_recommended_wired_limit()
+    provider = PaluModelProvider(args)
+    if args.model is not None:
+        # load (and install palu) now, so a bad --model or palu option fails before serving
+        try:
+            provider.load_default()
+        except KVSpecError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+    run(args.host, args.port, provider)
+    return 0

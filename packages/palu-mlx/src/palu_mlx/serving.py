@@ -1,0 +1,157 @@
+"""What ``palu-mlx generate`` and ``palu-mlx server`` share: ``--model`` names and palu's options.
+
+* :func:`resolve_model_arg`: ``--model`` takes a local directory, a hub id, or one of kvbench's
+  named models (``smollm2-135m``, ``tiny-qwen3``). kvbench is imported only for a name that is
+  neither a directory nor a hub id, so palu-mlx does not need it otherwise.
+* :func:`add_palu_arguments` / :func:`palu_config`: ``--palu-bits``, ``--palu-tier``,
+  ``--calibration`` and the :class:`~palu_mlx.config.KVCacheConfig` they mean for a model.
+* :func:`kv_bytes`: what a prompt cache holds, measured, against what an uncompressed cache of the
+  same tokens would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from kvspec import KVConfigError
+
+from .builder import model_kv_dims
+from .config import DEFAULT_PALU_BITS, KVCacheConfig
+from .tiers import TIERS
+
+__all__ = ["ModelNameError", "resolve_model_arg", "add_palu_arguments", "palu_config", "kv_bytes"]
+
+_HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+
+
+class ModelNameError(KVConfigError):
+    """``--model`` names nothing palu-mlx can load (or a named model cannot be made)."""
+
+
+def resolve_model_arg(model: str, quiet: bool = False) -> str:
+    """What to load for ``--model``: a local directory or hub id as given, a named model's directory.
+
+    Named models come from ``kvbench.models.resolve_model`` (imported here, only when needed).
+    Raises :class:`ModelNameError` when the name is none of these or kvbench is not installed.
+    """
+    if not isinstance(model, str) or not model:
+        raise ModelNameError(f"--model {model!r} must be a local directory, a hub id or a named model")
+    if os.path.isdir(model):
+        return model
+    try:
+        from kvbench.models import model_names, resolve_model
+    except ImportError:
+        if _HUB_ID.match(model):
+            return model
+        raise ModelNameError(
+            f"--model {model!r} is neither a local directory nor a hub id (owner/name); named models "
+            '(smollm2-135m, tiny-qwen3) need kvbench: pip install "palu-mlx[compare]"'
+        ) from None
+    if model not in model_names():
+        return model  # a hub id (or a path mlx_lm.load will report on)
+    try:
+        return resolve_model(model, quiet=quiet)
+    except Exception as exc:  # noqa: BLE001 - fetching / converting a named model fails in many ways
+        raise ModelNameError(f"--model {model!r}: the named model cannot be made: {exc}") from None
+
+
+def _bits(value: str) -> float:
+    try:
+        bits = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number of bits") from None
+    if not 0 < bits <= 8:
+        raise argparse.ArgumentTypeError(f"{value!r}: code bits per element must be in (0, 8]")
+    return bits
+
+
+def add_palu_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add palu's options (one argument group) to an mlx-lm command's parser."""
+    group = parser.add_argument_group("palu-mlx KV cache")
+    choice = group.add_mutually_exclusive_group()
+    choice.add_argument(
+        "--palu-bits",
+        type=_bits,
+        default=None,
+        metavar="BITS",
+        help=f"code bits per K/V element, by water-filling (default: palu's default, {DEFAULT_PALU_BITS})",
+    )
+    choice.add_argument(
+        "--palu-tier",
+        choices=tuple(TIERS),
+        default=None,
+        metavar="NAME",
+        help=f"a named palu tier instead of --palu-bits: {', '.join(TIERS)}",
+    )
+    group.add_argument(
+        "--calibration",
+        default=None,
+        metavar="FILE",
+        help="calibration file written by `palu-mlx calibrate` for this model (fixed per-head projections)",
+    )
+
+
+def palu_config(model: Any, args: argparse.Namespace) -> KVCacheConfig:
+    """The :class:`KVCacheConfig` that ``args``' palu options mean for ``model``.
+
+    Head dim from the model; one projection per KV head (the config's default, so any KV head
+    count fits). Raises ``KVConfigError`` for an unknown tier or a calibration that is not a file.
+    """
+    head_dim, _ = model_kv_dims(model)
+    tier_name = getattr(args, "palu_tier", None)
+    calibration = getattr(args, "calibration", None)
+    if calibration is not None and not os.path.isfile(calibration):
+        raise KVConfigError(
+            f"--calibration {calibration!r} is not a file; make one with `palu-mlx calibrate`"
+        )
+    if tier_name is not None:
+        if tier_name not in TIERS:
+            raise KVConfigError(f"--palu-tier {tier_name!r} is not a palu tier; allowed: {', '.join(TIERS)}")
+        base = TIERS[tier_name].config
+        rank = base.palu_rank
+        if rank is not None and head_dim is not None:
+            rank = head_dim if tier_name == "full-rank-fp16" else min(rank, head_dim)
+        return dataclasses.replace(
+            base,
+            head_dim=head_dim,
+            palu_rank=rank,
+            palu_n_head_groups=KVCacheConfig().palu_n_head_groups,
+            palu_calibration=calibration,
+        )
+    return KVCacheConfig(
+        method="palu",
+        head_dim=head_dim,
+        palu_bits=getattr(args, "palu_bits", None),
+        palu_calibration=calibration,
+    )
+
+
+def describe(config: KVCacheConfig) -> str:
+    """One line naming a config's bits, calibration and key path, for logs."""
+    if config.palu_calibration is not None:
+        how = f"calibrated from {config.palu_calibration}"
+    else:
+        how = "projections fitted per sequence"
+    bits = config.coder_bits
+    rate = f"{bits:g} code bits per element" if bits is not None else "rank / hi-lo split"
+    return f"palu KV cache: {rate}, {how}"
+
+
+def kv_bytes(cache: Sequence[Any]) -> tuple[int, int]:
+    """``(held, uncompressed)`` bytes of a prompt cache.
+
+    ``held``: every layer's ``nbytes`` (measured from the arrays held). ``uncompressed``: what a
+    16-bit-or-input-dtype cache of the same tokens would hold: palu layers' ``raw_nbytes``
+    (``dtype size x elements``, a formula); other layers count as what they hold.
+    """
+    held = raw = 0
+    for layer in cache:
+        n = int(layer.nbytes)
+        held += n
+        raw += int(getattr(layer, "raw_nbytes", n))
+    return held, raw
