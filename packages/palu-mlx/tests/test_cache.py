@@ -29,6 +29,7 @@ def held_arrays(cache: PaluKVCache) -> list[mx.array]:
             out.append(coder.coder.steps)
     for codes in (cache._key_codes, cache._value_codes):
         out += list((codes or {}).values())
+    out += [cache._sinks.keys, cache._sinks.values]  # the exact first tokens, once written
     return [a for a in out if a is not None]
 
 

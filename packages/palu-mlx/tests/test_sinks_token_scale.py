@@ -36,14 +36,14 @@ def kv(tokens: int, batch: int = 1, dtype=mx.float32, seed: int = 1):
 
 # ---------------------------------------------------------------- token scale
 @pytest.mark.parametrize("widths", [(1,), (8, 8), (3, 5, 7, 1, 2), (4,) * 9], ids=str)
-def test_token_scale_row_holds_codes_and_a_float16_scale(widths):
+def test_token_scale_row_holds_codes_and_a_bfloat16_scale(widths):
     steps = mx.array(np.full((2, len(widths)), 0.1, np.float32))
     coder = FixedQuantCoder(widths, steps, token_scale=True)
     assert coder.bytes_per_row == -(-sum(widths) // 8) + TOKEN_SCALE_BYTES
     x = mx.random.normal((1, 2, 7, len(widths)), key=mx.random.key(0)) * 0.2
     packed = coder.encode(x)
     assert packed.dtype == mx.uint8 and packed.shape == (1, 2, 7, coder.bytes_per_row)
-    scale = np.array(packed[..., :TOKEN_SCALE_BYTES]).view(np.float16).astype(np.float32)
+    scale = np.array(mx.contiguous(packed[..., :TOKEN_SCALE_BYTES]).view(mx.bfloat16).astype(mx.float32))
     decoded = np.array(coder.decode(packed))
     # every channel of 2 bits or more lands within half a (scaled) step: nothing clips
     wide = np.array(widths) >= 2
@@ -84,7 +84,7 @@ def test_first_tokens_are_returned_exactly_and_counted(pre_rope, dtype):
     keys, values = kv(90, batch=2, dtype=dtype)
     config = KVCacheConfig(head_dim=D, palu_bits=1.5, palu_sink_tokens=4, palu_token_scale=True)
     with_sinks = PaluKVCache(config, rotary=rotary() if pre_rope else None)
-    without = PaluKVCache(KVCacheConfig(head_dim=D, palu_bits=1.5, palu_token_scale=True))
+    without = PaluKVCache(KVCacheConfig(head_dim=D, palu_bits=1.5, palu_token_scale=True, palu_sink_tokens=0))
     for cache in (with_sinks, without):
         cache.update_and_fetch(keys[..., :40, :], values[..., :40, :])
         k_out, v_out = cache.update_and_fetch(keys[..., 40:, :], values[..., 40:, :])
@@ -165,3 +165,10 @@ def test_calibrated_cache_with_sinks_and_token_scale_generates_saves_and_loads(t
     out_a = model(mx.array([[5]]), cache=loaded)
     out_b = model(mx.array([[5]]), cache=caches)
     assert mx.allclose(out_a, out_b, atol=1e-4).item()
+
+
+def test_a_row_of_one_bit_channels_keeps_its_fixed_steps():
+    steps = mx.array(np.full((1, 3), GAUSSIAN_STEP[1], np.float32))
+    x = mx.random.normal((1, 1, 16, 3), key=mx.random.key(4))
+    scaled, fixed = FixedQuantCoder((1, 1, 1), steps, token_scale=True), FixedQuantCoder((1, 1, 1), steps)
+    assert mx.array_equal(scaled.decode(scaled.encode(x)), fixed.decode(fixed.encode(x))).item()

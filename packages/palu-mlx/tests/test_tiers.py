@@ -20,6 +20,9 @@ def test_registry_is_keyed_by_tier_name_in_display_order():
         "r16-fp16",
         "reference-default",
         "r8-4bit",
+        "palu-3bit-scaled",
+        "palu-2.5bit-scaled",
+        "palu-2bit-scaled",
         "palu-3bit",
         "palu-2bit",
         "palu-1.5bit",
@@ -34,8 +37,14 @@ def test_registry_is_keyed_by_tier_name_in_display_order():
 
 def test_reference_default_is_the_config_defaults_with_one_head_group_after_rope():
     # the reference cached post-RoPE keys: its tier keeps doing so, so the change shows in results
+    # (and without the per-token scale and exact first tokens, which came later)
     assert tier("reference-default").config == KVCacheConfig(
-        method="palu", palu_n_head_groups=1, palu_pre_rope=False, **REFERENCE_SPLIT
+        method="palu",
+        palu_n_head_groups=1,
+        palu_pre_rope=False,
+        palu_token_scale=False,
+        palu_sink_tokens=0,
+        **REFERENCE_SPLIT,
     )
 
 

@@ -70,7 +70,7 @@ GAUSSIAN_STEP: dict[int, float] = {
 
 
 #: bytes of the per-token scale a :class:`FixedQuantCoder` with ``token_scale`` puts in front of
-#: each row (one float16)
+#: each row (one bfloat16: float16 would overflow on inputs far larger than the fit's)
 TOKEN_SCALE_BYTES = 2
 
 
@@ -81,12 +81,15 @@ def token_scales(normalized: mx.array, half_levels: mx.array, wide: mx.array) ->
     quantizer's range (``half_levels`` steps either side of zero), so no such channel clips:
     held-out latents reach 6-8 standard deviations of the fit tokens' spread (attention sinks,
     huge-norm tokens), far outside a fixed range fitted on the typical tokens. 1-bit channels
-    are left out: their quantizer is a sign, clipping by design. Floored at 2^-14 (float16's
-    smallest normal) so an all-zero token decodes to zeros instead of dividing by zero.
+    are left out: their quantizer is a sign, clipping by design; a row of 1-bit channels only
+    keeps scale 1 (the coder stores 1 without calling this). Floored at 2^-100 so an all-zero
+    token decodes to zeros instead of dividing by zero.
     """
     ratio = mx.abs(normalized) / half_levels
     ratio = mx.where(wide, ratio, 0.0)
-    return mx.maximum(mx.max(ratio, axis=-1, keepdims=True), 2.0**-14)
+    # the 2^-7 nudge makes the bfloat16 the scale is stored in round up, so the largest channel
+    # stays inside the range even at 8 bits
+    return mx.maximum(mx.max(ratio, axis=-1, keepdims=True), 2.0**-100) * (1.0 + 2.0**-7)
 
 
 @dataclass(frozen=True)
@@ -97,7 +100,7 @@ class FixedQuantCoder:
         widths: ``r`` ints in ``[1, 8]``, the bits of each latent channel (shared by the heads).
         steps: ``[H, r]`` float32 quantizer steps per head and channel.
         token_scale: False: the steps are fixed, latents outside the range clip to the end levels,
-            and a row holds only the codes. True: each token and head also stores one float16 scale
+            and a row holds only the codes. True: each token and head also stores one bfloat16 scale
             (:func:`token_scales`, the first :data:`TOKEN_SCALE_BYTES` bytes of its row) that
             multiplies every step of that row, chosen so that no channel of 2 bits or more clips.
     """
@@ -128,7 +131,7 @@ class FixedQuantCoder:
 
     @property
     def bytes_per_row(self) -> int:
-        """Bytes of one token and head: the codes, plus the float16 scale with ``token_scale``."""
+        """Bytes of one token and head: the codes, plus the bfloat16 scale with ``token_scale``."""
         return self.code_bytes + (TOKEN_SCALE_BYTES if self.token_scale else 0)
 
     @cached_property
@@ -162,9 +165,11 @@ class FixedQuantCoder:
         u = latents.astype(mx.float32) / self.steps[None, :, None, :]
         scale_bytes = None
         if self.token_scale:
-            # quantize against the stored (float16) scale, so decoding sees the same number; the
-            # 2^-10 nudge rounds it up, so the largest channel stays inside the range at 8 bits too
-            scale = (token_scales(u, levels / 2, wide) * (1.0 + 2.0**-10)).astype(mx.float16)
+            # quantize against the stored (bfloat16) scale, so decoding sees the same number
+            if any(w >= 2 for w in self.widths):
+                scale = token_scales(u, levels / 2, wide).astype(mx.bfloat16)
+            else:  # only 1-bit channels: nothing to keep in range, the fixed steps stand
+                scale = mx.ones((*u.shape[:-1], 1), dtype=mx.bfloat16)
             u = u / scale.astype(mx.float32)
             scale_bytes = scale.view(mx.uint8)
         q = mx.floor(u + levels / 2)
@@ -180,7 +185,7 @@ class FixedQuantCoder:
         first, shift, mask, levels, _, _, _ = self._layout
         scale = None
         if self.token_scale:
-            scale = mx.contiguous(packed[..., :TOKEN_SCALE_BYTES]).view(mx.float16).astype(mx.float32)
+            scale = mx.contiguous(packed[..., :TOKEN_SCALE_BYTES]).view(mx.bfloat16).astype(mx.float32)
             packed = packed[..., TOKEN_SCALE_BYTES:]
         b = mx.concatenate([packed, mx.zeros((*packed.shape[:-1], 1), dtype=mx.uint8)], axis=-1).astype(
             mx.uint32

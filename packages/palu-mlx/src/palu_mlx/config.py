@@ -22,6 +22,7 @@ __all__ = [
     "METHODS",
     "DEFAULT_PALU_BITS",
     "REFERENCE_SPLIT",
+    "DEFAULT_SINK_TOKENS",
 ]
 
 #: Bit widths the mixed-bit coder can pack (the same set ``mx.quantize`` accepts).
@@ -31,11 +32,14 @@ UNQUANTIZED_BITS = 16
 #: ``"palu"`` is the low-rank latent cache; ``"naive"`` the uniform group-quant baseline.
 METHODS: tuple[str, ...] = ("palu", "naive")
 #: code bits per element of a config that names neither ``palu_bits`` nor the hi/lo split: the
-#: smallest uncalibrated water-filling tier (``palu-1.5bit``) whose KL to the uncompressed model is
-#: at most mlx-lm's ``QuantizedKVCache(bits=4)``'s at long context (2,048 tokens) on the embedded
-#: model (``benchmarks/results/compare_palu.json``, long run). At a few hundred tokens the
-#: projections fitted per sequence cost more and it is not: see docs/palu-mlx.md.
-DEFAULT_PALU_BITS = 1.5
+#: smallest uncalibrated tier (``palu-2.5bit-scaled``: water-filling, per-token scales, the first
+#: tokens exact) whose KL to the uncompressed model is at most mlx-lm's ``QuantizedKVCache(bits=4)``'s
+#: on the real model, SmolLM2-135M-Instruct, at 2,048 tokens of context
+#: (``benchmarks/results/palu_real_model.json``; see docs/palu-mlx.md).
+DEFAULT_PALU_BITS = 2.5
+#: tokens at the start of a sequence a config holds exactly unless it says otherwise
+#: (``palu_sink_tokens``): real models' attention sinks sit on the first token or few
+DEFAULT_SINK_TOKENS = 4
 #: the reference's rank and hi/lo split (the ``reference-default`` tier), for the fields a
 #: config leaves unset when it asks for the split
 REFERENCE_SPLIT: dict[str, float] = {
@@ -111,15 +115,16 @@ class KVCacheConfig:
             unsupported architecture (with a warning), caches the post-RoPE keys. A cache built
             without a model (``PaluKVCache(config)``) always codes the keys it is given.
         palu_token_scale: the bit-budget coder (``palu_bits``, fitted at the prefill or
-            calibrated) stores one float16 scale per token and head beside the codes, chosen so that
+            calibrated) stores one bfloat16 scale per token and head beside the codes, chosen so that
             no latent channel of 2 bits or more clips (see
             :class:`~palu_mlx.calibrated.FixedQuantCoder`); 16 bits per token, head and tensor on
-            top of the budget. False: fixed ranges from the fit tokens' variance, no side
-            information per token.
+            top of the budget. True by default; False: fixed ranges from the fit tokens'
+            variance, no side information per token (the tiers measured before it existed).
         palu_sink_tokens: the first this many tokens of a sequence are also kept exactly (input
             dtype) and attention reads them instead of their codes. Real models send a large share
             of attention (often half) to the first token, an attention sink whose values are far
-            from the typical token's: a coding error there moves every later output. 0 keeps none.
+            from the typical token's: a coding error there moves every later output. Default
+            :data:`DEFAULT_SINK_TOKENS` (4); 0 keeps none.
         naive_bits, naive_group_size: bit width and group size of the ``"naive"`` baseline
             (uniform ``mx.quantize`` of the full K/V; group size 32, 64 or 128).
     """
@@ -139,8 +144,8 @@ class KVCacheConfig:
     palu_min_fit_tokens: int | None = None
     palu_check_finite: bool = True
     palu_pre_rope: bool = True
-    palu_token_scale: bool = False
-    palu_sink_tokens: int = 0
+    palu_token_scale: bool = True
+    palu_sink_tokens: int = DEFAULT_SINK_TOKENS
     naive_bits: int = 2
     naive_group_size: int = 64
 

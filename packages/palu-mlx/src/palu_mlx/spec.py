@@ -50,6 +50,11 @@ _PROMISES: dict[str, tuple[Capabilities, float, dict[str, float]]] = {
     # water-filling tiers: measured worst (streams and trims) over random walk, outlier keys and
     # gaussian 0.38 / 0.43 / 0.52, real 0.18 / 0.27 / 0.34, planted low-rank and edge up to
     # 0.085 (1.5 bits, after trimming everything: the projections fitted first are kept)
+    # per-token scales and exact first tokens: the unscaled tiers' bounds at the same or fewer
+    # bits (not remeasured for these; every shipped vector passes within them)
+    "palu-3bit-scaled": (_COMPRESSING, 0.48, {"planted_lowrank": 0.05, "edge": 0.05, "real": 0.22}),
+    "palu-2.5bit-scaled": (_COMPRESSING, 0.5, {"planted_lowrank": 0.08, "edge": 0.08, "real": 0.3}),
+    "palu-2bit-scaled": (_COMPRESSING, 0.54, {"planted_lowrank": 0.08, "edge": 0.08, "real": 0.33}),
     "palu-3bit": (_COMPRESSING, 0.48, {"planted_lowrank": 0.05, "edge": 0.05, "real": 0.22}),
     "palu-2bit": (_COMPRESSING, 0.54, {"planted_lowrank": 0.08, "edge": 0.08, "real": 0.33}),
     "palu-1.5bit": (_COMPRESSING, 0.65, {"planted_lowrank": 0.11, "edge": 0.11, "real": 0.43}),

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from kvspec import KVConfigError
 
+from .config import DEFAULT_SINK_TOKENS as SINK_TOKENS
 from .config import REFERENCE_SPLIT, UNQUANTIZED_BITS, KVCacheConfig
 
 __all__ = ["Tier", "TIERS", "tier"]
@@ -45,7 +46,23 @@ class Tier:
 
 
 def _palu(**fields) -> KVCacheConfig:
+    # the tiers defined before the per-token scale and the exact first tokens keep them off,
+    # so each name still means the configuration it was measured as
+    fields = {"palu_token_scale": False, "palu_sink_tokens": 0, **fields}
     return KVCacheConfig(method="palu", head_dim=None, palu_n_head_groups=1, **fields)
+
+
+#: the coder for real models' K/V (``KVCacheConfig()``'s defaults): a per-token scale beside the
+#: fixed quantizers and the first tokens (attention sinks) held exactly
+_SCALED = dict(palu_token_scale=True, palu_sink_tokens=SINK_TOKENS)
+
+
+def _scaled(bits: float) -> str:
+    return (
+        f"keys before RoPE where supported, {bits:g} code bits per element by water-filling, "
+        f"fixed quantizers fitted at the prefill with a per-token scale, the first {SINK_TOKENS} "
+        "tokens exact"
+    )
 
 
 _UNQUANTIZED = dict(palu_hi_bit=UNQUANTIZED_BITS, palu_lo_bit=UNQUANTIZED_BITS)
@@ -75,6 +92,9 @@ TIERS: dict[str, Tier] = {
             "rank 8, every latent channel at 4 bits",
             _palu(palu_rank=8, palu_hi_bit=4, palu_lo_bit=4),
         ),
+        Tier("palu-3bit-scaled", _scaled(3), _palu(palu_bits=3.0, **_SCALED)),
+        Tier("palu-2.5bit-scaled", _scaled(2.5), _palu(palu_bits=2.5, **_SCALED)),
+        Tier("palu-2bit-scaled", _scaled(2), _palu(palu_bits=2.0, **_SCALED)),
         Tier(
             "palu-3bit",
             "keys before RoPE where supported, 3 code bits per element by water-filling, "
