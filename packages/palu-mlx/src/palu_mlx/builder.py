@@ -81,7 +81,12 @@ def _check_config(config: Any) -> None:
 
 
 def model_kv_dims(model: nn.Module) -> tuple[int | None, int | None]:
-    """``(head_dim, n_kv_heads)`` of an mlx-lm model from its ``args`` (None where unknown)."""
+    """``(head_dim, n_kv_heads)`` of an mlx-lm model (None where unknown).
+
+    ``n_kv_heads`` is the KV heads this process's attention computes: the attention modules'
+    ``n_kv_heads`` where they have one, so a tensor-parallel shard (``mlx_lm.utils.sharded_load``,
+    which divides it by the group size) gets its own share; else ``args.num_key_value_heads``.
+    """
     _check_model(model)
     args = getattr(model, "args", None)
     n_heads = getattr(args, "num_attention_heads", None)
@@ -89,6 +94,11 @@ def model_kv_dims(model: nn.Module) -> tuple[int | None, int | None]:
     if head_dim is None and n_heads and getattr(args, "hidden_size", None):
         head_dim = args.hidden_size // n_heads
     n_kv = getattr(args, "num_key_value_heads", None) or n_heads
+    for layer in getattr(model, "layers", None) or []:
+        local = getattr(getattr(layer, "self_attn", None), "n_kv_heads", None)
+        if isinstance(local, int) and not isinstance(local, bool) and local > 0:
+            n_kv = local
+            break
     return head_dim, n_kv
 
 

@@ -1,0 +1,71 @@
+"""palu caches under tensor parallel: each rank caches its own KV heads (mlx_lm's sharded_load)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from palu_helpers import make_tiny_qwen3
+from palu_mlx import KVCacheBuilder, PaluKVCache, model_kv_dims
+from palu_mlx.tiers import TIERS
+
+MODEL = os.environ.get("KVBENCH_EMBEDDED_MODEL") or str(
+    Path(__file__).resolve().parents[3] / "benchmarks" / "model" / "tiny-qwen3"
+)
+WORKER = Path(__file__).resolve().parent / "tp_worker.py"
+
+
+def test_model_kv_dims_reads_the_heads_a_shard_computes():
+    model = make_tiny_qwen3()
+    assert model_kv_dims(model) == (32, 4)
+    for layer in model.layers:  # what sharded_load's shard() does on each of 2 ranks
+        layer.self_attn.n_kv_heads //= 2
+    assert model_kv_dims(model) == (32, 2)
+    caches = KVCacheBuilder.for_model(model, dataclasses.replace(TIERS["r8-4bit"].config, head_dim=32))
+    assert all(isinstance(c, PaluKVCache) for c in caches)
+    KVCacheBuilder.uninstall(model)
+
+
+@pytest.mark.parametrize("name", ["r8-4bit", "r16-fp16"])
+def test_fixed_split_tiers_per_head_code_each_head_on_its_own(name):
+    """A rank holding half the heads holds exactly what one process holds for them."""
+    config = dataclasses.replace(TIERS[name].config, head_dim=64, palu_n_head_groups=None)
+    keys = mx.random.normal((1, 4, 100, 64), key=mx.random.key(1)).astype(mx.bfloat16)
+    values = mx.random.normal((1, 4, 100, 64), key=mx.random.key(2)).astype(mx.bfloat16)
+    whole = PaluKVCache(config).update_and_fetch(keys, values)
+    halves = [
+        PaluKVCache(config).update_and_fetch(keys[:, h], values[:, h]) for h in (slice(0, 2), slice(2, 4))
+    ]
+    for i in (0, 1):
+        assert mx.array_equal(whole[i], mx.concatenate([p[i] for p in halves], axis=1)).item()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir(MODEL), reason="the embedded model is not checked out")
+def test_two_ring_ranks_give_one_process_greedy_tokens(tmp_path):
+    launch = shutil.which("mlx.launch") or str(Path(sys.executable).parent / "mlx.launch")
+    if not os.path.exists(launch):
+        pytest.skip("mlx.launch is not installed")
+    tier = "r16-fp16"  # per-head projections, fixed rank and widths: nothing is decided across heads
+    one, two = tmp_path / "one.json", tmp_path / "two.json"
+    subprocess.run([sys.executable, str(WORKER), MODEL, tier, str(one)], check=True, timeout=300)
+    cmd = [launch, "--backend", "ring", "-n", "2", "--starting-port", str(_free_port())]
+    subprocess.run([*cmd, sys.executable, str(WORKER), MODEL, tier, str(two)], check=True, timeout=300)
+    single, ranks = json.loads(one.read_text()), json.loads(two.read_text())
+    assert (single["world"], ranks["world"]) == (1, 2)
+    assert single["kv_heads"] == [4] and ranks["kv_heads"] == [2]  # each rank caches its half
+    assert ranks["tokens"] == single["tokens"]
