@@ -48,6 +48,7 @@ CONFIGS = {
     "sinks-token-scale-2bit": KVCacheConfig(
         head_dim=D, palu_bits=2.0, palu_sink_tokens=3, palu_token_scale=True
     ),
+    "sinks-window-2bit": KVCacheConfig(head_dim=D, palu_bits=2.0, palu_sink_tokens=3, palu_recent_tokens=20),
 }
 
 
@@ -162,14 +163,20 @@ class _ByteTokenizer:
         return list(text.encode("utf-8"))
 
 
-@pytest.mark.parametrize("sinks", [0, 4], ids=["no-sinks", "4-sinks"])
+@pytest.mark.parametrize("sinks", [0, 4], ids=["no-exact-tokens", "4-sinks-20-newest"])
 def test_calibrated_cache_equals_rebuild_then_sdpa(tmp_path, sinks):
     from palu_mlx.calibration import calibrate
 
     model = make_tiny_qwen3(seed=5)
     path = tmp_path / "tiny.safetensors"
     calibrate(model, _ByteTokenizer(), window=64, max_tokens=192, progress=False).save(path)
-    config = KVCacheConfig(head_dim=D, palu_calibration=str(path), palu_bits=2.0, palu_sink_tokens=sinks)
+    config = KVCacheConfig(
+        head_dim=D,
+        palu_calibration=str(path),
+        palu_bits=2.0,
+        palu_sink_tokens=sinks,
+        palu_recent_tokens=5 * sinks,
+    )
     cache = KVCacheBuilder.for_model(model, config)[0]
     assert cache.latent_store() is None  # empty
     # the default calibration is attention-weighted: values leave the latent domain through its decoder

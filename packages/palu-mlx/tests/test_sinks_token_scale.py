@@ -6,7 +6,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from kvspec import KVConfigError, KVValueError
+from kvspec import KVConfigError, KVDataError, KVValueError
 from palu_helpers import make_tiny_qwen3, planted_lowrank, rel_err
 from palu_mlx import (
     CalibratedKVCache,
@@ -172,3 +172,62 @@ def test_a_row_of_one_bit_channels_keeps_its_fixed_steps():
     x = mx.random.normal((1, 1, 16, 3), key=mx.random.key(4))
     scaled, fixed = FixedQuantCoder((1, 1, 1), steps, token_scale=True), FixedQuantCoder((1, 1, 1), steps)
     assert mx.array_equal(scaled.decode(scaled.encode(x)), fixed.decode(fixed.encode(x))).item()
+
+
+# ---------------------------------------------------------------- the newest tokens exact
+@pytest.mark.parametrize("sinks", [0, 4], ids=["no-sinks", "4-sinks"])
+def test_newest_tokens_are_returned_exactly_as_they_slide(sinks):
+    keys, values = kv(120)
+    config = KVCacheConfig(head_dim=D, palu_bits=2.0, palu_sink_tokens=sinks, palu_recent_tokens=16)
+    cache = PaluKVCache(config, rotary=rotary())
+    cache.update_and_fetch(keys[..., :40, :], values[..., :40, :])
+    for start in range(40, 120, 7):  # decode-sized and chunk-sized appends
+        k_out, v_out = cache.update_and_fetch(
+            keys[..., start : start + 7, :], values[..., start : start + 7, :]
+        )
+        n = cache.offset
+        assert mx.array_equal(k_out[..., n - 16 :, :], keys[..., n - 16 : n, :]).item()
+        assert mx.array_equal(v_out[..., n - 16 :, :], values[..., n - 16 : n, :]).item()
+        # older tokens come from their codes
+        assert not mx.array_equal(v_out[..., n - 24 : n - 16, :], values[..., n - 24 : n - 16, :]).item()
+    window = cache._recent
+    assert window.keys.shape[2] == 16 and window.start == 104
+    assert cache.nbytes == sum(a.nbytes for a in cache.held_arrays())
+    store = cache.latent_store()
+    assert store.recent_start == 104 and store.coded_stop == 104
+
+
+def test_window_state_round_trips_through_trim_and_save():
+    keys, values = kv(100)
+    config = KVCacheConfig(head_dim=D, palu_bits=2.0, palu_recent_tokens=16)
+    cache = PaluKVCache(config, rotary=rotary())
+    cache.update_and_fetch(keys[..., :64, :], values[..., :64, :])
+    cache.update_and_fetch(keys[..., 64:, :], values[..., 64:, :])
+    for trim in (0, 5, 30):  # inside the window, and back past its start
+        copy = PaluKVCache.from_state(cache.state, cache.meta_state)
+        copy.trim(trim)
+        again = PaluKVCache.from_state(copy.state, copy.meta_state)
+        for a, b in zip(again._fetch(), copy._fetch(), strict=True):
+            assert mx.array_equal(a, b).item()
+        new_k, new_v = kv(3, seed=11)
+        k_out, _ = again.update_and_fetch(new_k, new_v)
+        assert mx.array_equal(k_out[..., -3:, :], new_k).item()
+
+
+def test_window_state_with_a_bad_start_is_refused():
+    keys, values = kv(80)
+    cache = PaluKVCache(KVCacheConfig(head_dim=D, palu_bits=2.0, palu_recent_tokens=8), rotary=rotary())
+    cache.update_and_fetch(keys, values)
+    config_json, runtime = cache.meta_state
+    import json
+
+    bad = json.loads(runtime)
+    bad["recent_start"] = 10  # 70 tokens: more than the window holds
+    with pytest.raises(KVDataError, match="recent_start=10"):
+        PaluKVCache.from_state(cache.state, (config_json, json.dumps(bad)))
+
+
+@pytest.mark.parametrize("value", [-1, True, 1.5])
+def test_recent_tokens_must_be_a_non_negative_int(value):
+    with pytest.raises(KVConfigError, match="palu_recent_tokens"):
+        KVCacheConfig(palu_recent_tokens=value)

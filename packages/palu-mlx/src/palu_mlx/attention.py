@@ -64,6 +64,10 @@ class LatentStore:
         exact_keys: ``[B, H, m, D]`` keys of the first ``m`` tokens held exactly, as attention
             uses them (rotated), or None; those tokens are read from here, not from the codes.
         exact_values: ``[B, H, m, Dv]`` their values, or None.
+        recent_keys: ``[B, H, n, D]`` keys of the newest tokens ``recent_start .. length - 1`` held
+            exactly (rotated), or None; read from here, not from the codes.
+        recent_values: ``[B, H, n, Dv]`` their values, or None.
+        recent_start: the first of those tokens (``length`` when there are none).
     """
 
     heads: int
@@ -75,6 +79,14 @@ class LatentStore:
     value_projection: GroupProjection
     exact_keys: mx.array | None = None
     exact_values: mx.array | None = None
+    recent_keys: mx.array | None = None
+    recent_values: mx.array | None = None
+    recent_start: int | None = None
+
+    @property
+    def coded_stop(self) -> int:
+        """End of the tokens read from the codes (where the exact newest tokens begin)."""
+        return self.length if self.recent_keys is None else self.recent_start
 
     @property
     def exact(self) -> int:
@@ -136,9 +148,10 @@ def latent_attention(
         p = mx.exp(scores - running_max)
         exact_sum = mx.sum(p, axis=-1, keepdims=True)
         exact_acc = p @ store.exact_values.astype(mx.float32)
-    several = store.length - m > chunk
-    for start in range(m, store.length, chunk):
-        stop = min(store.length, start + chunk)
+    coded_stop = store.coded_stop
+    several = coded_stop - m > chunk
+    for start in range(m, coded_stop, chunk):
+        stop = min(coded_stop, start + chunk)
         scores = q @ store.keys(start, stop).swapaxes(-1, -2)  # [B, H, rows, c]
         scores = _masked_scores(scores, mask, start, stop, store, b, rep, n_q)
         new_max = mx.maximum(running_max, mx.max(scores, axis=-1, keepdims=True))
@@ -154,7 +167,20 @@ def latent_attention(
             # once; evaluating chunk by chunk keeps one chunk's keys alive (a sync point, so a
             # model wrapped in mx.compile cannot run multi-chunk attention)
             mx.eval(running_max, running_sum, acc)
-    if m:
+    recent = store.recent_keys is not None and coded_stop < store.length
+    if recent:
+        # the newest tokens, exact: one more chunk whose values are full rows
+        scores = q @ store.recent_keys.astype(mx.float32).swapaxes(-1, -2)
+        scores = _masked_scores(scores, mask, coded_stop, store.length, store, b, rep, n_q)
+        new_max = mx.maximum(running_max, mx.max(scores, axis=-1, keepdims=True))
+        p = mx.exp(scores - new_max)
+        correction = mx.exp(running_max - new_max)
+        running_sum = running_sum * correction
+        acc = acc * correction
+        exact_sum = exact_sum * correction + mx.sum(p, axis=-1, keepdims=True)
+        exact_acc = exact_acc * correction + p @ store.recent_values.astype(mx.float32)
+        running_max = new_max
+    if m or recent:
         # (p L_v) V_vᵀ + μ_v Σp for the coded tokens, plus p·v for the exact ones, over all weights
         safe = mx.maximum(running_sum, 1e-30)
         coded = reconstruct(

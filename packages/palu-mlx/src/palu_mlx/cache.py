@@ -53,7 +53,7 @@ from .mixed_bit import (
     water_fill,
 )
 from .rope import Rotary
-from .sinks import ExactPrefix
+from .sinks import ExactPrefix, RecentWindow, read_recent
 from .state_checks import (
     StateArrays,
     parse_meta_state,
@@ -119,6 +119,7 @@ class PaluKVCache(CacheLayer):
         self._key_codes: dict[str, mx.array] | None = None
         self._value_codes: dict[str, mx.array] | None = None
         self._sinks = ExactPrefix(config.palu_sink_tokens)
+        self._recent = RecentWindow(config.palu_recent_tokens)
 
     # ------------------------------------------------------------------ validation
     def _check_dims(self, h: int, d: int, dv: int) -> None:
@@ -156,6 +157,9 @@ class PaluKVCache(CacheLayer):
                 self._sinks = ExactPrefix(self.config.palu_sink_tokens).write(
                     exact_keys[..., :end, :], exact_values[..., :end, :], 0
                 )
+                self._recent = RecentWindow(self.config.palu_recent_tokens).write(
+                    exact_keys[..., :end, :], exact_values[..., :end, :], 0
+                )
                 self._exact_keys = self._exact_values = None
             else:
                 self._exact_keys, self._exact_values = exact_keys, exact_values
@@ -168,7 +172,9 @@ class PaluKVCache(CacheLayer):
                 self._value_codes, self._value_coder, self._value_proj, values, prev
             )
             sinks = self._sinks.write(keys, values, prev)
-            self._key_codes, self._value_codes, self._sinks = key_codes, value_codes, sinks
+            recent = self._recent.write(keys, values, prev)
+            self._key_codes, self._value_codes = key_codes, value_codes
+            self._sinks, self._recent = sinks, recent
         self._shape, self._dtype = (b, h, d, dv), keys.dtype
         self.offset = end
         return self._fetch()
@@ -264,8 +270,10 @@ class PaluKVCache(CacheLayer):
             latents = self._key_coder.decode({name: buf[..., :n, :] for name, buf in self._key_codes.items()})
             keys = self.rotary.rotate(reconstruct(latents, self._key_proj, mx.float32), 0).astype(self._dtype)
         values = self._reconstruct(self._value_codes, self._value_coder, self._value_proj, n)
-        sinks = self._sinks
-        return sinks.overlay(keys, sinks.keys, n), sinks.overlay(values, sinks.values, n)
+        sinks, m = self._sinks, self._sinks.count(n)
+        keys = self._recent.overlay(sinks.overlay(keys, sinks.keys, n), 0, n, m)
+        values = self._recent.overlay(sinks.overlay(values, sinks.values, n), 1, n, m)
+        return keys, values
 
     def latent_store(self) -> LatentStore | None:
         """The latent codes for :func:`~palu_mlx.attention.latent_attention`; None before the fit."""
@@ -276,6 +284,8 @@ class PaluKVCache(CacheLayer):
             return lambda start, stop: coder.decode({k: b[..., start:stop, :] for k, b in buffers.items()})
 
         m = self._sinks.count(self.offset)
+        lo, hi = self._recent.span(self.offset, m)
+        recent = self._recent.rows(lo, hi) if lo < hi else (None, None)
         return LatentStore(
             heads=self._shape[1],
             length=self.offset,
@@ -286,6 +296,9 @@ class PaluKVCache(CacheLayer):
             value_projection=self._value_proj,
             exact_keys=self._sinks.keys[..., :m, :] if m else None,
             exact_values=self._sinks.values[..., :m, :] if m else None,
+            recent_keys=recent[0],
+            recent_values=recent[1],
+            recent_start=lo if lo < hi else None,
         )
 
     def _reconstruct(self, buffers, coder: MixedBitCoder, projection: GroupProjection, n: int) -> mx.array:
@@ -334,6 +347,7 @@ class PaluKVCache(CacheLayer):
         if m:
             out["sink.keys"] = self._sinks.keys[..., :m, :]
             out["sink.values"] = self._sinks.values[..., :m, :]
+        out.update(self._recent.state(n, m)[0])
         return {k: detached(v) for k, v in out.items()}
 
     @property
@@ -347,6 +361,8 @@ class PaluKVCache(CacheLayer):
             "value_fixed_widths": _fixed_widths(self._value_coder),
             "rope": None if self.rotary is None else self.rotary.to_meta(),
         }
+        if self._key_proj is not None and self.config.palu_recent_tokens:
+            runtime["recent_start"] = self._recent.state(self.offset, self._sinks.count(self.offset))[1]
         return self.config.to_json(), json.dumps(runtime, sort_keys=True)
 
     @classmethod
@@ -448,7 +464,11 @@ class PaluKVCache(CacheLayer):
                 if m
                 else None
             )
+            recent = read_recent(
+                arrays, runtime, config.palu_recent_tokens, (b, h, d, dv), offset, m, dtype, owner
+            )
             arrays.finish()
+            cache._recent = recent
             if sink is not None:
                 cache._sinks = ExactPrefix(config.palu_sink_tokens).write(
                     detached(sink[0]), detached(sink[1]), 0
@@ -477,8 +497,8 @@ class PaluKVCache(CacheLayer):
             out += list(proj.arrays().values())
             coder = self._key_coder if which == "key" else self._value_coder
             out += list(_coder_constants(coder).values())
-            sinks = self._sinks.arrays()
-            out += sinks[:1] if which == "key" else sinks[1:]
+            for extra in (self._sinks.arrays(), self._recent.arrays()):
+                out += extra[:1] if which == "key" else extra[1:]
         out += list((codes or {}).values())
         return out
 

@@ -36,7 +36,7 @@ from .layer import SUPPORTED_DTYPES, CacheLayer, detached, write_rows
 from .lowrank import GroupProjection, project, reconstruct
 from .mixed_bit import water_fill
 from .rope import Rotary
-from .sinks import ExactPrefix
+from .sinks import ExactPrefix, RecentWindow, read_recent
 from .state_checks import (
     StateArrays,
     parse_meta_state,
@@ -249,6 +249,7 @@ class CalibratedKVCache(CacheLayer):
         self._key_codes: mx.array | None = None
         self._value_codes: mx.array | None = None
         self._sinks = ExactPrefix(config.palu_sink_tokens)
+        self._recent = RecentWindow(config.palu_recent_tokens)
 
     def _check_dims(self, h: int, d: int, dv: int) -> None:
         want = (self._key.projection.n_groups, self._key.projection.dim, self._value.projection.dim)
@@ -268,7 +269,9 @@ class CalibratedKVCache(CacheLayer):
         key_codes = write_rows(self._key_codes, kc, prev, self.step)
         value_codes = write_rows(self._value_codes, vc, prev, self.step)
         sinks = self._sinks.write(keys, values, prev)
-        self._key_codes, self._value_codes, self._sinks = key_codes, value_codes, sinks
+        recent = self._recent.write(keys, values, prev)
+        self._key_codes, self._value_codes = key_codes, value_codes
+        self._sinks, self._recent = sinks, recent
         self._shape, self._dtype = (b, h, d, dv), keys.dtype
         self.offset = prev + keys.shape[2]
         return self._fetch()
@@ -284,8 +287,10 @@ class CalibratedKVCache(CacheLayer):
                 self._dtype
             )
         values = reconstruct(vl, self._value.projection, self._dtype)
-        sinks = self._sinks
-        return sinks.overlay(keys, sinks.keys, n), sinks.overlay(values, sinks.values, n)
+        sinks, m = self._sinks, self._sinks.count(n)
+        keys = self._recent.overlay(sinks.overlay(keys, sinks.keys, n), 0, n, m)
+        values = self._recent.overlay(sinks.overlay(values, sinks.values, n), 1, n, m)
+        return keys, values
 
     def latent_store(self) -> LatentStore | None:
         """The packed codes for :func:`~palu_mlx.attention.latent_attention`; None while empty."""
@@ -293,6 +298,8 @@ class CalibratedKVCache(CacheLayer):
             return None
         key_codes, value_codes = self._key_codes, self._value_codes
         m = self._sinks.count(self.offset)
+        lo, hi = self._recent.span(self.offset, m)
+        recent = self._recent.rows(lo, hi) if lo < hi else (None, None)
         return LatentStore(
             heads=self._shape[1],
             length=self.offset,
@@ -303,6 +310,9 @@ class CalibratedKVCache(CacheLayer):
             value_projection=self._value.projection,
             exact_keys=self._sinks.keys[..., :m, :] if m else None,
             exact_values=self._sinks.values[..., :m, :] if m else None,
+            recent_keys=recent[0],
+            recent_values=recent[1],
+            recent_start=lo if lo < hi else None,
         )
 
     # ---------------------------------------------------------------- state
@@ -323,6 +333,7 @@ class CalibratedKVCache(CacheLayer):
         if m:
             out["sink.keys"] = self._sinks.keys[..., :m, :]
             out["sink.values"] = self._sinks.values[..., :m, :]
+        out.update(self._recent.state(self.offset, m)[0])
         return {k: detached(v) for k, v in out.items()}
 
     @property
@@ -333,6 +344,8 @@ class CalibratedKVCache(CacheLayer):
             "value_widths": list(self._value.coder.widths),
             "rope": None if self.rotary is None else self.rotary.to_meta(),
         }
+        if self.config.palu_recent_tokens:
+            runtime["recent_start"] = self._recent.state(self.offset, self._sinks.count(self.offset))[1]
         return self.config.to_json(), json.dumps(runtime, sort_keys=True)
 
     @classmethod
@@ -392,6 +405,11 @@ class CalibratedKVCache(CacheLayer):
             if m
             else None
         )
+        recent = (
+            None
+            if shape is None
+            else read_recent(arrays, runtime, config.palu_recent_tokens, shape, offset, m, dtype, owner)
+        )
         arrays.finish()
         tensor_codes = {}
         for prefix, (widths, basis, mean, steps, _, decoder) in taken.items():
@@ -411,13 +429,15 @@ class CalibratedKVCache(CacheLayer):
             cache._shape, cache._dtype, cache.offset = shape, dtype, offset
             if sink is not None:
                 cache._sinks = cache._sinks.write(detached(sink[0]), detached(sink[1]), 0)
+            cache._recent = recent
         return cache
 
     # ---------------------------------------------------------------- measured storage
     def held_arrays(self) -> list[mx.array]:
         """The per-sequence arrays: packed key and value codes (at their grown capacity) and the
         exact first tokens (``palu_sink_tokens``)."""
-        return [a for a in (self._key_codes, self._value_codes) if a is not None] + self._sinks.arrays()
+        held = [a for a in (self._key_codes, self._value_codes) if a is not None]
+        return held + self._sinks.arrays() + self._recent.arrays()
 
     @property
     def nbytes(self) -> int:

@@ -125,6 +125,9 @@ class KVCacheConfig:
             of attention (often half) to the first token, an attention sink whose values are far
             from the typical token's: a coding error there moves every later output. Default
             :data:`DEFAULT_SINK_TOKENS` (4); 0 keeps none.
+        palu_recent_tokens: the newest this many tokens are also kept exactly (input dtype) and
+            attention reads them instead of their codes (each token is coded when it arrives and
+            read from its codes once newer ones push it out). 0 (the default) keeps none.
         naive_bits, naive_group_size: bit width and group size of the ``"naive"`` baseline
             (uniform ``mx.quantize`` of the full K/V; group size 32, 64 or 128).
     """
@@ -146,6 +149,7 @@ class KVCacheConfig:
     palu_pre_rope: bool = True
     palu_token_scale: bool = True
     palu_sink_tokens: int = DEFAULT_SINK_TOKENS
+    palu_recent_tokens: int = 0
     naive_bits: int = 2
     naive_group_size: int = 64
 
@@ -214,6 +218,11 @@ class KVCacheConfig:
             raise KVConfigError(
                 f"palu_sink_tokens={self.palu_sink_tokens!r} must be a non-negative integer "
                 "(tokens at the start of the sequence kept exactly)"
+            )
+        if not _is_int(self.palu_recent_tokens) or self.palu_recent_tokens < 0:
+            raise KVConfigError(
+                f"palu_recent_tokens={self.palu_recent_tokens!r} must be a non-negative integer "
+                "(the newest tokens kept exactly)"
             )
         if not isinstance(self.palu_token_scale, bool):
             raise KVConfigError(f"palu_token_scale={self.palu_token_scale!r} must be True or False")

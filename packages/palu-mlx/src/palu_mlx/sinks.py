@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-__all__ = ["ExactPrefix"]
+__all__ = ["ExactPrefix", "RecentWindow"]
 
 
 @dataclass(frozen=True)
@@ -64,3 +64,112 @@ class ExactPrefix:
         if not m or exact is None:
             return rebuilt
         return mx.concatenate([exact[..., :m, :].astype(rebuilt.dtype), rebuilt[..., m:, :]], axis=2)
+
+
+@dataclass(frozen=True)
+class RecentWindow:
+    """The newest ``capacity`` tokens' keys and values as given, beside their codes.
+
+    Every token is coded when it arrives; the window also keeps the newest ones exactly, and
+    attention reads those rows instead of their codes, so the tokens a query attends to most
+    (its own and its neighbours', for the many local heads of a real model) carry no coding
+    error. The cost is ``capacity`` rows per layer, head and tensor, whatever the context.
+
+    Attributes:
+        capacity: tokens kept (``palu_recent_tokens``).
+        start: position of the first row held.
+        keys: ``[B, H, n, D]`` rows for positions ``start .. start + n - 1`` (``n <= capacity``),
+            or None before the first write; rows at or past a cache's ``offset`` (after a
+            ``trim``) are stale and never read.
+        values: ``[B, H, n, Dv]`` or None.
+    """
+
+    capacity: int
+    start: int = 0
+    keys: mx.array | None = None
+    values: mx.array | None = None
+
+    def write(self, keys: mx.array, values: mx.array, prev: int) -> RecentWindow:
+        """The window after tokens ``[prev, prev + S)`` arrive (a new object; self is unchanged)."""
+        if self.capacity == 0:
+            return self
+        kept = 0 if self.keys is None else max(0, min(prev - self.start, self.keys.shape[2]))
+        start = self.start if kept else prev
+        held = []
+        for buffer, new in ((self.keys, keys), (self.values, values)):
+            rows = mx.concatenate([buffer[..., :kept, :], new], axis=2) if kept else new
+            held.append(rows)
+        cut = max(0, held[0].shape[2] - self.capacity)
+        if cut:
+            held = [mx.contiguous(rows[..., cut:, :]) for rows in held]
+        return RecentWindow(self.capacity, start + cut, *held)
+
+    def span(self, offset: int, floor: int = 0) -> tuple[int, int]:
+        """Positions ``[lo, hi)`` read from the window at ``offset`` (none below ``floor``)."""
+        if self.keys is None:
+            return offset, offset
+        hi = min(offset, self.start + self.keys.shape[2])
+        lo = min(max(self.start, floor), hi)
+        return lo, hi
+
+    def rows(self, lo: int, hi: int) -> tuple[mx.array, mx.array]:
+        """Keys and values of positions ``[lo, hi)`` (inside :meth:`span`)."""
+        return self.keys[..., lo - self.start : hi - self.start, :], self.values[
+            ..., lo - self.start : hi - self.start, :
+        ]
+
+    def arrays(self) -> list[mx.array]:
+        """The arrays held (empty before the first write)."""
+        return [] if self.keys is None else [self.keys, self.values]
+
+    def state(self, offset: int, floor: int) -> tuple[dict[str, mx.array], int | None]:
+        """``({"recent.keys", "recent.values"}, start)`` of the rows read at ``offset``, or ``({}, None)``."""
+        lo, hi = self.span(offset, floor)
+        if lo >= hi:
+            return {}, None
+        keys, values = self.rows(lo, hi)
+        return {"recent.keys": keys, "recent.values": values}, lo
+
+    def overlay(self, rebuilt: mx.array, which: int, offset: int, floor: int) -> mx.array:
+        """``rebuilt [B, H, offset, ·]`` with its window rows (``which``: 0 keys, 1 values) put back."""
+        lo, hi = self.span(offset, floor)
+        if lo >= hi:
+            return rebuilt
+        exact = self.rows(lo, hi)[which].astype(rebuilt.dtype)
+        return mx.concatenate([rebuilt[..., :lo, :], exact, rebuilt[..., hi:, :]], axis=2)
+
+
+def read_recent(
+    arrays,
+    runtime: dict,
+    capacity: int,
+    shape: tuple[int, int, int, int],
+    offset: int,
+    floor: int,
+    dtype,
+    owner: str,
+) -> RecentWindow:
+    """The :class:`RecentWindow` a state holds (``recent.keys`` / ``recent.values`` and the runtime's
+    ``recent_start``), checked: a start outside ``[floor, offset)``, more rows than ``capacity``
+    or arrays of the wrong shape raise ``KVDataError`` naming them. ``arrays`` is a
+    :class:`~palu_mlx.state_checks.StateArrays`."""
+    from kvspec import KVDataError
+
+    start = runtime.get("recent_start")
+    if start is None:  # no window, or trimmed back below it: the next tokens start a new one
+        return RecentWindow(capacity)
+    b, h, d, dv = shape
+    if (
+        isinstance(start, bool)
+        or not isinstance(start, int)
+        or not floor <= start < offset
+        or offset - start > capacity
+    ):
+        raise KVDataError(
+            f"{owner}: meta_state recent_start={start!r} must be an int in [{floor}, {offset}) "
+            f"with at most palu_recent_tokens={capacity} tokens after it"
+        )
+    n = offset - start
+    keys = arrays.take("recent.keys", (b, h, n, d), dtype)
+    values = arrays.take("recent.values", (b, h, n, dv), dtype)
+    return RecentWindow(capacity, start, mx.array(keys), mx.array(values))
