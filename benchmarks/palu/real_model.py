@@ -1,0 +1,195 @@
+"""palu-mlx's tiers on the real model beside mlx-lm's quantized caches: KL, top-1, bytes held.
+
+    hatch run bench:python benchmarks/palu/real_model.py                       # every candidate
+    hatch run bench:python benchmarks/palu/real_model.py --only palu-2.5bit-scaled   # one, resumable
+    hatch run bench:python benchmarks/palu/real_model.py --context 1024 --out /tmp/scout.json
+
+Writes ``benchmarks/results/palu_real_model.json``. On Linux preload OpenBLAS
+(``LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3``): the model computes in
+float32 and its keys and values are rounded to bfloat16 before they are cached
+(``palu_mlx.compare.load_model(..., compute_dtype="float32")``), so every cache holds what a
+bfloat16 model caches.
+
+The protocol (a lighter cousin of kvbench's, which decodes the scored tokens one at a time):
+
+* the model is kvbench's named real model (``smollm2-135m``, SmolLM2-135M-Instruct) unless
+  ``--model`` says otherwise; the text is kvbench's held-out text, which no calibration here
+  has seen; ``--windows`` windows of ``--context`` tokens of context plus ``--scored`` scored
+  tokens, spread over the text as kvbench spreads them;
+* each candidate prefills the context in one call, then reads the scored tokens teacher-forced
+  in steps of ``--step`` tokens; every scored position's next-token distribution is compared
+  with the uncompressed cache's (``KVCache``, same run): KL divergence (nats) and top-1
+  agreement, and each position's negative log-likelihood gives perplexity;
+* bytes are everything a cache holds (``nbytes`` of every array, buffers at their grown
+  capacity, measured before each step and averaged over the steps), reported over the
+  uncompressed bfloat16 K/V and over mlx-lm's ``QuantizedKVCache(bits=4, group_size=64)``'s
+  in the same run. Calibrated candidates (``+cal``, with ``--calibration``) hold their
+  per-model constants apart, like the weights.
+
+Results are written after every candidate; a rerun skips candidates already in the file with
+the same settings (``--only`` runs one), so a long run can be cut into short ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from kvbench.models import default_text_path
+from kvbench.protocol import Settings, text_windows
+from kvbench.results import environment_stamp
+from mlx_lm.models.cache import KVCache, QuantizedKVCache
+from palu_mlx import KVCacheBuilder
+from palu_mlx.builder import model_kv_dims
+from palu_mlx.compare import load_model, tier_config
+
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+OUT = RESULTS / "palu_real_model.json"
+#: palu tiers run by default, and the tiers also run calibrated when --calibration is given
+TIERS = ("palu-3bit-scaled", "palu-2.5bit-scaled", "palu-2bit-scaled", "palu-3bit", "palu-1.5bit")
+CALIBRATED = ("palu-3bit-scaled", "palu-2.5bit-scaled", "palu-2bit-scaled")
+PEERS = {"mlx-lm-q8": 8, "mlx-lm-q4": 4}
+
+
+def candidates(model: Any, calibration: str | None) -> dict[str, tuple[Callable[[], list[Any]], dict]]:
+    """name -> (cache factory, description of its configuration)."""
+    head_dim, n_kv = model_kv_dims(model)
+    out: dict[str, tuple[Callable[[], list[Any]], dict]] = {
+        "baseline": (lambda: [KVCache() for _ in model.layers], {"class": "mlx_lm KVCache"})
+    }
+    for name, bits in PEERS.items():
+        out[name] = (
+            lambda bits=bits: [QuantizedKVCache(group_size=64, bits=bits) for _ in model.layers],
+            {"class": "mlx_lm QuantizedKVCache", "bits": bits, "group_size": 64},
+        )
+    for tier in TIERS:
+        config = tier_config(tier, head_dim, n_kv)
+        out[tier] = (
+            lambda config=config: KVCacheBuilder.for_model(model, config),
+            dataclasses.asdict(config),
+        )
+        if calibration is not None and tier in CALIBRATED:
+            cal = dataclasses.replace(config, palu_calibration=calibration)
+            out[f"{tier}+cal"] = (
+                lambda cal=cal: KVCacheBuilder.for_model(model, cal),
+                dataclasses.asdict(cal),
+            )
+    return out
+
+
+def run_window(model: Any, make: Callable[[], list[Any]], window: list[int], context: int, step: int):
+    """Log-probabilities ``[scored, V]`` (float64) and the bytes held before each step."""
+    caches = make()
+    logits = [model(mx.array(window[:context])[None], cache=caches)[0, -1:]]
+    held = []
+    for start in range(context, len(window) - 1, step):
+        held.append(sum(int(c.nbytes) for c in caches))
+        chunk = window[start : min(start + step, len(window) - 1)]
+        logits.append(model(mx.array(chunk)[None], cache=caches)[0])
+    z = mx.concatenate(logits, axis=0).astype(mx.float32)
+    logp = np.array(z - mx.logsumexp(z, axis=-1, keepdims=True), dtype=np.float64)
+    raw = (
+        2
+        * sum(  # bfloat16 K/V of the tokens held before each step
+            2 * len(model.layers) * model_kv_dims(model)[1] * model_kv_dims(model)[0] * n
+            for n in range(context, len(window) - 1, step)
+        )
+        // max(1, len(held))
+    )
+    return logp, float(np.mean(held)), raw
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--context", type=int, default=2048)
+    parser.add_argument("--scored", type=int, default=256)
+    parser.add_argument("--windows", type=int, default=1)
+    parser.add_argument("--step", type=int, default=32, help="scored tokens read per call")
+    parser.add_argument("--calibration", default=None, help="a palu-mlx calibrate file: adds +cal rows")
+    parser.add_argument("--only", default=None, help="comma-separated candidates to run (default: all)")
+    parser.add_argument("--out", type=Path, default=OUT)
+    args = parser.parse_args(argv)
+
+    model, tokenizer, info = load_model(args.model, "bfloat16", "float32")
+    text = default_text_path().read_text(encoding="utf-8")
+    tokens = tokenizer.encode(text, add_special_tokens=False)
+    settings = Settings(
+        windows=args.windows, context_tokens=args.context, scored_tokens=args.scored, prompt_count=1
+    )
+    windows = text_windows(tokens, settings)
+    setup = {
+        "model": info,
+        "text": str(default_text_path().name),
+        "text_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(),
+        "windows": args.windows,
+        "context_tokens": args.context,
+        "scored_tokens": args.scored,
+        "step_tokens": args.step,
+        "calibration": None if args.calibration is None else Path(args.calibration).name,
+        "calibration_sha256": None
+        if args.calibration is None
+        else hashlib.sha256(Path(args.calibration).read_bytes()).hexdigest(),
+    }
+    result = json.loads(args.out.read_text()) if args.out.exists() else {}
+    if result.get("setup") != setup:
+        result = {"setup": setup, "rows": {}}
+    cands = candidates(model, args.calibration)
+    wanted = list(cands) if args.only is None else ["baseline", *args.only.split(",")]
+    unknown = [n for n in wanted if n not in cands]
+    if unknown:
+        parser.error(f"--only: unknown candidates {unknown}; known: {', '.join(cands)}")
+
+    # the uncompressed run's log-probabilities, kept between runs (large: outside the repository)
+    key = hashlib.sha256(json.dumps(setup, sort_keys=True).encode()).hexdigest()[:16]
+    base_file = Path(tempfile.gettempdir()) / f"palu_real_model.{key}.baseline.npy"
+    base = None
+    if base_file.exists() and "baseline" in result["rows"]:
+        base = np.load(base_file)
+    for name in dict.fromkeys(wanted):
+        if name in result["rows"] and not (name == "baseline" and base is None):
+            continue
+        make, config = cands[name]
+        started = time.perf_counter()
+        runs = [run_window(model, make, w, args.context, args.step) for w in windows]
+        logp = np.concatenate([r[0] for r in runs])
+        held = float(np.mean([r[1] for r in runs]))
+        raw = float(np.mean([r[2] for r in runs]))
+        targets = np.concatenate([np.array(w[args.context :]) for w in windows])
+        nll = -logp[np.arange(len(targets)), targets]
+        row = {"config": config, "held_bytes": held, "raw_bytes": raw, "ppl": float(np.exp(nll.mean()))}
+        if name == "baseline":
+            base = logp
+            np.save(base_file, logp)
+        else:
+            kl = np.maximum((np.exp(base) * (base - logp)).sum(axis=-1), 0.0)
+            row.update(kl=float(kl.mean()), top1=float((base.argmax(-1) == logp.argmax(-1)).mean()))
+        row["seconds"] = round(time.perf_counter() - started, 1)
+        result["rows"][name] = row
+        q4 = result["rows"].get("mlx-lm-q4")
+        for r in result["rows"].values():
+            r["bytes_x_raw"] = r["held_bytes"] / r["raw_bytes"]
+            r["bytes_x_q4"] = None if q4 is None else r["held_bytes"] / q4["held_bytes"]
+        result.update(environment_stamp(["palu-mlx", "kvbench", "mlx", "mlx-lm"]))
+        result["command"] = " ".join(["python benchmarks/palu/real_model.py", *(argv or sys.argv[1:])])
+        args.out.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
+        print(
+            json.dumps(
+                {"name": name, **{k: row.get(k) for k in ("kl", "top1", "ppl", "bytes_x_raw", "seconds")}}
+            )
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
