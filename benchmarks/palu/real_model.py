@@ -157,9 +157,15 @@ def main(argv: list[str] | None = None) -> int:
     if base_file.exists() and "baseline" in result["rows"]:
         base = np.load(base_file)
     for name in dict.fromkeys(wanted):
-        if name in result["rows"] and not (name == "baseline" and base is None):
-            continue
         make, config = cands[name]
+        done = result["rows"].get(name)
+        # a row made with another configuration under the same name is run again
+        if (
+            done
+            and json.loads(json.dumps(config)) == done["config"]
+            and not (name == "baseline" and base is None)
+        ):
+            continue
         started = time.perf_counter()
         runs = [run_window(model, make, w, args.context, args.step) for w in windows]
         logp = np.concatenate([r[0] for r in runs])

@@ -30,6 +30,7 @@ def held_arrays(cache: PaluKVCache) -> list[mx.array]:
     for codes in (cache._key_codes, cache._value_codes):
         out += list((codes or {}).values())
     out += [cache._sinks.keys, cache._sinks.values]  # the exact first tokens, once written
+    out += [cache._recent.keys, cache._recent.values]  # the exact newest tokens
     return [a for a in out if a is not None]
 
 
@@ -171,12 +172,24 @@ def test_default_minimum_is_head_dim_tokens():
 
 
 def test_positions_are_stable_after_the_fit():
-    cache = make()
+    cache = make(palu_recent_tokens=0)
     x = gaussian((1, 4, 100, D), 10, mx.float16)
     first, _ = cache.update_and_fetch(x[:, :, :70], x[:, :, :70])
     for t in range(70, 100, 3):
         keys, values = cache.update_and_fetch(x[:, :, t : t + 3], x[:, :, t : t + 3])
         assert mx.array_equal(keys[:, :, :70], first).item()
+
+
+def test_with_a_window_a_position_changes_once_when_it_leaves_it():
+    cache = make(palu_recent_tokens=8)
+    x = gaussian((1, 4, 100, D), 10, mx.float16)
+    seen = [cache.update_and_fetch(x[:, :, :70], x[:, :, :70])[0]]
+    for t in range(70, 100):
+        seen.append(cache.update_and_fetch(x[:, :, t : t + 1], x[:, :, t : t + 1])[0])
+    # token 80 is exact while among the newest 8 (steps 80..87), read from its codes after
+    at = [s[:, :, 80] for s in seen[11:]]
+    changes = [i for i in range(1, len(at)) if not mx.array_equal(at[i], at[i - 1]).item()]
+    assert changes == [8] and mx.array_equal(at[0], x[:, :, 80]).item()
 
 
 def test_buffers_grow_in_steps_not_per_token():

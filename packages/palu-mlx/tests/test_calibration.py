@@ -149,10 +149,10 @@ def test_calibrated_cache_at_low_bits_is_small_and_checks_shapes(calibration_fil
     model(mx.array([list(range(3, 67))]), cache=caches)
     stats = [c.storage_stats() for c in caches]
     bits = 8 * sum(s.nbytes for s in stats) / sum(s.elements for s in stats)
-    # capacity + byte padding + a 2-byte token scale per row of keys and of values, plus 4 exact
-    # float32 tokens
+    # capacity + byte padding + a 2-byte token scale per row of keys and of values, plus the 4
+    # first and 32 newest tokens exact (float32)
     row = -(-1.5 * 2 * HEAD_DIM // 8) + 2 + 2 * 2
-    sinks = 4 * 2 * HEAD_DIM * 4
+    sinks = (4 + 32) * 2 * HEAD_DIM * 4
     assert bits <= 8 * (256 * row + sinks) / (64 * 2 * HEAD_DIM)
     k = mx.zeros((1, 4, 1, 16))
     with pytest.raises(KVShapeError, match="fixed by the first update"):

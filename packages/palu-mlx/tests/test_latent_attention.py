@@ -93,7 +93,9 @@ def test_a_chunk_masked_out_for_a_row_contributes_nothing(kind):
 
 def test_values_are_never_rebuilt():
     """The value latents are read, and the value projection is used once, on the attended rows."""
-    cache = filled_cache(1, 64, replace(CONFIGS["hi-lo-split"], palu_sink_tokens=0), pre_rope=True)
+    cache = filled_cache(
+        1, 64, replace(CONFIGS["hi-lo-split"], palu_sink_tokens=0, palu_recent_tokens=0), pre_rope=True
+    )
     store = cache.latent_store()
     reads = []
 
@@ -107,7 +109,9 @@ def test_values_are_never_rebuilt():
     assert reads == [(0, 16), (16, 32), (32, 48), (48, 64)]
     assert rel_err(out, reference(q, cache, 0.2, None)) < TOL
     # with exact first tokens, those are read from the exact rows and the codes from after them
-    sunk = filled_cache(1, 64, replace(CONFIGS["hi-lo-split"], palu_sink_tokens=4), pre_rope=True)
+    sunk = filled_cache(
+        1, 64, replace(CONFIGS["hi-lo-split"], palu_sink_tokens=4, palu_recent_tokens=0), pre_rope=True
+    )
     store = sunk.latent_store()
     reads.clear()
     out = latent_attention(q, replace(store, value_latents=spy), 0.2, None, chunk=16)

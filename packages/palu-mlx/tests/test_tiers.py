@@ -44,6 +44,7 @@ def test_reference_default_is_the_config_defaults_with_one_head_group_after_rope
         palu_pre_rope=False,
         palu_token_scale=False,
         palu_sink_tokens=0,
+        palu_recent_tokens=0,
         **REFERENCE_SPLIT,
     )
 

@@ -122,6 +122,12 @@ class PaluKVCache(CacheLayer):
         self._recent = RecentWindow(config.palu_recent_tokens)
 
     # ------------------------------------------------------------------ validation
+    def trim(self, n: int) -> int:
+        """Drop the last ``n`` tokens (clamped to ``offset``); returns how many were dropped."""
+        n = super().trim(n)
+        self._recent = self._recent.cut(self.offset)  # no stale exact rows held
+        return n
+
     def _check_dims(self, h: int, d: int, dv: int) -> None:
         if self.config.head_dim is not None and d != self.config.head_dim:
             raise KVShapeError(f"keys head dim {d} does not match config head_dim={self.config.head_dim}")
@@ -347,7 +353,7 @@ class PaluKVCache(CacheLayer):
         if m:
             out["sink.keys"] = self._sinks.keys[..., :m, :]
             out["sink.values"] = self._sinks.values[..., :m, :]
-        out.update(self._recent.state(n, m)[0])
+        out.update(self._recent.state(n)[0])
         return {k: detached(v) for k, v in out.items()}
 
     @property
@@ -362,7 +368,7 @@ class PaluKVCache(CacheLayer):
             "rope": None if self.rotary is None else self.rotary.to_meta(),
         }
         if self._key_proj is not None and self.config.palu_recent_tokens:
-            runtime["recent_start"] = self._recent.state(self.offset, self._sinks.count(self.offset))[1]
+            runtime["recent_start"] = self._recent.state(self.offset)[1]
         return self.config.to_json(), json.dumps(runtime, sort_keys=True)
 
     @classmethod
@@ -465,7 +471,7 @@ class PaluKVCache(CacheLayer):
                 else None
             )
             recent = read_recent(
-                arrays, runtime, config.palu_recent_tokens, (b, h, d, dv), offset, m, dtype, owner
+                arrays, runtime, config.palu_recent_tokens, (b, h, d, dv), offset, dtype, owner
             )
             arrays.finish()
             cache._recent = recent

@@ -251,6 +251,12 @@ class CalibratedKVCache(CacheLayer):
         self._sinks = ExactPrefix(config.palu_sink_tokens)
         self._recent = RecentWindow(config.palu_recent_tokens)
 
+    def trim(self, n: int) -> int:
+        """Drop the last ``n`` tokens (clamped to ``offset``); returns how many were dropped."""
+        n = super().trim(n)
+        self._recent = self._recent.cut(self.offset)  # no stale exact rows held
+        return n
+
     def _check_dims(self, h: int, d: int, dv: int) -> None:
         want = (self._key.projection.n_groups, self._key.projection.dim, self._value.projection.dim)
         if (h, d, dv) != want:
@@ -333,7 +339,7 @@ class CalibratedKVCache(CacheLayer):
         if m:
             out["sink.keys"] = self._sinks.keys[..., :m, :]
             out["sink.values"] = self._sinks.values[..., :m, :]
-        out.update(self._recent.state(self.offset, m)[0])
+        out.update(self._recent.state(self.offset)[0])
         return {k: detached(v) for k, v in out.items()}
 
     @property
@@ -345,7 +351,7 @@ class CalibratedKVCache(CacheLayer):
             "rope": None if self.rotary is None else self.rotary.to_meta(),
         }
         if self.config.palu_recent_tokens:
-            runtime["recent_start"] = self._recent.state(self.offset, self._sinks.count(self.offset))[1]
+            runtime["recent_start"] = self._recent.state(self.offset)[1]
         return self.config.to_json(), json.dumps(runtime, sort_keys=True)
 
     @classmethod
@@ -408,7 +414,7 @@ class CalibratedKVCache(CacheLayer):
         recent = (
             None
             if shape is None
-            else read_recent(arrays, runtime, config.palu_recent_tokens, shape, offset, m, dtype, owner)
+            else read_recent(arrays, runtime, config.palu_recent_tokens, shape, offset, dtype, owner)
         )
         arrays.finish()
         tensor_codes = {}

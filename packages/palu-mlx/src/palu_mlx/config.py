@@ -23,6 +23,7 @@ __all__ = [
     "DEFAULT_PALU_BITS",
     "REFERENCE_SPLIT",
     "DEFAULT_SINK_TOKENS",
+    "DEFAULT_RECENT_TOKENS",
 ]
 
 #: Bit widths the mixed-bit coder can pack (the same set ``mx.quantize`` accepts).
@@ -40,6 +41,8 @@ DEFAULT_PALU_BITS = 2.5
 #: tokens at the start of a sequence a config holds exactly unless it says otherwise
 #: (``palu_sink_tokens``): real models' attention sinks sit on the first token or few
 DEFAULT_SINK_TOKENS = 4
+#: the newest tokens a config holds exactly unless it says otherwise (``palu_recent_tokens``)
+DEFAULT_RECENT_TOKENS = 32
 #: the reference's rank and hi/lo split (the ``reference-default`` tier), for the fields a
 #: config leaves unset when it asks for the split
 REFERENCE_SPLIT: dict[str, float] = {
@@ -127,7 +130,8 @@ class KVCacheConfig:
             :data:`DEFAULT_SINK_TOKENS` (4); 0 keeps none.
         palu_recent_tokens: the newest this many tokens are also kept exactly (input dtype) and
             attention reads them instead of their codes (each token is coded when it arrives and
-            read from its codes once newer ones push it out). 0 (the default) keeps none.
+            read from its codes once newer ones push it out). Default :data:`DEFAULT_RECENT_TOKENS`
+            (32); 0 keeps none.
         naive_bits, naive_group_size: bit width and group size of the ``"naive"`` baseline
             (uniform ``mx.quantize`` of the full K/V; group size 32, 64 or 128).
     """
@@ -149,7 +153,7 @@ class KVCacheConfig:
     palu_pre_rope: bool = True
     palu_token_scale: bool = True
     palu_sink_tokens: int = DEFAULT_SINK_TOKENS
-    palu_recent_tokens: int = 0
+    palu_recent_tokens: int = DEFAULT_RECENT_TOKENS
     naive_bits: int = 2
     naive_group_size: int = 64
 

@@ -104,6 +104,15 @@ class RecentWindow:
             held = [mx.contiguous(rows[..., cut:, :]) for rows in held]
         return RecentWindow(self.capacity, start + cut, *held)
 
+    def cut(self, offset: int) -> RecentWindow:
+        """The window after a ``trim`` to ``offset``: rows at or past it are dropped."""
+        if self.keys is None or self.start + self.keys.shape[2] <= offset:
+            return self
+        keep = max(0, offset - self.start)
+        if not keep:
+            return RecentWindow(self.capacity)
+        return RecentWindow(self.capacity, self.start, self.keys[..., :keep, :], self.values[..., :keep, :])
+
     def span(self, offset: int, floor: int = 0) -> tuple[int, int]:
         """Positions ``[lo, hi)`` read from the window at ``offset`` (none below ``floor``)."""
         if self.keys is None:
@@ -122,9 +131,9 @@ class RecentWindow:
         """The arrays held (empty before the first write)."""
         return [] if self.keys is None else [self.keys, self.values]
 
-    def state(self, offset: int, floor: int) -> tuple[dict[str, mx.array], int | None]:
-        """``({"recent.keys", "recent.values"}, start)`` of the rows read at ``offset``, or ``({}, None)``."""
-        lo, hi = self.span(offset, floor)
+    def state(self, offset: int) -> tuple[dict[str, mx.array], int | None]:
+        """``({"recent.keys", "recent.values"}, start)``: every row held up to ``offset``, or ``({}, None)``."""
+        lo, hi = self.span(offset)
         if lo >= hi:
             return {}, None
         keys, values = self.rows(lo, hi)
@@ -145,12 +154,11 @@ def read_recent(
     capacity: int,
     shape: tuple[int, int, int, int],
     offset: int,
-    floor: int,
     dtype,
     owner: str,
 ) -> RecentWindow:
     """The :class:`RecentWindow` a state holds (``recent.keys`` / ``recent.values`` and the runtime's
-    ``recent_start``), checked: a start outside ``[floor, offset)``, more rows than ``capacity``
+    ``recent_start``), checked: a start outside ``[0, offset)``, more rows than ``capacity``
     or arrays of the wrong shape raise ``KVDataError`` naming them. ``arrays`` is a
     :class:`~palu_mlx.state_checks.StateArrays`."""
     from kvspec import KVDataError
@@ -162,11 +170,11 @@ def read_recent(
     if (
         isinstance(start, bool)
         or not isinstance(start, int)
-        or not floor <= start < offset
+        or not 0 <= start < offset
         or offset - start > capacity
     ):
         raise KVDataError(
-            f"{owner}: meta_state recent_start={start!r} must be an int in [{floor}, {offset}) "
+            f"{owner}: meta_state recent_start={start!r} must be an int in [0, {offset}) "
             f"with at most palu_recent_tokens={capacity} tokens after it"
         )
     n = offset - start

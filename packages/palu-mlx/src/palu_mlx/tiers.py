@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from kvspec import KVConfigError
 
+from .config import DEFAULT_RECENT_TOKENS as RECENT_TOKENS
 from .config import DEFAULT_SINK_TOKENS as SINK_TOKENS
 from .config import REFERENCE_SPLIT, UNQUANTIZED_BITS, KVCacheConfig
 
@@ -48,20 +49,20 @@ class Tier:
 def _palu(**fields) -> KVCacheConfig:
     # the tiers defined before the per-token scale and the exact first tokens keep them off,
     # so each name still means the configuration it was measured as
-    fields = {"palu_token_scale": False, "palu_sink_tokens": 0, **fields}
+    fields = {"palu_token_scale": False, "palu_sink_tokens": 0, "palu_recent_tokens": 0, **fields}
     return KVCacheConfig(method="palu", head_dim=None, palu_n_head_groups=1, **fields)
 
 
 #: the coder for real models' K/V (``KVCacheConfig()``'s defaults): a per-token scale beside the
-#: fixed quantizers and the first tokens (attention sinks) held exactly
-_SCALED = dict(palu_token_scale=True, palu_sink_tokens=SINK_TOKENS)
+#: fixed quantizers, the first tokens (attention sinks) and the newest tokens held exactly
+_SCALED = dict(palu_token_scale=True, palu_sink_tokens=SINK_TOKENS, palu_recent_tokens=RECENT_TOKENS)
 
 
 def _scaled(bits: float) -> str:
     return (
         f"keys before RoPE where supported, {bits:g} code bits per element by water-filling, "
         f"fixed quantizers fitted at the prefill with a per-token scale, the first {SINK_TOKENS} "
-        "tokens exact"
+        f"and the newest {RECENT_TOKENS} tokens exact"
     )
 
 
