@@ -58,6 +58,11 @@ OUT = RESULTS / "palu_real_model.json"
 #: palu tiers run by default, and the tiers also run calibrated when --calibration is given
 TIERS = ("palu-3bit-scaled", "palu-2.5bit-scaled", "palu-2bit-scaled", "palu-3bit", "palu-1.5bit")
 CALIBRATED = ("palu-3bit-scaled", "palu-2.5bit-scaled", "palu-2bit-scaled")
+#: the fixed 3-bit coder with the real-K/V options added one at a time (the -scaled tier has all)
+ABLATION = {
+    "palu-3bit+sinks": dict(palu_sink_tokens=4),
+    "palu-3bit+sinks+scale": dict(palu_sink_tokens=4, palu_token_scale=True),
+}
 PEERS = {"mlx-lm-q8": 8, "mlx-lm-q4": 4}
 
 
@@ -84,6 +89,13 @@ def candidates(model: Any, calibration: str | None) -> dict[str, tuple[Callable[
                 lambda cal=cal: KVCacheBuilder.for_model(model, cal),
                 dataclasses.asdict(cal),
             )
+    base = tier_config("palu-3bit", head_dim, n_kv)
+    for name, fields in ABLATION.items():
+        config = dataclasses.replace(base, **fields)
+        out[name] = (
+            lambda config=config: KVCacheBuilder.for_model(model, config),
+            dataclasses.asdict(config),
+        )
     return out
 
 
