@@ -255,11 +255,12 @@ def main(argv: list[str] | None = None) -> int:
             selection, sizes = [], QUICK
         else:
             tiers, peers, sizes = DEMO[name]
-            selection = ["--tiers", tiers, "--peers", peers, "--noise-floor"]
+            # the memory curve re-prefills every cache up to the window: minutes of a newcomer's wait
+            selection = ["--tiers", tiers, "--peers", peers, "--noise-floor", "--no-memory-curve"]
             print(
                 f"{name}: cut to tiers {tiers} and peers {peers}; {sizes['--windows']} short and "
-                f"{sizes['--long-windows']} long windows of {sizes['--long-context']} tokens "
-                f"(--full: every tier, 16 short and 16 long windows of {FULL['--long-context']})",
+                f"{sizes['--long-windows']} long windows of {sizes['--long-context']} tokens, no memory "
+                f"curve (--full: every tier, 16 short and 16 long windows of {FULL['--long-context']})",
                 flush=True,
             )
         say(f"{name}: python -m {module}")

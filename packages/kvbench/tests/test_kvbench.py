@@ -494,6 +494,7 @@ def test_long_settings_fit_the_model():
     long = long_settings(args, limit=1024)
     assert long.window_tokens == 1024 and long.scored_tokens == 256
     assert long.memory_points == (256, 512, 1024)
+    assert long_settings(parser.parse_args(["--no-memory-curve"]), 1024).memory_points == ()
     assert long_settings(parser.parse_args(["--long-context", "0"]), 1024) is None
     with pytest.raises(CompareError, match="must exceed --long-scored-tokens"):
         long_settings(parser.parse_args(["--long-context", "200"]), None)

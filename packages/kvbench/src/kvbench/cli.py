@@ -164,6 +164,12 @@ def add_common_arguments(
         help="scored tokens at the end of each long-context window (default 256)",
     )
     parser.add_argument(
+        "--no-memory-curve",
+        action="store_true",
+        help="skip the long run's memory curve (a chunked prefill of every cache up to the window, "
+        "read at powers of two): the chart then has no memory panel",
+    )
+    parser.add_argument(
         "--new-tokens",
         type=int,
         default=defaults.new_tokens,
@@ -286,7 +292,8 @@ def check_positions(limit: int | None, settings: Settings, prompts: Sequence[Seq
 def long_settings(args: argparse.Namespace, limit: int | None) -> Settings | None:
     """Settings of the long-context run (None when ``--long-context 0``): ``--long-windows``
     windows of ``--long-context`` tokens (capped at the model's positions), the last
-    ``--long-scored-tokens`` scored, a memory curve at powers of two up to the window."""
+    ``--long-scored-tokens`` scored, a memory curve at powers of two up to the window (none with
+    ``--no-memory-curve``)."""
     if args.long_context == 0:
         return None
     total = min(args.long_context, limit) if limit else args.long_context
@@ -296,7 +303,7 @@ def long_settings(args: argparse.Namespace, limit: int | None) -> Settings | Non
             f"--long-context {total} (after the model's limit of {limit} positions) must exceed "
             f"--long-scored-tokens {scored}"
         )
-    points = [p for p in (256, 512, 1024, 2048, 4096, 8192) if p < total] + [total]
+    points = [] if args.no_memory_curve else [p for p in (256, 512, 1024, 2048, 4096, 8192) if p < total] + [total]
     return Settings(
         windows=args.long_windows,
         context_tokens=total - scored,
