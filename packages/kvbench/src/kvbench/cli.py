@@ -303,7 +303,9 @@ def long_settings(args: argparse.Namespace, limit: int | None) -> Settings | Non
             f"--long-context {total} (after the model's limit of {limit} positions) must exceed "
             f"--long-scored-tokens {scored}"
         )
-    points = [] if args.no_memory_curve else [p for p in (256, 512, 1024, 2048, 4096, 8192) if p < total] + [total]
+    points = (
+        [] if args.no_memory_curve else [p for p in (256, 512, 1024, 2048, 4096, 8192) if p < total] + [total]
+    )
     return Settings(
         windows=args.long_windows,
         context_tokens=total - scored,
