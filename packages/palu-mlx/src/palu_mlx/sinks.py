@@ -79,8 +79,8 @@ class RecentWindow:
         capacity: tokens kept (``palu_recent_tokens``).
         start: position of the first row held.
         keys: ``[B, H, n, D]`` rows for positions ``start .. start + n - 1`` (``n <= capacity``),
-            or None before the first write; rows at or past a cache's ``offset`` (after a
-            ``trim``) are stale and never read.
+            or None before the first write; the caches :meth:`cut` it at a ``trim``, so its rows
+            end at their ``offset``.
         values: ``[B, H, n, Dv]`` or None.
     """
 
@@ -93,7 +93,9 @@ class RecentWindow:
         """The window after tokens ``[prev, prev + S)`` arrive (a new object; self is unchanged)."""
         if self.capacity == 0:
             return self
-        kept = 0 if self.keys is None else max(0, min(prev - self.start, self.keys.shape[2]))
+        # the rows before ``prev`` still held; none unless they run up to ``prev`` without a gap
+        held_to = self.start if self.keys is None else self.start + self.keys.shape[2]
+        kept = prev - self.start if self.keys is not None and self.start <= prev <= held_to else 0
         start = self.start if kept else prev
         held = []
         for buffer, new in ((self.keys, keys), (self.values, values)):
