@@ -35,7 +35,7 @@ COMPARE_ARGS = [
     "--new-tokens", "8",
     "--long-context", "2048", "--long-windows", "2", "--long-scored-tokens", "256",
     "--speed-rounds", "2", "--speed-steps", "16",
-    "--quiet",
+    "--no-memory-curve", "--quiet",
 ]  # fmt: skip
 
 KEPT = (
