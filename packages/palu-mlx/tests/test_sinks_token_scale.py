@@ -231,3 +231,22 @@ def test_window_state_with_a_bad_start_is_refused():
 def test_recent_tokens_must_be_a_non_negative_int(value):
     with pytest.raises(KVConfigError, match="palu_recent_tokens"):
         KVCacheConfig(palu_recent_tokens=value)
+
+
+def test_a_state_saved_before_these_options_loads_as_it_was_coded():
+    import json
+
+    keys, values = kv(60)
+    old = KVCacheConfig(
+        head_dim=D, palu_bits=2.0, palu_token_scale=False, palu_sink_tokens=0, palu_recent_tokens=0
+    )
+    cache = PaluKVCache(old)
+    cache.update_and_fetch(keys, values)
+    config_json, runtime = cache.meta_state
+    settings = json.loads(config_json)
+    for name in ("palu_token_scale", "palu_sink_tokens", "palu_recent_tokens"):
+        del settings[name]  # as written before these fields existed
+    restored = PaluKVCache.from_state(cache.state, (json.dumps(settings), runtime))
+    assert restored.config == old
+    for a, b in zip(restored._fetch(), cache._fetch(), strict=True):
+        assert mx.array_equal(a, b).item()

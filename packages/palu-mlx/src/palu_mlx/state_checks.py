@@ -66,8 +66,16 @@ def parse_meta_state(meta_state: Any, owner: str) -> tuple[dict[str, Any], dict[
     return out[0], out[1]
 
 
+#: fields added after states were first saved, and the values that mean what those states did:
+#: a state saved before them was coded without a per-token scale or exact tokens
+_BEFORE_FIELDS: dict[str, Any] = {"palu_token_scale": False, "palu_sink_tokens": 0, "palu_recent_tokens": 0}
+
+
 def read_config(settings: dict[str, Any], owner: str) -> KVCacheConfig:
-    """The :class:`KVCacheConfig` saved in meta_state (missing fields take their defaults)."""
+    """The :class:`KVCacheConfig` saved in meta_state. Fields the state lacks take the values that
+    reproduce how it was coded (:data:`_BEFORE_FIELDS` for those added since), else their defaults."""
+    if isinstance(settings, dict):
+        settings = {**_BEFORE_FIELDS, **settings}
     try:
         return KVCacheConfig.from_json(json.dumps(settings))
     except KVSpecError as exc:
