@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbench.models import embedded_model_path
-from kvbench.results import environment_stamp
+from kvbench.results import environment_stamp, write_json
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 WEIGHTINGS = ("none", "attention")
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         "side_by_side": side_by_side(results),
         "runs": results,
     }
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n", encoding="utf-8")
+    write_json(args.out, out)
     for entry in out["side_by_side"]:
         n, a = entry["none"], entry["attention"]
         print(

@@ -40,7 +40,7 @@ from typing import Any
 
 import mlx.core as mx
 from kvbench.models import default_text_path
-from kvbench.results import environment_stamp
+from kvbench.results import environment_stamp, write_json
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 from palu_mlx import KVCacheBuilder
 from palu_mlx.attention import route_attention, unroute_attention
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(json.dumps({n: result["contexts"][str(n)]}, indent=1), flush=True)
         del kv
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.out, result)
     print(f"wrote {args.out}")
     return 0
 

@@ -13,12 +13,11 @@ agreement, perplexity, memory, speed) is measured by ``palu-mlx compare`` (kvben
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import numpy as np
-from kvbench.results import environment_stamp
+from kvbench.results import environment_stamp, write_json
 from kvspec.conformance import relative_error as rel_err
 from kvspec.vectors import load_vectors
 from palu_mlx import PaluKVCache, naive_roundtrip
@@ -160,7 +159,7 @@ def run_reconstruction() -> dict:
 def main(argv: list[str] | None = None) -> int:
     RESULTS.mkdir(parents=True, exist_ok=True)
     result = run_reconstruction()
-    (RESULTS / "palu_reconstruction.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_json(RESULTS / "palu_reconstruction.json", result)
     for v in result["palu_headline_vs_naive_2bit"]:
         print(
             f"  {v['family']:>16} {v['tensor']:>5}: palu {HEADLINE} {v['palu_headline_rel_err']:.3f} "

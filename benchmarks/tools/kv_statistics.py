@@ -48,7 +48,7 @@ from capture_kv import (
     rank_for_energy_per_group,
     var_delta_ratio,
 )
-from kvbench.results import environment_stamp
+from kvbench.results import environment_stamp, write_json
 
 BENCH_DIR = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = BENCH_DIR / "results" / "smollm2_kv_stats.json"
@@ -584,7 +584,7 @@ def measure(args, argv) -> dict:
         "models": models,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=2) + "\n")
+    write_json(args.out, record)
     print(f"wrote {args.out}")
     return record
 
