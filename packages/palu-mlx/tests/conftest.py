@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, settings
 from mlx_lm.models import qwen3
 from palu_helpers import make_tiny_qwen3
 
-# Property tests (test_reliability_properties.py): "ci" (the default) keeps the suite fast on a
+# Property tests (test_properties.py): "ci" (the default) keeps the suite fast on a
 # shared 2-core box and deterministic; HYPOTHESIS_PROFILE=thorough runs many more random sequences.
 settings.register_profile(
     "ci", max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True

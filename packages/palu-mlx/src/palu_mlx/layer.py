@@ -159,7 +159,7 @@ class CacheLayer:
     # pickles them. mx.array does both, mx.Dtype neither: the dtype travels by name. Copies share
     # array memory with the original until either writes, and every write the cache makes is an
     # mx operation that gives the written array new memory, so the two never see each other's
-    # updates (tests/test_reliability_copy.py checks this).
+    # updates (tests/test_copies.py checks this).
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         if state.get("_dtype") is not None:

@@ -1,4 +1,4 @@
-"""The bad-input catalogue (issue 15): every named bad input to palu-mlx's public functions,
+"""The bad-input catalogue : every named bad input to palu-mlx's public functions,
 constructors and loaders raises the library's own error (a KVSpecError that is also a
 ValueError or TypeError), with a message naming the problem, and leaves its subject exactly
 as it was: the cache (offset, meta_state, every state byte, nbytes, next output), the model,
@@ -52,7 +52,7 @@ from palu_mlx.cli import main as cli_main
 from palu_mlx.layer import CacheLayer
 from palu_mlx.mixed_bit import pack_codes, unpack_codes
 from palu_mlx.spec import PaluAdapter
-from palu_reliability_helpers import array_bytes, build, kv, snapshot, synthetic_calibration
+from cache_snapshots import array_bytes, build, kv, snapshot, synthetic_calibration
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """Copies of a cache (deepcopy, pickle, state / from_state) are faithful and independent, and no
-array a cache hands out can change it (issue 15)."""
+array a cache hands out can change it."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.models.cache import LRUPromptCache
-from palu_reliability_helpers import KINDS, build, kv, snapshot
+from cache_snapshots import KINDS, build, kv, snapshot
 
 COPIES = {
     "deepcopy": copy.deepcopy,

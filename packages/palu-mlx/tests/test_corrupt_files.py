@@ -1,6 +1,6 @@
 """Files the library reads (prompt caches, calibrations): corruption is detected and reported as
 the library's error naming the file, never loaded silently or surfaced as a JSON / key / index
-error (issue 15)."""
+error."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from mlx_lm.models.cache import KVCache
 from palu_mlx import load_prompt_cache, save_prompt_cache
 from palu_mlx.builder import UnverifiedPromptCacheWarning
 from palu_mlx.calibration import Calibration, UnverifiedCalibrationWarning
-from palu_reliability_helpers import build, kv, snapshot, synthetic_calibration
+from cache_snapshots import build, kv, snapshot, synthetic_calibration
 
 
 def caches() -> list:

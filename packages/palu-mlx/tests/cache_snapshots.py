@@ -1,4 +1,4 @@
-"""Helpers of the reliability tests (issue 15): one small cache of every kind and phase, and an
+"""Helpers of the bad-input, copy and property tests: one small cache of every kind and phase, and an
 exact snapshot of a cache to prove that a call changed nothing.
 
 Shapes are small (B=1, H=2, D=Dv=32) so that hypothesis can run many sequences quickly.

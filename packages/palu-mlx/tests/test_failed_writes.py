@@ -1,5 +1,5 @@
 """A mutating call that fails part-way (here: a simulated out-of-memory while writing the value
-buffers, after the key buffers were written) leaves the cache exactly as it was (issue 15)."""
+buffers, after the key buffers were written) leaves the cache exactly as it was."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import palu_mlx.naive
 import pytest
 from kvspec import KVConfigError
 from palu_mlx import KVCacheConfig, PaluKVCache
-from palu_reliability_helpers import build, kv, snapshot
+from cache_snapshots import build, kv, snapshot
 
 MODULES = {"naive": palu_mlx.naive, "palu-fitted": palu_mlx.cache, "calibrated": palu_mlx.calibrated}
 

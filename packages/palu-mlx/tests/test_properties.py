@@ -1,4 +1,4 @@
-"""Property tests (issue 15): random valid call sequences equal a plain reference exactly, copies
+"""Property tests : random valid call sequences equal a plain reference exactly, copies
 continue exactly like their original, and random invalid inputs always raise the library's
 error and change nothing.
 
@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 from kvspec import KVSpecError
 from mlx_lm.models.cache import KVCache
 from palu_mlx import NaiveQuantKVCache, load_prompt_cache, naive_roundtrip, save_prompt_cache
-from palu_reliability_helpers import KINDS, array_bytes, build, kv, palu, snapshot
+from cache_snapshots import KINDS, array_bytes, build, kv, palu, snapshot
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 

@@ -1,5 +1,5 @@
 """Values a cache's storage cannot hold raise a clear error and change nothing, never inf/NaN
-downstream (issue 15): float16 scales, biases, latents and projections top out at 65504."""
+downstream : float16 scales, biases, latents and projections top out at 65504."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from kvspec import KVValueError
 from palu_mlx.lowrank import GroupProjection
 from palu_mlx.mixed_bit import MixedBitCoder, Segment
-from palu_reliability_helpers import build, kv, palu, snapshot
+from cache_snapshots import build, kv, palu, snapshot
 
 
 def finite(*arrays: mx.array) -> bool:
