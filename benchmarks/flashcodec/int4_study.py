@@ -1,4 +1,4 @@
-"""Why jpeg-k8-int4 loses to transformers' hqq 4-bit cache at the same bytes (issue 14).
+"""Why jpeg-k8-int4 loses to transformers' hqq 4-bit cache at the same bytes.
 
 Question: ``jpeg-k8-int4-mf`` and ``QuantizedCache(backend="hqq", nbits=4)`` hold the same bytes
 (4.5 bits an element), yet the peer's KL is ten times lower. Which part of the difference is the

@@ -1,5 +1,5 @@
 """The int4 tiers with a window beside transformers' hqq 4-bit cache over every long window the
-held-out text holds (issue 14's target).
+held-out text holds: does an int4 tier with a window beat hqq 4-bit at its bytes?
 
 The main job's compare scores one long window (1,792 tokens of context, 256 scored), which is
 one draw: KL and Δ perplexity between caches this close move by tens of per cent from window to
