@@ -2,7 +2,7 @@
 
 Runs ``flashcodec compare`` (kvbench's protocol) on the real model (SmolLM2-135M-Instruct, bf16,
 attention on the codes for the ``-mf`` tiers) with :data:`COMPARE_ARGS`, keeps its whole result and
-adds a summary per row of the long run (2 windows of 1,792 prefilled + 256 scored tokens, decode
+adds a summary per row of the long run (a window of 1,792 prefilled + 256 scored tokens, decode
 timed at 2,048 tokens): bytes against the uncompressed bf16 cache, resident and averaged over
 decoding (``resident_ratio_decode_mean``), KL to the baseline's next-token distribution, top-1
 agreement, and decode tokens/s as a ratio to ``hf-hqq-q4`` in the same run.
@@ -33,7 +33,7 @@ COMPARE_ARGS = [
     # the short run only as small as the tool allows: the long run is the measurement
     "--windows", "1", "--context-tokens", "64", "--scored-tokens", "32", "--prompt-count", "1",
     "--new-tokens", "8",
-    "--long-context", "2048", "--long-windows", "2", "--long-scored-tokens", "256",
+    "--long-context", "2048", "--long-windows", "1", "--long-scored-tokens", "256",
     "--speed-rounds", "2", "--speed-steps", "16",
     "--no-memory-curve", "--quiet",
 ]  # fmt: skip
