@@ -60,8 +60,9 @@ class Backend:
     key: str
     #: the tab's title
     title: str
-    #: the compressed cache whose greedy text should equal the native one's
-    lossless: str
+    #: the compressed cache closest to the native one (a lossless or a change-of-basis tier): its
+    #: greedy text should equal the native one's on a short prompt
+    closest_choice: str
     #: the compressed cache a new chat starts with
     default_choice: str
     #: whether the materialization-free toggle applies to this package

@@ -27,7 +27,7 @@ def materialization_free_twin(name: str) -> str | None:
 class FlashcodecBackend(Backend):
     key = "flashcodec"
     title = "flashcodec (transformers)"
-    lossless = "png-keep1"
+    closest_choice = "png-keep1"
     # the tier that holds 4-bit bytes and answers like the native cache on the real model
     default_choice = "chan64-int4-w64i8"
     has_materialization_free = True

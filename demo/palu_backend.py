@@ -39,7 +39,7 @@ def default_compute_dtype() -> str:
 class PaluBackend(Backend):
     key = "palu"
     title = "palu-mlx (mlx-lm)"
-    lossless = "full-rank-fp16"
+    closest_choice = "full-rank-fp16"
     default_choice = "palu-3bit"
 
     def __init__(self, dtype: str = "bfloat16", compute_dtype: str = "auto"):

@@ -105,7 +105,7 @@ def encode_text(text: str) -> list[int]:
 class FakeBackend(Backend):
     key = "fake"
     title = "fake"
-    lossless = "copy"
+    closest_choice = "copy"
     default_choice = "copy"
 
     def __init__(self, max_positions: int | None = 64, tokenizer=None):

@@ -34,7 +34,7 @@ def test_every_flashcodec_tier_is_reachable_from_the_chat_tab(flashcodec):
     reachable = set(offered) | set(with_toggle)
     assert set(flashcodec_tiers.TIERS) <= reachable
     assert {"hf-hqq-q8", "hf-fp8"} <= reachable  # transformers' QuantizedCache peers
-    assert flashcodec.lossless in reachable and flashcodec.default_choice in reachable
+    assert flashcodec.closest_choice in reachable and flashcodec.default_choice in reachable
 
 
 def test_the_toggle_picks_the_tier_with_the_same_codec(flashcodec):

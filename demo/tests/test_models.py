@@ -134,7 +134,7 @@ def test_the_default_model_holds_a_conversation(package):
         from demo.flashcodec_backend import FlashcodecBackend
 
         backend = FlashcodecBackend()
-    setup = Setup(model=None, choice=backend.lossless, materialization_free=False)
+    setup = Setup(model=None, choice=backend.closest_choice, materialization_free=False)
     loaded = backend.worker.call(lambda: backend.load(None))
     stop = backend.stop_tokens(loaded)
     assert loaded.runner.tokenizer.convert_tokens_to_ids("<|im_end|>") in stop
