@@ -187,3 +187,29 @@ def test_codec_attention_follows_the_cache_setting(step_raw):
         with torch.no_grad():
             plain = model(ids[:, :50], cache=DynamicCache(config=model.config)).logits
         assert (got[:, :50] - plain).abs().max() <= 1e-4 * plain.abs().max()
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["causal", "mask"])
+def test_the_raw_step_in_chunks_equals_one_chunk(masked):
+    """A long raw step is attended in causal chunks; cut every 5 tokens, the result equals the
+    kernel's single tail chunk (and an explicit 4-D mask is honoured chunk by chunk)."""
+    from flashcodec.attention import _prefill_split_tail, coded_rows, step_rows
+    from flashcodec.kernels.naive import prefill_attention_naive
+
+    k, v = kv(s=61, seed=6)
+    cache = CodecKVCache(codec=LOSSY["chan8-int4-w8i8"])
+    cache.append(k[:, :, :19], v[:, :, :19])
+    cache.append(k[:, :, 19:], v[:, :, 19:])
+    query = torch.randn(2, 4, 42, 16, generator=torch.Generator().manual_seed(7))
+    keys = step_rows(coded_rows(cache.keys), k[:, :, 19:])
+    values = step_rows(coded_rows(cache.values), v[:, :, 19:])
+    mask = None
+    if masked:
+        mask = torch.zeros(2, 1, 42, 61)
+        mask[0, :, :, 3:9] = -math.inf  # a hidden span in the coded prefix
+        mask[1, :, :, 40:] = -math.inf  # and one in the raw step
+    args = dict(scale=0.25, mask=mask, chunk_blocks=1)
+    got = _prefill_split_tail(query, keys, values, tail_tokens=5, **args)
+    want = prefill_attention_naive(query, keys, values, **args)
+    assert keys.tail.shape[2] == 42 + 3  # three decoded tokens of the block the step starts in
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
