@@ -47,7 +47,7 @@ import mlx.core as mx
 import numpy as np
 from kvbench.models import default_text_path
 from kvbench.protocol import Settings, text_windows
-from kvbench.results import environment_stamp
+from kvbench.results import environment_stamp, write_json
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 from palu_mlx import KVCacheBuilder
 from palu_mlx.builder import model_kv_dims
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
             r["bytes_x_q4"] = None if q4 is None else r["held_bytes"] / q4["held_bytes"]
         result.update(environment_stamp(["palu-mlx", "kvbench", "mlx", "mlx-lm"]))
         result["command"] = " ".join(["python benchmarks/palu/real_model.py", *(argv or sys.argv[1:])])
-        args.out.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
+        write_json(args.out, result)  # written whole or not at all
         print(
             json.dumps(
                 {"name": name, **{k: row.get(k) for k in ("kl", "top1", "ppl", "bytes_x_raw", "seconds")}}
