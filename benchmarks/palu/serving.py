@@ -118,6 +118,7 @@ def run_kind(kind: str, args: argparse.Namespace) -> dict[str, Any]:
             from palu_mlx.serving import describe
 
             result["palu"] = describe(provider.palu_config)
+            result["palu_config"] = json.loads(provider.palu_config.to_json())
         contexts = []
         for n in args.contexts:
             prompt_cache.trim_to(n_sequences=0)

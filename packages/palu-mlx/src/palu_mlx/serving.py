@@ -132,14 +132,19 @@ def palu_config(model: Any, args: argparse.Namespace) -> KVCacheConfig:
 
 
 def describe(config: KVCacheConfig) -> str:
-    """One line naming a config's bits, calibration and key path, for logs."""
+    """One line naming a config's bits, per-token scales, exact tokens and calibration, for logs."""
     if config.palu_calibration is not None:
         how = f"calibrated from {config.palu_calibration}"
     else:
         how = "projections fitted per sequence"
     bits = config.coder_bits
-    rate = f"{bits:g} code bits per element" if bits is not None else "rank / hi-lo split"
-    return f"palu KV cache: {rate}, {how}"
+    parts = [f"{bits:g} code bits per element" if bits is not None else "rank / hi-lo split"]
+    if getattr(config, "palu_token_scale", False):
+        parts.append("per-token scales")
+    sink, recent = getattr(config, "palu_sink_tokens", 0), getattr(config, "palu_recent_tokens", 0)
+    if sink or recent:
+        parts.append(f"first {sink} and newest {recent} tokens exact")
+    return f"palu KV cache: {', '.join(parts)}, {how}"
 
 
 def kv_bytes(cache: Sequence[Any]) -> tuple[int, int]:
