@@ -17,6 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from cache_snapshots import array_bytes, build, kv, snapshot, synthetic_calibration
 from kvspec import (
     KVConfigError,
     KVDataError,
@@ -52,7 +53,6 @@ from palu_mlx.cli import main as cli_main
 from palu_mlx.layer import CacheLayer
 from palu_mlx.mixed_bit import pack_codes, unpack_codes
 from palu_mlx.spec import PaluAdapter
-from cache_snapshots import array_bytes, build, kv, snapshot, synthetic_calibration
 
 
 @dataclass(frozen=True)

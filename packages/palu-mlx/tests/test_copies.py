@@ -9,8 +9,8 @@ import pickle
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models.cache import LRUPromptCache
 from cache_snapshots import KINDS, build, kv, snapshot
+from mlx_lm.models.cache import LRUPromptCache
 
 COPIES = {
     "deepcopy": copy.deepcopy,

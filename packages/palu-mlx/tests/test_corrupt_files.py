@@ -11,6 +11,7 @@ import warnings
 
 import mlx.core as mx
 import pytest
+from cache_snapshots import build, kv, snapshot, synthetic_calibration
 from hypothesis import given
 from hypothesis import strategies as st
 from kvspec import KVConfigError, KVDataError, KVSpecError
@@ -18,7 +19,6 @@ from mlx_lm.models.cache import KVCache
 from palu_mlx import load_prompt_cache, save_prompt_cache
 from palu_mlx.builder import UnverifiedPromptCacheWarning
 from palu_mlx.calibration import Calibration, UnverifiedCalibrationWarning
-from cache_snapshots import build, kv, snapshot, synthetic_calibration
 
 
 def caches() -> list:

@@ -9,9 +9,9 @@ import palu_mlx.cache
 import palu_mlx.calibrated
 import palu_mlx.naive
 import pytest
+from cache_snapshots import build, kv, snapshot
 from kvspec import KVConfigError
 from palu_mlx import KVCacheConfig, PaluKVCache
-from cache_snapshots import build, kv, snapshot
 
 MODULES = {"naive": palu_mlx.naive, "palu-fitted": palu_mlx.cache, "calibrated": palu_mlx.calibrated}
 

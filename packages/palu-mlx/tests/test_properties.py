@@ -25,12 +25,12 @@ import warnings
 
 import mlx.core as mx
 import numpy as np
+from cache_snapshots import KINDS, array_bytes, build, kv, palu, snapshot
 from hypothesis import given
 from hypothesis import strategies as st
 from kvspec import KVSpecError
 from mlx_lm.models.cache import KVCache
 from palu_mlx import NaiveQuantKVCache, load_prompt_cache, naive_roundtrip, save_prompt_cache
-from cache_snapshots import KINDS, array_bytes, build, kv, palu, snapshot
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 

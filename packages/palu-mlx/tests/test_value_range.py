@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
+from cache_snapshots import build, kv, palu, snapshot
 from kvspec import KVValueError
 from palu_mlx.lowrank import GroupProjection
 from palu_mlx.mixed_bit import MixedBitCoder, Segment
-from cache_snapshots import build, kv, palu, snapshot
 
 
 def finite(*arrays: mx.array) -> bool:
