@@ -40,7 +40,8 @@ class PaluBackend(Backend):
     key = "palu"
     title = "palu-mlx (mlx-lm)"
     closest_choice = "full-rank-fp16"
-    default_choice = "palu-3bit"
+    # the uncalibrated default tier (per-token scales, exact first and newest tokens)
+    default_choice = "palu-2.5bit-scaled"
 
     def __init__(self, dtype: str = "bfloat16", compute_dtype: str = "auto"):
         super().__init__(PaluHarness(), dtype)
