@@ -157,7 +157,7 @@ def test_docs_match_the_committed_results():
 @pytest.mark.parametrize(
     "cli, tiers, commands",
     [
-        ("palu_mlx.cli", ["reference-default", "r8-4bit"], "compare, calibrate"),
+        ("palu_mlx.cli", ["reference-default", "r8-4bit"], "generate, server, compare, calibrate"),
         ("flashcodec.cli", ["png-keep1", "jpeg-k2-int8-mf"], "compare"),
     ],
 )
