@@ -37,11 +37,9 @@ import torch
 from kvspec import KVConfigError, KVDtypeError, KVShapeError
 
 from .kernels.naive import (
-    EMPTY_MAX,
     CodedRows,
     decode_attention_naive,
     decoded_chunk,
-    online_softmax_update,
     prefill_attention_naive,
 )
 from .stream import SPARE_BLOCKS, CodecStream
@@ -394,45 +392,16 @@ def _prefill_split_tail(
     of ``tail_tokens``: with the step's own tokens raw, the tail holds the whole step, and one
     causal chunk the size of the prompt would score every query against every key (twice the
     work of chunks that skip the keys after a query). Same arguments, same result."""
-    b, hq, s, d = query.shape
-    hkv = keys.tail.shape[1]
-    g = hq // hkv
-    r, n = keys.block_size, keys.n_blocks
-    total = keys.seq_len
-    first = total - s
-    dv = values.tail.shape[-1]
-    dev = query.device
-    q = (query.float() * scale).reshape(b, hkv, g, s, d)
-    m = torch.full((b, hkv, g, s), EMPTY_MAX, dtype=torch.float32, device=dev)
-    denom = torch.zeros_like(m)
-    acc = torch.zeros(b, hkv, g, s, dv, dtype=torch.float32, device=dev)
-    cb = max(1, int(chunk_blocks))
-    chunks = [(start * r, min(start + cb, n) * r, start, min(start + cb, n)) for start in range(0, n, cb)]
-    chunks += [(k0, min(k0 + tail_tokens, total), None, None) for k0 in range(n * r, total, tail_tokens)]
-    pos_q = torch.arange(first, total, device=dev)
-    for k0, k1, start, stop in chunks:
-        if start is None:
-            kc, vc = keys.tail[:, :, k0 - n * r : k1 - n * r], values.tail[:, :, k0 - n * r : k1 - n * r]
-        else:
-            kc, vc = decoded_chunk(keys, start, stop), decoded_chunk(values, start, stop)
-        kt = kc.float().unsqueeze(2).transpose(-1, -2)  # [B, Hkv, 1, D, T]
-        vf = vc.float().unsqueeze(2)  # [B, Hkv, 1, T, Dv]
-        qc = max(1, int(score_elements) // max(1, b * hq * (k1 - k0)))
-        q_start = max(0, k0 - first) if mask is None else 0  # causal: earlier queries see none of it
-        for q0 in range(q_start, s, qc):
-            q1 = min(s, q0 + qc)
-            scores = q[:, :, :, q0:q1] @ kt  # [B, Hkv, G, sq, T]
-            if mask is None:
-                pos_k = torch.arange(k0, k1, device=dev)
-                scores = scores.masked_fill(pos_k[None, :] > pos_q[q0:q1, None], -math.inf)
-            else:
-                part = mask[:, :, q0:q1, k0:k1]
-                part = part.reshape(b, hkv, g, q1 - q0, k1 - k0) if part.shape[1] == hq else part[:, :, None]
-                scores = scores + part
-            state = (m[..., q0:q1], denom[..., q0:q1], acc[..., q0:q1, :])
-            m[..., q0:q1], denom[..., q0:q1], acc[..., q0:q1, :] = online_softmax_update(state, scores, vf)
-    out = acc / denom.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)
-    return out.reshape(b, hq, s, dv).to(query.dtype)
+    return prefill_attention_naive(
+        query,
+        keys,
+        values,
+        scale=scale,
+        mask=mask,
+        chunk_blocks=chunk_blocks,
+        score_elements=score_elements,
+        tail_tokens=tail_tokens,
+    )
 
 
 @torch.no_grad()

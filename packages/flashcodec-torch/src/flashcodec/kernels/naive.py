@@ -415,6 +415,7 @@ def prefill_attention_naive(
     mask: torch.Tensor | None = None,
     chunk_blocks: int = 64,
     score_elements: int = 1 << 18,
+    tail_tokens: int | None = None,
 ) -> torch.Tensor:
     """Attention of ``s`` new query tokens over coded keys/values, chunk by chunk (never the whole view).
 
@@ -428,6 +429,8 @@ def prefill_attention_naive(
         chunk_blocks: archived blocks decoded at a time (each is decoded once); the raw tail is
             the last chunk.
         score_elements: most score entries one pass forms (the queries are split to fit).
+        tail_tokens: None (the raw tail is one chunk) or the tail's chunk length: a tail that holds
+            a whole prompt's step is cut so that causal chunks skip the keys after each query.
 
     Returns:
         ``[B, Hq, s, Dv]`` in ``query.dtype``, fp32 arithmetic on keys/values rounded to the
@@ -451,13 +454,14 @@ def prefill_attention_naive(
     denom = torch.zeros_like(m)
     acc = torch.zeros(b, hkv, g, s, dv, dtype=torch.float32, device=dev)
     chunks = [(start * r, min(start + cb, n) * r, start, min(start + cb, n)) for start in range(0, n, cb)]
-    chunks.append((n * r, total, None, None))  # the raw tail
+    tail = max(1, total - n * r if tail_tokens is None else int(tail_tokens))
+    chunks += [(k0, min(k0 + tail, total), None, None) for k0 in range(n * r, total, tail)]  # the raw tail
     pos_q = torch.arange(first, total, device=dev)
     for k0, k1, start, stop in chunks:
         if k1 <= k0 or (mask is None and k0 > total - 1):
             continue
         if start is None:
-            kc, vc = keys.tail, values.tail
+            kc, vc = keys.tail[:, :, k0 - n * r : k1 - n * r], values.tail[:, :, k0 - n * r : k1 - n * r]
         else:
             kc, vc = decoded_chunk(keys, start, stop), decoded_chunk(values, start, stop)
         kt = kc.float().unsqueeze(2).transpose(-1, -2)  # [B, Hkv, 1, D, T]
