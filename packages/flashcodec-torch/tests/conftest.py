@@ -67,3 +67,23 @@ def embedded_model():
     return AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.float32
     ).eval(), AutoTokenizer.from_pretrained(path)
+
+
+def tiny_qwen3(seed: int = 0, dtype: torch.dtype = torch.float32, max_positions: int = 512):
+    """A random 2-layer Qwen3 (4 query / 2 KV heads of 16), the same weights for the same seed; needs
+    transformers (imported here, so test files that skip without it can still import this module)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        config = Qwen3Config(
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=max_positions,
+        )
+        return Qwen3ForCausalLM(config).eval().to(dtype)

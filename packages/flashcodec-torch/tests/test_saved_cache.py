@@ -8,25 +8,14 @@ import torch
 
 pytest.importorskip("transformers")
 
+from conftest import tiny_qwen3  # noqa: E402
 from flashcodec.hf.saved import cache_from_bytes, cache_to_bytes, load_cache, save_cache  # noqa: E402
 from kvspec import KVConfigError, KVDataError, KVDtypeError  # noqa: E402
-from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
+from transformers import DynamicCache  # noqa: E402
 
 
 def tiny(dtype):
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        config = Qwen3Config(
-            vocab_size=128,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            max_position_embeddings=512,
-        )
-        return Qwen3ForCausalLM(config).eval().to(dtype)
+    return tiny_qwen3(dtype=dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])

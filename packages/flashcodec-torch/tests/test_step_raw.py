@@ -21,12 +21,15 @@ from flashcodec.attention import codec_prefill_attention  # noqa: E402
 from flashcodec.codecs import ChannelInt4Codec  # noqa: E402
 from flashcodec.hf import FlashCodecCache, FlashCodecLayer, apply_codec_attention, remove_codec_attention  # noqa: E402
 from kvspec import KVConfigError, KVDtypeError, KVShapeError  # noqa: E402
-from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
+from transformers import DynamicCache  # noqa: E402
 
 LOSSY = {
     "chan8-int4-w8i8": ChannelInt4Codec(8, raw_window=8, window_bits=8),
     "jpeg-k2-int8": JPEGCodec(8, keep_freqs=2, quant_bits=8),
 }
+
+
+from conftest import tiny_qwen3  # noqa: E402
 
 
 def kv(b=2, h=2, s=21, d=16, seed=0, dtype=torch.float32):
@@ -35,19 +38,7 @@ def kv(b=2, h=2, s=21, d=16, seed=0, dtype=torch.float32):
 
 
 def tiny(seed=0, dtype=torch.float32):
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        config = Qwen3Config(
-            vocab_size=128,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            max_position_embeddings=512,
-        )
-        return Qwen3ForCausalLM(config).eval().to(dtype)
+    return tiny_qwen3(seed, dtype)
 
 
 # ---------------------------------------------------------------- the layer (materialized path)

@@ -22,11 +22,11 @@ import torch
 
 pytest.importorskip("transformers")
 
+from conftest import tiny_qwen3  # noqa: E402
 from flashcodec.hf import FlashCodecCache, apply_codec_attention, remove_codec_attention  # noqa: E402
 from flashcodec.tiers import TIERS  # noqa: E402
 from tp_worker import PROMPT as TP_PROMPT  # noqa: E402
 from tp_worker import case_names, tier_tokens  # noqa: E402
-from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 
 #: the tiers the two-rank test checks: the lossless tier and the default lossy candidate
 TP_TIERS = ("png-keep1", "kivi64-k4v4-w64i8")
@@ -39,20 +39,8 @@ def test_tp_tiers_are_registry_tiers():
     assert case_names(["a"]) == ["a", "a+mf"]
 
 
-def _tiny(seed: int = 0) -> Qwen3ForCausalLM:
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        config = Qwen3Config(
-            vocab_size=128,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            max_position_embeddings=256,
-        )
-        return Qwen3ForCausalLM(config).eval()
+def _tiny(seed: int = 0):
+    return tiny_qwen3(seed, max_positions=256)
 
 
 class _GlobalShapeLinear(torch.nn.Module):
