@@ -18,6 +18,7 @@ import pytest
 import torch
 from conftest import random_walk
 from flashcodec import CodecKVCache, CodecStorage, JPEGCodec, PNGCodec, dct_matrix, delta_variance_ratio, tier
+from flashcodec.attention import codec_decode_attention
 from flashcodec.codecs import MixedJPEGCodec, make_codec
 from flashcodec.codecs.quant import pack_int4
 from flashcodec.stream import CodecStream
@@ -255,6 +256,14 @@ CATALOGUE = {
         KVValueError,
         "int4 codes must be whole numbers",
     ),
+    "png-decode-missing-delta-rows": (
+        None,
+        lambda o, c: PNGCodec(8).decode(
+            (torch.zeros(1, 1, 2, 4), torch.zeros(1, 1, 2, 5, 4, dtype=torch.float64)), torch.float32
+        ),
+        KVShapeError,
+        r"deltas \[\.\.\., n, r-1, D\] with r-1=7",
+    ),
     "hf-config-not-a-config": (
         None,
         lambda o, c: FlashCodecCache(config=object()),
@@ -379,6 +388,27 @@ CATALOGUE = {
         lambda o, c: o.get_mask_sizes(-1),
         KVShapeError,
         "query_length must be an integer >= 0",
+    ),
+    "reorder-never-filled-cache": (
+        lambda c: CodecKVCache(),
+        lambda o, c: o.reorder([5]),
+        KVShapeError,
+        r"cannot gather batch rows \[5\] \(beam_idx\) from a cache that never stored a token",
+    ),
+    # attention on the stored rows (the cache whose streams it reads must not change)
+    "decode-attention-every-key-masked": (
+        lambda c: filled(JPEGCodec(8, quant_bits=8)),
+        lambda o, c: codec_decode_attention(
+            good(s=1), o.keys, o.values, key_mask=torch.tensor([[True] * 13, [False] * 13])
+        ),
+        KVValueError,
+        r"key_mask must leave every sequence at least one key.*batch rows \[1\] have none",
+    ),
+    "decode-attention-float64-query": (
+        lambda c: filled(JPEGCodec(8, quant_bits=8)),
+        lambda o, c: codec_decode_attention(good(s=1).double(), o.keys, o.values),
+        KVDtypeError,
+        "query dtype must be one of float32, float16, bfloat16; got torch.float64",
     ),
     # from_state (the source cache is the object that must not change)
     "from-state-offset-past-the-data": (

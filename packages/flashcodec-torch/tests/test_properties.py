@@ -26,7 +26,7 @@ from conftest import CODECS
 from flashcodec import CodecKVCache, PNGCodec
 from hypothesis import given
 from hypothesis import strategies as st
-from kvspec import KVSpecError
+from kvspec import KVShapeError, KVSpecError
 from snapshots import snapshot
 
 transformers = pytest.importorskip("transformers")
@@ -119,8 +119,11 @@ def test_lossless_cache_equals_plain_tensors(dtype, batch, seed, ops):
             ref.keep(ref.offset - min(n, ref.offset))
         elif op == "reorder":
             idx = _batch_index(raw, ref.batch)
-            cache.reorder(torch.tensor(idx))
-            if cache.keys is not None:
+            if cache.keys is None:  # no batch to gather from yet
+                with pytest.raises(KVShapeError, match="never stored a token"):
+                    cache.reorder(torch.tensor(idx))
+            else:
+                cache.reorder(torch.tensor(idx))
                 ref.select(idx)
         elif op == "state":
             cache = CodecKVCache.from_state(cache.state, cache.meta_state)

@@ -34,7 +34,7 @@ import math
 import numbers
 
 import torch
-from kvspec import KVConfigError, KVDtypeError, KVShapeError
+from kvspec import KVConfigError, KVDtypeError, KVShapeError, KVValueError
 
 from .kernels.naive import (
     CodedRows,
@@ -48,6 +48,7 @@ __all__ = [
     "BACKENDS",
     "coded_rows",
     "additive_key_mask",
+    "QUERY_DTYPES",
     "codec_decode_attention",
     "codec_prefill_attention",
     "materialized_decode_attention",
@@ -60,6 +61,8 @@ __all__ = [
 ]
 
 BACKENDS = ("auto", "torch", "triton")
+#: query dtypes the attention functions take (the caches' dtypes; arithmetic runs in fp32)
+QUERY_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: bytes of fp32 rows one torch chunk may cast at once: bounds the temporaries on long sequences
 TORCH_CHUNK_BYTES = 2 << 20
 #: tokens' worth of archived blocks a multi-token step decodes at a time (:func:`chunk_blocks_for`)
@@ -111,7 +114,8 @@ def coded_rows(stream: CodecStream) -> CodedRows:
 def additive_key_mask(key_mask: torch.Tensor | None, batch: int, seq_len: int) -> torch.Tensor | None:
     """Validate ``key_mask`` and return it as additive fp32 ``[B, S]`` (0 visible, -inf hidden).
 
-    Accepts None, a bool ``[B, S]`` (True = attend) or a float ``[B, S]`` added to the scores.
+    Accepts None, a bool ``[B, S]`` (True = attend) or a float ``[B, S]`` added to the scores;
+    ``KVValueError`` when a row hides every key (its softmax would be NaN).
     """
     if key_mask is None:
         return None
@@ -123,10 +127,21 @@ def additive_key_mask(key_mask: torch.Tensor | None, batch: int, seq_len: int) -
         )
     if key_mask.dtype == torch.bool:
         zero = torch.zeros((), dtype=torch.float32, device=key_mask.device)
-        return torch.where(key_mask, zero, torch.full_like(zero, -math.inf))
-    if not key_mask.is_floating_point():
+        mask = torch.where(key_mask, zero, torch.full_like(zero, -math.inf))
+    elif not key_mask.is_floating_point():
         raise KVDtypeError(f"key_mask must be bool or floating point; got {key_mask.dtype}")
-    return key_mask.float()
+    else:
+        mask = key_mask.float()
+    if mask.numel():
+        # a row with no visible key has no softmax: it would come back NaN
+        hidden = torch.isneginf(mask).all(dim=-1) | torch.isnan(mask).any(dim=-1)
+        if bool(hidden.any()):
+            rows = hidden.nonzero().flatten().tolist()
+            raise KVValueError(
+                f"key_mask must leave every sequence at least one key to attend to (and hold no NaN); "
+                f"batch rows {rows} have none"
+            )
+    return mask
 
 
 def _check_call(
@@ -150,6 +165,10 @@ def _check_call(
         )
     if not query.is_floating_point():
         raise KVDtypeError(f"query must be floating point; got {query.dtype}")
+    if query.dtype not in QUERY_DTYPES:
+        # the kernels compute in fp32: an fp64 query would come back fp64 with fp32 precision
+        allowed = ", ".join(str(dt).removeprefix("torch.") for dt in QUERY_DTYPES)
+        raise KVDtypeError(f"query dtype must be one of {allowed}; got {query.dtype}")
     b, hq, _, d = query.shape
     ks, vs = key_stream, value_stream
     if (ks.batch, ks.heads, ks.seq_len, ks.block_size) != (vs.batch, vs.heads, vs.seq_len, vs.block_size):
@@ -218,7 +237,7 @@ def codec_decode_attention(
             token's key and value must already be appended.
         scale: score scale, default ``D ** -0.5``.
         key_mask: None, bool ``[B, S]`` (True = attend) or additive float ``[B, S]``, e.g. for
-            left-padded batches.
+            left-padded batches; every row must leave at least one key visible.
         backend: ``"auto"``, ``"torch"`` or ``"triton"`` (see the module docstring).
         blocks_per_split: archived blocks per split (torch: per chunk; Triton: per program);
             default: torch chunks cast at most :data:`TORCH_CHUNK_BYTES` of rows to fp32 at a time;
@@ -227,8 +246,8 @@ def codec_decode_attention(
     Returns:
         ``[B, Hq, 1, Dv]`` in ``query.dtype``; arithmetic in fp32 from the stored rows.
 
-    Raises kvspec errors (``KVShapeError``, ``KVDtypeError``, ``KVConfigError``) for calls it
-    cannot serve; the streams are only read, never changed.
+    Raises kvspec errors (``KVShapeError``, ``KVDtypeError``, ``KVConfigError``, ``KVValueError``)
+    for calls it cannot serve; the streams are only read, never changed.
     """
     _check_call(query, key_stream, value_stream, scale, backend, blocks_per_split)
     b, hq, _, d = query.shape

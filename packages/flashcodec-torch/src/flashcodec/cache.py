@@ -336,8 +336,8 @@ class CodecKVCache:
         ``beam_idx``: 1-D integer indices into the current batch (any length >= 1; the batch becomes
         it), negative ones counted from the end as in tensor indexing; with ``allow_mask``, also a
         boolean mask over the batch. ``name`` is the argument the caller's error message names.
-        A cache that never stored a token checks only the form of the indices (its batch is not
-        fixed yet) and stays empty.
+        A cache that never stored a token has no batch to gather from: ``KVShapeError`` (after
+        checking the form of the indices), and it stays empty.
         """
         self.plan_reorder(beam_idx, name=name, allow_mask=allow_mask)()
 
@@ -347,8 +347,11 @@ class CodecKVCache:
         """Check and prepare :meth:`reorder` (the gathered buffers) without changing anything; the
         returned function installs them and cannot fail."""
         if self.keys is None or self.values is None:
-            batch_index(name, beam_idx, None, allow_mask=allow_mask)
-            return _nothing
+            idx = batch_index(name, beam_idx, None, allow_mask=allow_mask)
+            raise KVShapeError(
+                f"cannot gather batch rows {idx.tolist()} ({name}) from a cache that never stored a token: "
+                "it has no batch yet (append first)"
+            )
         idx = batch_index(name, beam_idx, self.keys.batch, allow_mask=allow_mask, device=self.keys.device)
         streams = self._streams()
         plans = [stream.prepare_reorder(idx) for stream in streams]  # allocates: before any change

@@ -153,17 +153,32 @@ class PNGCodec(BlockCodec):
 
     def stored_rows(self, parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
         """``[anchor; deltas]`` as ``[..., n, r, D]`` in ``dtype`` (a copy)."""
-        self.check_parts(parts)
-        anchors, deltas = parts
+        anchors, deltas = self._checked(parts)
         return torch.cat([anchors.unsqueeze(-2).to(dtype), deltas.to(dtype)], dim=-2)
 
     def row_segments(
         self, parts: tuple[torch.Tensor, ...]
     ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
         """``((anchors [..., n, 1, D], deltas [..., n, r-1, D]), None)``: views of the parts, no copy."""
+        anchors, deltas = self._checked(parts)
+        return (anchors.unsqueeze(-2), deltas), None
+
+    def _checked(self, parts: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(anchors [..., n, D], deltas [..., n, r-1, D])``; ``KVShapeError`` otherwise: a block
+        with fewer delta rows would decode to a shorter block without a word."""
         self.check_parts(parts)
         anchors, deltas = parts
-        return (anchors.unsqueeze(-2), deltas), None
+        if anchors.dim() < 1 or tuple(deltas.shape) != (
+            *anchors.shape[:-1],
+            self.block_size - 1,
+            anchors.shape[-1],
+        ):
+            raise KVShapeError(
+                f"png codec parts must be anchors [..., n, D] and deltas [..., n, r-1, D] with "
+                f"r-1={self.block_size - 1} (block_size={self.block_size}); got anchors {tuple(anchors.shape)}, "
+                f"deltas {tuple(deltas.shape)}"
+            )
+        return anchors, deltas
 
     def decode(self, parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
         """Parts for ``n`` blocks -> ``[..., n*r, D]`` in ``dtype``: ``cumsum`` in the delta dtype, then cast."""
