@@ -40,6 +40,7 @@ from .calibration import Calibration
 from .config import KVCacheConfig
 from .integrity import CHECKSUM_KEY, UnverifiedFileWarning, digest
 from .mixed_bit import BitAllocationPolicy, check_policy
+from .models import check_model, default_caches, model_kv_dims, original_make_cache
 from .naive import NaiveQuantKVCache
 from .rope import Rotary, model_rotaries
 
@@ -62,44 +63,9 @@ _OUR_CLASSES = tuple(_OURS.values())
 _FORMAT = "palu-mlx.prompt-cache.v1"
 
 
-def _check_model(model: Any) -> None:
-    """KVConfigError unless ``model`` looks like an mlx-lm model: an ``mlx.nn.Module`` with a list
-    of ``layers`` or its own ``make_cache`` (what building its caches reads)."""
-    if not isinstance(model, nn.Module):
-        raise KVConfigError(f"model must be an mlx-lm model (an mlx.nn.Module); got {type(model).__name__}")
-    layers = getattr(model, "layers", None)
-    if not callable(getattr(model, "make_cache", None)) and not isinstance(layers, (list, tuple)):
-        raise KVConfigError(
-            f"model ({type(model).__name__}) has neither a list of .layers nor a make_cache(); "
-            "allowed: an mlx-lm model as mlx_lm.load returns it"
-        )
-
-
 def _check_config(config: Any) -> None:
     if not isinstance(config, KVCacheConfig):
         raise KVConfigError(f"config must be a KVCacheConfig; got {type(config).__name__}")
-
-
-def model_kv_dims(model: nn.Module) -> tuple[int | None, int | None]:
-    """``(head_dim, n_kv_heads)`` of an mlx-lm model (None where unknown).
-
-    ``n_kv_heads`` is the KV heads this process's attention computes: the attention modules'
-    ``n_kv_heads`` where they have one, so a tensor-parallel shard (``mlx_lm.utils.sharded_load``,
-    which divides it by the group size) gets its own share; else ``args.num_key_value_heads``.
-    """
-    _check_model(model)
-    args = getattr(model, "args", None)
-    n_heads = getattr(args, "num_attention_heads", None)
-    head_dim = getattr(args, "head_dim", None)
-    if head_dim is None and n_heads and getattr(args, "hidden_size", None):
-        head_dim = args.hidden_size // n_heads
-    n_kv = getattr(args, "num_key_value_heads", None) or n_heads
-    for layer in getattr(model, "layers", None) or []:
-        local = getattr(getattr(layer, "self_attn", None), "n_kv_heads", None)
-        if isinstance(local, int) and not isinstance(local, bool) and local > 0:
-            n_kv = local
-            break
-    return head_dim, n_kv
 
 
 class KVCacheBuilder:
@@ -157,7 +123,7 @@ class KVCacheBuilder:
             )
         if rotaries is None:
             rotaries = _rotaries(model, config, head_dim)
-        defaults = _default_caches(model)
+        defaults = default_caches(model)
         replaceable = (mlx_cache.KVCache, *_OUR_CLASSES)
         if config.method == "palu" and config.palu_calibration is not None:
             calibration = load_calibration(config.palu_calibration)
@@ -199,7 +165,7 @@ class KVCacheBuilder:
 
         # Re-installing keeps the first install's record of what the model had.
         had_own = model.make_cache._palu_had_own if _installed(model) else "make_cache" in vars(model)
-        make_cache._palu_original = _original_make_cache(model)  # type: ignore[attr-defined]
+        make_cache._palu_original = original_make_cache(model)  # type: ignore[attr-defined]
         make_cache._palu_had_own = had_own  # type: ignore[attr-defined]
         model.make_cache = make_cache
         return make_cache
@@ -223,8 +189,6 @@ _CALIBRATIONS: dict[tuple[str, float], Calibration] = {}
 
 def load_calibration(path: str) -> Calibration:
     """:meth:`Calibration.load`, remembered per (path, modification time): caches are built often."""
-    import os
-
     try:
         key = (os.path.abspath(path), os.path.getmtime(path))
     except OSError as exc:
@@ -235,13 +199,13 @@ def load_calibration(path: str) -> Calibration:
 
 
 def _installed(model: nn.Module) -> bool:
-    _check_model(model)  # install and uninstall ask this first: a non-model fails here, clearly
+    check_model(model)  # install and uninstall ask this first: a non-model fails here, clearly
     return hasattr(getattr(model, "make_cache", None), "_palu_original")
 
 
 def _rotaries(model: nn.Module, config: KVCacheConfig, head_dim: int | None) -> list[Rotary | None]:
     # install's first call: its model and config are checked here, before anything is built
-    _check_model(model)
+    check_model(model)
     _check_config(config)
     if config.method != "palu" or not config.palu_pre_rope:
         return _NO_ROTARIES
@@ -250,19 +214,6 @@ def _rotaries(model: nn.Module, config: KVCacheConfig, head_dim: int | None) -> 
 
 def _at(rotaries: list[Rotary | None], i: int) -> Rotary | None:
     return rotaries[i] if i < len(rotaries) else None
-
-
-def _original_make_cache(model: nn.Module) -> Callable[[], list[Any]] | None:
-    current = getattr(model, "make_cache", None)
-    # Re-installing must not wrap our own factory: keep the model's real default.
-    return getattr(current, "_palu_original", current)
-
-
-def _default_caches(model: nn.Module) -> list[Any]:
-    original = _original_make_cache(model)
-    if original is not None:
-        return list(original())
-    return [mlx_cache.KVCache() for _ in model.layers]
 
 
 # --------------------------------------------------------------------------- persistence

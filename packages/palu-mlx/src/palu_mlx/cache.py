@@ -38,7 +38,7 @@ import numpy as np
 from kvspec import KVConfigError, KVDataError, KVShapeError
 
 from .attention import LatentStore
-from .calibrated import GAUSSIAN_STEP, FixedQuantCoder
+from .coders.fixed import GAUSSIAN_STEP, FixedQuantCoder
 from .config import UNQUANTIZED_BITS, KVCacheConfig
 from .layer import CacheLayer, detached, write_rows
 from .lowrank import GroupProjection, fit_group_projection, project, reconstruct

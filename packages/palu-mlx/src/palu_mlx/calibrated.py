@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from functools import cached_property
 
 import mlx.core as mx
 import numpy as np
@@ -31,6 +30,7 @@ from kvspec import KVConfigError, KVDataError, KVShapeError
 
 from .attention import LatentStore
 from .calibration import Calibration, TensorCalibration
+from .coders.fixed import GAUSSIAN_STEP, TOKEN_SCALE_BYTES, FixedQuantCoder, token_scales
 from .config import DEFAULT_PALU_BITS, KVCacheConfig
 from .layer import SUPPORTED_DTYPES, CacheLayer, detached, write_rows
 from .lowrank import GroupProjection, project, reconstruct
@@ -55,147 +55,6 @@ __all__ = [
     "TOKEN_SCALE_BYTES",
     "token_scales",
 ]
-
-#: MSE-optimal uniform quantizer step (in standard deviations) for a unit Gaussian, 2^b levels.
-GAUSSIAN_STEP: dict[int, float] = {
-    1: 1.596,
-    2: 0.9957,
-    3: 0.586,
-    4: 0.3352,
-    5: 0.1881,
-    6: 0.1041,
-    7: 0.0569,
-    8: 0.0308,
-}
-
-
-#: bytes of the per-token scale a :class:`FixedQuantCoder` with ``token_scale`` puts in front of
-#: each row (one bfloat16: float16 would overflow on inputs far larger than the fit's)
-TOKEN_SCALE_BYTES = 2
-
-
-def token_scales(normalized: mx.array, half_levels: mx.array, wide: mx.array) -> mx.array:
-    """Per-token scale of latents already divided by their channel steps: ``[..., r]`` -> ``[..., 1]``.
-
-    The scale is the smallest factor that keeps every channel of at least 2 bits inside its
-    quantizer's range (``half_levels`` steps either side of zero), so no such channel clips:
-    held-out latents reach 6-8 standard deviations of the fit tokens' spread (attention sinks,
-    huge-norm tokens), far outside a fixed range fitted on the typical tokens. 1-bit channels
-    are left out: their quantizer is a sign, clipping by design; a row of 1-bit channels only
-    keeps scale 1 (the coder stores 1 without calling this). Floored at 2^-100 so an all-zero
-    token decodes to zeros instead of dividing by zero.
-    """
-    ratio = mx.abs(normalized) / half_levels
-    ratio = mx.where(wide, ratio, 0.0)
-    # the 2^-7 nudge makes the bfloat16 the scale is stored in round up, so the largest channel
-    # stays inside the range even at 8 bits
-    return mx.maximum(mx.max(ratio, axis=-1, keepdims=True), 2.0**-100) * (1.0 + 2.0**-7)
-
-
-@dataclass(frozen=True)
-class FixedQuantCoder:
-    """Per-channel uniform quantizers and a whole-byte bitstream per token and head.
-
-    Attributes:
-        widths: ``r`` ints in ``[1, 8]``, the bits of each latent channel (shared by the heads).
-        steps: ``[H, r]`` float32 quantizer steps per head and channel.
-        token_scale: False: the steps are fixed, latents outside the range clip to the end levels,
-            and a row holds only the codes. True: each token and head also stores one bfloat16 scale
-            (:func:`token_scales`, the first :data:`TOKEN_SCALE_BYTES` bytes of its row) that
-            multiplies every step of that row, chosen so that no channel of 2 bits or more clips.
-    """
-
-    widths: tuple[int, ...]
-    steps: mx.array
-    token_scale: bool = False
-
-    def __post_init__(self) -> None:
-        if not self.widths or any(not 1 <= w <= 8 for w in self.widths):
-            raise KVConfigError(f"widths={self.widths!r} must be a non-empty list of ints in [1, 8]")
-        if not isinstance(self.token_scale, bool):
-            raise KVConfigError(f"token_scale={self.token_scale!r} must be True or False")
-
-    @property
-    def rank(self) -> int:
-        return len(self.widths)
-
-    @property
-    def bits_per_row(self) -> int:
-        """Code bits of one token and head (the scale, if any, not counted)."""
-        return sum(self.widths)
-
-    @property
-    def code_bytes(self) -> int:
-        """Bytes of the codes of one token and head: ``ceil(sum(widths) / 8)``."""
-        return -(-self.bits_per_row // 8)
-
-    @property
-    def bytes_per_row(self) -> int:
-        """Bytes of one token and head: the codes, plus the bfloat16 scale with ``token_scale``."""
-        return self.code_bytes + (TOKEN_SCALE_BYTES if self.token_scale else 0)
-
-    @cached_property
-    def _layout(self) -> tuple[mx.array, ...]:
-        """Per channel: first byte, bit shift inside it, mask, levels; the byte one-hots; the
-        channels a token scale covers.
-
-        A code of at most 8 bits starting at stream bit ``o`` lies in bytes ``o // 8`` and
-        ``o // 8 + 1``, so encoding adds its low and high parts into those two bytes and
-        decoding reads those two bytes: work per channel, never per bit.
-        """
-        start = np.concatenate([[0], np.cumsum(self.widths)[:-1]])
-        first = start // 8
-        onehot_lo = np.zeros((self.rank, self.code_bytes + 1), dtype=np.float32)
-        onehot_lo[np.arange(self.rank), first] = 1.0
-        onehot_hi = np.zeros_like(onehot_lo)
-        onehot_hi[np.arange(self.rank), first + 1] = 1.0
-        return (
-            mx.array(first.astype(np.int32)),
-            mx.array((start % 8).astype(np.uint32)),
-            mx.array([(1 << w) - 1 for w in self.widths], dtype=mx.uint32),
-            mx.array([1 << w for w in self.widths], dtype=mx.float32),
-            mx.array(onehot_lo),
-            mx.array(onehot_hi),
-            mx.array([w >= 2 for w in self.widths]),
-        )
-
-    def encode(self, latents: mx.array) -> mx.array:
-        """Latents ``[B, H, S, r]`` -> packed rows ``[B, H, S, bytes_per_row]`` uint8."""
-        _, shift, _, levels, onehot_lo, onehot_hi, wide = self._layout
-        u = latents.astype(mx.float32) / self.steps[None, :, None, :]
-        scale_bytes = None
-        if self.token_scale:
-            # quantize against the stored (bfloat16) scale, so decoding sees the same number
-            if any(w >= 2 for w in self.widths):
-                scale = token_scales(u, levels / 2, wide).astype(mx.bfloat16)
-            else:  # only 1-bit channels: nothing to keep in range, the fixed steps stand
-                scale = mx.ones((*u.shape[:-1], 1), dtype=mx.bfloat16)
-            u = u / scale.astype(mx.float32)
-            scale_bytes = scale.view(mx.uint8)
-        q = mx.floor(u + levels / 2)
-        q = mx.clip(q, 0, levels - 1).astype(mx.uint32) << shift
-        # the fields of one byte are disjoint, so their float32 sum (< 256) is their bitwise OR
-        lo = (q & 0xFF).astype(mx.float32) @ onehot_lo
-        hi = (q >> 8).astype(mx.float32) @ onehot_hi
-        codes = (lo + hi)[..., : self.code_bytes].astype(mx.uint8)
-        return codes if scale_bytes is None else mx.concatenate([scale_bytes, codes], axis=-1)
-
-    def decode(self, packed: mx.array) -> mx.array:
-        """Packed rows ``[B, H, S, bytes_per_row]`` -> latents ``[B, H, S, r]`` float32."""
-        first, shift, mask, levels, _, _, _ = self._layout
-        scale = None
-        if self.token_scale:
-            scale = mx.contiguous(packed[..., :TOKEN_SCALE_BYTES]).view(mx.bfloat16).astype(mx.float32)
-            packed = packed[..., TOKEN_SCALE_BYTES:]
-        b = mx.concatenate([packed, mx.zeros((*packed.shape[:-1], 1), dtype=mx.uint8)], axis=-1).astype(
-            mx.uint32
-        )
-        pair = mx.take(b, first, axis=-1) | (mx.take(b, first + 1, axis=-1) << 8)
-        codes = ((pair >> shift) & mask).astype(mx.float32)
-        steps = self.steps[None, :, None, :]
-        if scale is not None:
-            steps = steps * scale
-        return (codes + 0.5 - levels / 2) * steps
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models import cache as mlx_cache
 
 from .integrity import CHECKSUM_KEY, UnverifiedFileWarning, digest
+from .models import check_model, default_caches, model_kv_dims
 from .rope import Rotary, _pair_index, model_rotaries
 
 __all__ = [
@@ -80,9 +81,7 @@ def default_calibration_text() -> str:
 
 
 def _kv_parameters(model: Any) -> list[tuple[str, mx.array]]:
-    from .builder import _check_model  # builder imports this module
-
-    _check_model(model)
+    check_model(model)
     # the parameters that make keys and values from a layer's input (quantized: with scales, biases)
     params = tree_flatten(model.parameters())
     kv = [(n, a) for n, a in params if any(p in n for p in ("k_proj", "v_proj", "k_norm"))]
@@ -134,8 +133,6 @@ def _same_fingerprint(a: dict[str, list[float]], b: dict[str, list[float]]) -> b
 
 def model_identity(model: Any) -> dict[str, Any]:
     """What a calibration file records about its model: architecture, shapes and the K/V weights digest."""
-    from .builder import model_kv_dims
-
     head_dim, n_kv = model_kv_dims(model)
     args = getattr(model, "args", None)
     return {
@@ -343,9 +340,7 @@ class Calibration:
 
     def check_model(self, model: Any, source: str = "palu_calibration") -> None:
         """Raise ``KVConfigError`` naming what differs if ``model`` is not the calibrated model."""
-        from .builder import _check_model
-
-        _check_model(model)
+        check_model(model)
         ours = model_identity(model)
         exact = ("architecture", "n_layers", "n_kv_heads", "head_dim")
         diffs = [
@@ -713,9 +708,7 @@ def calibrate(
     """
     from tqdm import tqdm
 
-    from .builder import _check_model, _default_caches, model_kv_dims
-
-    _check_model(model)
+    check_model(model)
     if not callable(getattr(tokenizer, "encode", None)):
         raise KVConfigError(f"tokenizer must have an encode(text) method; got {type(tokenizer).__name__}")
     if text is not None and not isinstance(text, str):
@@ -743,7 +736,7 @@ def calibrate(
         raise KVConfigError("the calibration text has fewer than 2 tokens")
     spans = _spans(len(tokens), window, max_tokens)
     used = sum(stop - start for start, stop in spans)
-    defaults = _default_caches(model)
+    defaults = default_caches(model)
     full = [type(c) is mlx_cache.KVCache for c in defaults]
     last = max((i for i, f in enumerate(full) if f), default=None)
     moments: list[dict[str, _Moments]] = [{} for _ in defaults]
@@ -762,7 +755,7 @@ def calibrate(
                     _Recorder(None if rotaries is None else rotaries[i], recorded[i], taps[i], i == last)
                     if full[i]
                     else c
-                    for i, c in enumerate(_default_caches(model))
+                    for i, c in enumerate(default_caches(model))
                 ]
                 try:
                     mx.eval(model(mx.array(tokens[start:stop])[None], cache=caches))

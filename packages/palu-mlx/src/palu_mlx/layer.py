@@ -24,6 +24,8 @@ from kvspec import (
 )
 from mlx_lm.models.cache import create_attention_mask
 
+from .batch import BatchedLayerCache
+
 __all__ = ["CacheLayer", "SUPPORTED_DTYPES", "dtype_name", "dtype_from_name", "write_rows", "detached"]
 
 SUPPORTED_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
@@ -126,8 +128,6 @@ class CacheLayer:
     def merge(cls, caches: list[Any]) -> Any:
         """mlx-lm's batch path: one :class:`~palu_mlx.batch.BatchedLayerCache` from one cache per
         sequence (copies). Its presence is what makes mlx-lm's server batch requests."""
-        from .batch import BatchedLayerCache
-
         return BatchedLayerCache.merge(caches)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):

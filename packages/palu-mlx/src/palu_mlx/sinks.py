@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import mlx.core as mx
+from kvspec import KVDataError
 
 __all__ = ["ExactPrefix", "RecentWindow"]
 
@@ -163,8 +164,6 @@ def read_recent(
     ``recent_start``), checked: a start outside ``[0, offset)``, more rows than ``capacity``
     or arrays of the wrong shape raise ``KVDataError`` naming them. ``arrays`` is a
     :class:`~palu_mlx.state_checks.StateArrays`."""
-    from kvspec import KVDataError
-
     start = runtime.get("recent_start")
     if start is None:  # no window, or trimmed back below it: the next tokens start a new one
         return RecentWindow(capacity)
