@@ -11,14 +11,8 @@ import numpy as np
 import pytest
 from kvspec import KVConfigError
 from palu_helpers import make_tiny_qwen3
-from palu_mlx.calibration import (
-    DEFAULT_MAX_TOKENS,
-    Calibration,
-    _eigh,
-    _Moments,
-    _window_moments,
-    calibrate,
-)
+from palu_mlx.calibration import DEFAULT_MAX_TOKENS, Calibration, calibrate
+from palu_mlx.calibration.fit import _eigh, _Moments, _window_moments
 from palu_mlx.cli import main as cli_main
 from palu_mlx.integrity import CHECKSUM_KEY, digest
 

@@ -14,13 +14,8 @@ from mlx_lm.models.cache import KVCache
 from palu_helpers import make_tiny_qwen3
 from palu_mlx import KVCacheBuilder, KVCacheConfig
 from palu_mlx.calibrated import CalibratedKVCache, _tensor_code, allocate_widths
-from palu_mlx.calibration import (
-    Calibration,
-    _fit,
-    _output_metric,
-    _query_metric,
-    calibrate,
-)
+from palu_mlx.calibration import Calibration, calibrate
+from palu_mlx.calibration.fit import _fit, _output_metric, _query_metric
 from palu_mlx.cli import main as cli_main
 from palu_mlx.integrity import CHECKSUM_KEY, digest
 from palu_mlx.lowrank import project, reconstruct

@@ -36,7 +36,7 @@ from mlx_lm.models import cache as mlx_cache
 from .attention import route_attention, unroute_attention
 from .cache import PaluKVCache
 from .calibrated import CalibratedKVCache, calibrated_caches
-from .calibration import Calibration
+from .calibration.file import Calibration
 from .config import KVCacheConfig
 from .integrity import CHECKSUM_KEY, UnverifiedFileWarning, digest
 from .mixed_bit import BitAllocationPolicy, check_policy

@@ -29,7 +29,7 @@ import numpy as np
 from kvspec import KVConfigError, KVDataError, KVShapeError
 
 from .attention import LatentStore
-from .calibration import Calibration, TensorCalibration
+from .calibration.file import Calibration, TensorCalibration
 from .coders.fixed import GAUSSIAN_STEP, TOKEN_SCALE_BYTES, FixedQuantCoder, token_scales
 from .config import DEFAULT_PALU_BITS, KVCacheConfig
 from .layer import SUPPORTED_DTYPES, CacheLayer, detached, write_rows

@@ -46,7 +46,7 @@ def _blas_hint(model) -> str | None:
 
     import mlx.core as mx
 
-    from .calibration import _is_quantized, _model_dtype
+    from .calibration.fit import _is_quantized, _model_dtype
 
     if not sys.platform.startswith("linux") or mx.default_device() != mx.cpu:
         return None
@@ -107,7 +107,7 @@ def calibrate_main(argv: Sequence[str]) -> int:
     import mlx_lm
     from kvspec import KVSpecError
 
-    from .calibration import _compute_dtype, calibrate
+    from .calibration.fit import _compute_dtype, calibrate
     from .serving import ModelNameError, resolve_model_arg
 
     try:
