@@ -25,6 +25,7 @@ from flashcodec.codecs import (
     PartSpec,
     TokenIntCodec,
     ZeroPointJPEGCodec,
+    keyword_codec,
     make_codec,
 )
 from flashcodec.codecs.base import check_block_size, from_blocks, to_blocks
@@ -157,6 +158,39 @@ def test_config_rebuilds_the_codec_and_the_keyword_form_builds_the_same_object(c
     assert make_codec(**codec.config()) == codec
     keywords = {k: v for k, v in codec.config().items()}
     assert CodecKVCache(**keywords).codec == codec
+
+
+# every registered codec with options away from its defaults: the keyword form takes any field
+KEYWORD_CASES = [
+    JPEGCodec(8, keep_freqs=2, quant_bits=8),
+    PNGCodec(4, keep_ratio=0.5, delta_dtype="float32"),
+    MixedJPEGCodec(8, freq_bits=(8, 4, 4, 4, 0, 0, 0, 0)),
+    ZeroPointJPEGCodec(8, raw_window=96, window_bits=8),
+    ChannelInt4Codec(64, raw_window=64, window_bits=8),
+    KIVICodec(64, key_bits=8, value_bits=8),
+]
+
+
+@pytest.mark.parametrize("codec", KEYWORD_CASES, ids=lambda c: c.mode)
+def test_every_entry_point_builds_every_codec_from_the_keyword_form(codec):
+    from flashcodec.hf import FlashCodecCache
+
+    keywords = codec.config()
+    assert keyword_codec(**keywords) == codec
+    assert CodecKVCache(**keywords).codec == codec
+    assert FlashCodecCache(**keywords).codec_defaults["codec"] == codec
+
+
+def test_the_keyword_form_by_position_names_mode_block_size_keep_freqs_keep_ratio_quant_bits():
+    assert CodecKVCache("jpeg", 8, 2, 1.0, 8).codec == JPEGCodec(8, keep_freqs=2, quant_bits=8)
+    assert CodecKVCache("png", 4, delta_dtype="float32").codec == PNGCodec(4, delta_dtype=torch.float32)
+    assert CodecKVCache().codec == JPEGCodec(8)
+    with pytest.raises(KVConfigError, match=r"at most 5 positional values.*got 6"):
+        CodecKVCache("jpeg", 8, 2, 1.0, 8, 0)
+    with pytest.raises(KVConfigError, match=r"mode is given twice.*mode='png'"):
+        keyword_codec("jpeg", mode="png")
+    with pytest.raises(KVConfigError, match=r"unknown codec option 'keep_freqz'"):
+        CodecKVCache(keep_freqz=2)
 
 
 def test_keyword_form_options_of_another_codec_are_refused_unless_at_their_default():

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from kvspec import (
@@ -27,8 +28,7 @@ from kvspec import (
     trim_count,
 )
 
-from .codecs import KEYWORD_DEFAULTS as _KW
-from .codecs import BlockCodec, make_codec, resolve_codec
+from .codecs import BlockCodec, keyword_codec, make_codec
 from .state_check import check_state
 from .storage import CodecStorage
 from .stream import CodecStream
@@ -54,15 +54,14 @@ class CodecKVCache:
     the same object (:func:`flashcodec.codecs.make_codec`). Giving both is a ``KVConfigError``.
 
     Args:
-        mode: the codec's registry name: ``"jpeg"`` (block DCT, keep ``keep_freqs`` frequencies)
-            or ``"png"`` (anchor + deltas).
-        block_size: ``r`` tokens per block, >= 1.
-        keep_freqs: jpeg only, ``K`` in ``1..r``; default ``r`` (lossless basis).
-        keep_ratio: png only, share of deltas kept per block, in ``(0, 1]``; default 1.0 (lossless).
-        quant_bits: jpeg only, ``None`` or ``8`` (int8 coefficients + one fp32 scale per (block, frequency)).
+        keyword_form, codec_options: the codec in the keyword form, ``mode`` (a registry name:
+            ``"jpeg"``, ``"png"``, ``"jpeg-zp"``, ``"kivi"``, ...; default ``"jpeg"``) and the
+            fields of that codec class (jpeg: ``block_size``, ``keep_freqs``, ``quant_bits``; png:
+            ``block_size``, ``keep_ratio``, ``delta_dtype``; kivi: ``key_bits``, ``value_bits``,
+            ...). Up to five may be given by position, in the order ``mode, block_size,
+            keep_freqs, keep_ratio, quant_bits`` (:func:`flashcodec.codecs.keyword_codec`).
         codec: a codec object (:class:`flashcodec.JPEGCodec`, :class:`flashcodec.PNGCodec`, or any
             registered :class:`flashcodec.BlockCodec`), instead of the keyword form.
-        delta_dtype: png only, ``torch.float64`` (default; bitwise tier) or ``torch.float32``.
         check_finite: reject NaN / inf input with ``KVValueError`` (default True). One NaN would
             spread over its whole block through the transform; the check costs a reduction per call.
         initial_blocks: archive capacity allocated with the first complete block (then doubled), never
@@ -79,26 +78,13 @@ class CodecKVCache:
 
     def __init__(
         self,
-        mode: str = _KW["mode"],
-        block_size: int = _KW["block_size"],
-        keep_freqs: int | None = _KW["keep_freqs"],
-        keep_ratio: float = _KW["keep_ratio"],
-        quant_bits: int | None = _KW["quant_bits"],
-        *,
+        *keyword_form: Any,
         codec: BlockCodec | None = None,
-        delta_dtype: torch.dtype | str | None = _KW["delta_dtype"],
         check_finite: bool = True,
         initial_blocks: int = 16,
+        **codec_options: Any,
     ):
-        self.codec: BlockCodec = resolve_codec(
-            codec,
-            mode=mode,
-            block_size=block_size,
-            keep_freqs=keep_freqs,
-            keep_ratio=keep_ratio,
-            quant_bits=quant_bits,
-            delta_dtype=delta_dtype,
-        )
+        self.codec: BlockCodec = keyword_codec(*keyword_form, codec=codec, **codec_options)
         self.check_finite = check_bool("check_finite", check_finite)
         self.initial_blocks = check_int("initial_blocks", initial_blocks, low=1)
         self.keys: CodecStream | None = None

@@ -4,14 +4,15 @@ A codec object is the configuration: ``JPEGCodec(block_size=8, keep_freqs=2, qua
 ``PNGCodec(block_size=8, keep_ratio=1.0)``. :data:`CODECS` maps each ``mode`` name to its class;
 adding a codec is one file here (a :class:`BlockCodec` subclass) plus one line in :data:`CODECS`.
 
-The keyword form that caches also accept (``mode="jpeg", block_size=8, keep_freqs=2``) is turned
-into a codec object by :func:`make_codec`; :func:`resolve_codec` is the one place a cache
-chooses between ``codec=`` and that keyword form.
+The keyword form that caches also accept (``mode="jpeg", block_size=8, keep_freqs=2``, any field
+of any registered codec) is turned into a codec object by :func:`keyword_codec`, the one place a
+cache chooses between ``codec=`` and that keyword form (:func:`make_codec` builds it).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 from kvspec import KVConfigError
@@ -38,11 +39,12 @@ __all__ = [
     "CODECS",
     "allocate_freq_bits",
     "frequency_variances",
-    "KEYWORD_DEFAULTS",
+    "KEYWORD_POSITIONS",
     "codec_class",
     "make_codec",
+    "keyword_codec",
+    "keyword_options",
     "resolve_codec",
-    "keyword_values",
     "dct_matrix",
     "delta_variance_ratio",
     "quantize_int8",
@@ -77,8 +79,8 @@ def make_codec(mode: str = "jpeg", **options: Any) -> BlockCodec:
 
     ``options`` are the fields of the codec class registered for ``mode`` (jpeg: ``block_size``,
     ``keep_freqs``, ``quant_bits``; png: ``block_size``, ``keep_ratio``, ``delta_dtype``). An
-    option of another registered codec is accepted only at that codec's default, because the
-    keyword form of the caches passes every keyword; any other value raises ``KVConfigError``
+    option of another registered codec is accepted only at that codec's default, where it changes
+    nothing (``keep_freqs=None`` with ``mode="png"``); any other value raises ``KVConfigError``
     (say ``keep_ratio=0.5`` with ``mode="jpeg"``) instead of being silently ignored.
     """
     cls = codec_class(mode)
@@ -109,49 +111,55 @@ def _equal(value: Any, default: Any) -> bool:
         return False
 
 
-class _KeywordDefault:
-    """A keyword-form default: prints as its value (signatures read as usual) and tells "not passed"
-    apart, so a call that gives ``codec=`` and a keyword of the keyword form is refused."""
-
-    __slots__ = ("value",)
-
-    def __init__(self, value: Any):
-        self.value = value
-
-    def __repr__(self) -> str:
-        return repr(self.value)
+#: the keyword form's positional parameters, in the order the caches take them
+#: (``CodecKVCache("jpeg", 8, 2)`` is ``mode="jpeg", block_size=8, keep_freqs=2``)
+KEYWORD_POSITIONS = ("mode", "block_size", "keep_freqs", "keep_ratio", "quant_bits")
 
 
-#: the keyword form's defaults as markers: ``CodecKVCache(mode=KEYWORD_DEFAULTS["mode"], ...)``
-KEYWORD_DEFAULTS: dict[str, Any] = {
-    name: _KeywordDefault(value)
-    for name, value in dict(
-        mode="jpeg", block_size=8, keep_freqs=None, keep_ratio=1.0, quant_bits=None, delta_dtype=None
-    ).items()
-}
+def keyword_options(args: tuple[Any, ...] = (), options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The keyword form as given, as one dict: ``args`` named by :data:`KEYWORD_POSITIONS`, then
+    ``options`` (any field of any registered codec, and ``mode``). Nothing is validated but the
+    form: ``KVConfigError`` for more positional values than there are names, or a name given twice."""
+    if len(args) > len(KEYWORD_POSITIONS):
+        raise KVConfigError(
+            f"the keyword form takes at most {len(KEYWORD_POSITIONS)} positional values "
+            f"{KEYWORD_POSITIONS}; got {len(args)}: {args!r:.200}"
+        )
+    given = dict(zip(KEYWORD_POSITIONS, args, strict=False))  # fewer values than names
+    for name, value in (options or {}).items():
+        if name in given:
+            raise KVConfigError(f"{name} is given twice (positionally and as {name}={value!r})")
+        given[name] = value
+    return given
 
 
-def keyword_values(keywords: dict[str, Any]) -> dict[str, Any]:
-    """``keywords`` with every default marker replaced by its value."""
-    return {k: v.value if isinstance(v, _KeywordDefault) else v for k, v in keywords.items()}
+def keyword_codec(*args: Any, codec: BlockCodec | None = None, **options: Any) -> BlockCodec:
+    """The codec a cache is built with: ``codec`` itself, or the codec the keyword form names.
+
+    The one place the keyword form becomes a codec: :class:`flashcodec.CodecKVCache`,
+    :class:`flashcodec.hf.FlashCodecCache` and :func:`flashcodec.hf.apply_flash_codec` pass their
+    positional values (``mode, block_size, keep_freqs, keep_ratio, quant_bits``) and codec keywords
+    here unchanged. ``options`` are the fields of the codec registered for ``mode`` (default
+    ``"jpeg"``; see :func:`make_codec`). ``KVConfigError`` when ``codec`` is not a codec object,
+    when ``codec`` and a keyword of the keyword form are both given, or for a bad keyword.
+
+        keyword_codec("jpeg", 8, 2) == keyword_codec(mode="jpeg", block_size=8, keep_freqs=2)
+        keyword_codec(mode="kivi", key_bits=8, value_bits=8) == KIVICodec(key_bits=8, value_bits=8)
+    """
+    return resolve_codec(codec, **keyword_options(args, options))
 
 
 def resolve_codec(codec: BlockCodec | None, **keywords: Any) -> BlockCodec:
-    """The codec a cache is built with: ``codec`` itself, or :func:`make_codec` of the keyword form.
-
-    ``keywords``: the keyword-form arguments as the caller received them (default markers for the
-    ones not passed). Raises ``KVConfigError`` when ``codec`` is not a codec object, or when
-    ``codec`` and a keyword of the keyword form are both given.
-    """
+    """``codec`` itself (checked to be a codec object), or :func:`make_codec` of ``keywords`` (the
+    keyword form as given, by name); giving both is a ``KVConfigError``."""
     if codec is None:
-        return make_codec(**keyword_values(keywords))
+        return make_codec(**keywords)
     if not isinstance(codec, BlockCodec):
         raise KVConfigError(
             f"codec must be a codec object such as JPEGCodec(...) or PNGCodec(...); got {codec!r}"
         )
-    given = {k: v for k, v in keywords.items() if not isinstance(v, _KeywordDefault)}
-    if given:
-        passed = ", ".join(f"{k}={v!r}" for k, v in given.items())
+    if keywords:
+        passed = ", ".join(f"{k}={v!r}" for k, v in keywords.items())
         raise KVConfigError(
             f"pass either codec= or the keyword form (mode=..., block_size=..., ...), not both; "
             f"got codec={codec!r} and {passed}"

@@ -20,8 +20,7 @@ import torch
 from kvspec import KVConfigError, KVShapeError, KVTrimError
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, LinearAttentionCacheLayerMixin
 
-from ..codecs import KEYWORD_DEFAULTS as _KW
-from ..codecs import BlockCodec, keyword_values, resolve_codec
+from ..codecs import BlockCodec, keyword_codec, keyword_options
 from ..storage import CodecStorage
 from ..validate import batch_index, check_int
 from .layer import FlashCodecLayer
@@ -66,8 +65,10 @@ class FlashCodecCache(Cache):
     """A transformers 5.x ``Cache`` that stores full-attention K/V block-coded.
 
     Args:
-        mode, block_size, keep_freqs, keep_ratio, quant_bits, delta_dtype: the codec of every
-            codec layer in the keyword form (:class:`flashcodec.CodecKVCache`; ``jpeg`` k=r by default).
+        keyword_form, codec_options: the codec of every codec layer in the keyword form, as
+            :class:`flashcodec.CodecKVCache` takes it (``mode``, ``block_size``, ``keep_freqs``,
+            ``keep_ratio``, ``quant_bits`` by position or name, any other codec field by name;
+            ``jpeg`` k=r by default).
         codec: the same as a codec object, e.g. ``JPEGCodec(block_size=8, keep_freqs=2)``; giving
             it together with a keyword of the keyword form is a ``KVConfigError``.
         check_finite, initial_blocks: as :class:`flashcodec.CodecKVCache`.
@@ -94,39 +95,28 @@ class FlashCodecCache(Cache):
 
     def __init__(
         self,
-        mode: str = _KW["mode"],
-        block_size: int = _KW["block_size"],
-        keep_freqs: int | None = _KW["keep_freqs"],
-        keep_ratio: float = _KW["keep_ratio"],
-        quant_bits: int | None = _KW["quant_bits"],
-        *,
+        *keyword_form: Any,
         codec: BlockCodec | None = None,
         per_layer: dict[int, BlockCodec | dict[str, Any]] | None = None,
         config: Any = None,
-        delta_dtype: torch.dtype | str | None = _KW["delta_dtype"],
         check_finite: bool = True,
         initial_blocks: int = 16,
         step_raw: bool = True,
+        **codec_options: Any,
     ):
         if not isinstance(step_raw, bool):
             raise KVConfigError(f"step_raw must be True or False; got {step_raw!r}")
         #: whether a multi-token step attends its own tokens as given (:class:`FlashCodecLayer`)
         self.step_raw = step_raw
-        keywords = dict(
-            mode=mode,
-            block_size=block_size,
-            keep_freqs=keep_freqs,
-            keep_ratio=keep_ratio,
-            quant_bits=quant_bits,
-            delta_dtype=delta_dtype,
-        )
-        default_codec = resolve_codec(codec, **keywords)
+        default_codec = keyword_codec(*keyword_form, codec=codec, **codec_options)
         #: the ``CodecKVCache`` arguments of every codec layer ``per_layer`` does not name
         self.codec_defaults = layer_options(
             default_codec, check_finite=check_finite, initial_blocks=initial_blocks
         )
         # dict overrides merge over the keyword form as given, so unset keywords stay unset
-        base_keywords = default_codec.config() if codec is not None else keyword_values(keywords)
+        base_keywords = (
+            default_codec.config() if codec is not None else keyword_options(keyword_form, codec_options)
+        )
         if config is None:
             self.layer_types: list[str] | None = None
             self.per_layer = check_per_layer(per_layer, self.codec_defaults, base_keywords)

@@ -15,8 +15,8 @@ from typing import Any
 
 from kvspec import KVConfigError
 
-from ..cache import CodecKVCache
 from ..codecs import BlockCodec, codec_class, make_codec, resolve_codec
+from ..validate import check_bool, check_int
 
 __all__ = ["CACHE_OPTIONS", "layer_options", "merge_override", "check_per_layer"]
 
@@ -25,10 +25,14 @@ CACHE_OPTIONS = ("check_finite", "initial_blocks")
 
 
 def layer_options(codec: BlockCodec, *, check_finite: Any = True, initial_blocks: Any = 16) -> dict[str, Any]:
-    """Validated ``CodecKVCache`` arguments of one layer (builds one cache to check them)."""
-    options = {"codec": codec, "check_finite": check_finite, "initial_blocks": initial_blocks}
-    CodecKVCache(**options)
-    return options
+    """Validated ``CodecKVCache`` arguments of one layer (checked as the cache checks them)."""
+    if not isinstance(codec, BlockCodec):
+        raise KVConfigError(f"codec must be a codec object such as JPEGCodec(...); got {codec!r}")
+    return {
+        "codec": codec,
+        "check_finite": check_bool("check_finite", check_finite),
+        "initial_blocks": check_int("initial_blocks", initial_blocks, low=1),
+    }
 
 
 def merge_override(

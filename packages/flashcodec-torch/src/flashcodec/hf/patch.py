@@ -26,8 +26,7 @@ from typing import Any
 import torch
 from kvspec import KVConfigError
 
-from ..codecs import KEYWORD_DEFAULTS as _KW
-from ..codecs import BlockCodec
+from ..codecs import BlockCodec, keyword_options
 from .cache import FlashCodecCache
 
 __all__ = ["FlashCodecPatch", "apply_flash_codec", "get_flash_codec_patch", "remove_flash_codec"]
@@ -131,28 +130,24 @@ def _wants_default_cache(model: Any, args: tuple, kwargs: dict, cache_kwarg: str
 
 def apply_flash_codec(
     model: torch.nn.Module,
-    mode: str = _KW["mode"],
-    block_size: int = _KW["block_size"],
-    keep_freqs: int | None = _KW["keep_freqs"],
-    keep_ratio: float = _KW["keep_ratio"],
-    quant_bits: int | None = _KW["quant_bits"],
-    *,
+    *keyword_form: Any,
     codec: BlockCodec | None = None,
     per_layer: dict[int, BlockCodec | dict[str, Any]] | None = None,
-    delta_dtype: torch.dtype | str | None = _KW["delta_dtype"],
     check_finite: bool = True,
     initial_blocks: int = 16,
     materialization_free: bool = False,
     step_raw: bool = True,
+    **codec_options: Any,
 ) -> torch.nn.Module:
     """Make every ``model.generate()`` of this one instance default to a :class:`FlashCodecCache`.
 
     Args:
         model: a transformers decoder-only model with ``generate`` (its ``config`` lays out the
             cache: codec layers on full attention, native layers elsewhere).
-        mode, block_size, keep_freqs, keep_ratio, quant_bits, codec, per_layer, delta_dtype,
-            check_finite, initial_blocks, step_raw: as :class:`FlashCodecCache` (``codec=`` or the
-            keyword form).
+        keyword_form, codec_options, codec, per_layer, check_finite, initial_blocks, step_raw: as
+            :class:`FlashCodecCache` (``codec=`` or the keyword form: ``mode``, ``block_size``,
+            ``keep_freqs``, ``keep_ratio``, ``quant_bits`` by position or name, any other codec
+            field by name).
         materialization_free: also wrap the model's Llama / Qwen-style attention modules so decode
             steps attend on the stored rows and prefill / multi-token steps on the archive a chunk
             at a time, never building the K/V view
@@ -162,16 +157,8 @@ def apply_flash_codec(
     a ``cache_implementation`` or ``custom_generate`` are not changed. Applying again replaces
     the options; a rejected call (``KVConfigError``) leaves the model as it was.
     """
-    keywords = dict(
-        mode=mode,
-        block_size=block_size,
-        keep_freqs=keep_freqs,
-        keep_ratio=keep_ratio,
-        quant_bits=quant_bits,
-        delta_dtype=delta_dtype,
-    )
-    # only what was passed: FlashCodecCache tells the keyword form's defaults from given keywords
-    options: dict[str, Any] = {k: v for k, v in keywords.items() if v is not _KW[k]}
+    # the keyword form as given: FlashCodecCache merges per_layer dicts over exactly these
+    options: dict[str, Any] = keyword_options(keyword_form, codec_options)
     if codec is not None:
         options["codec"] = codec
     options.update(
