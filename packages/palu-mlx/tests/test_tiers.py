@@ -9,7 +9,8 @@ import palu_mlx.spec as spec
 import pytest
 from kvspec import KVConfigError, KVSpecError
 from palu_helpers import planted_lowrank, rel_err
-from palu_mlx import TIERS, KVCacheConfig, PaluKVCache, Tier, tier
+from palu_mlx import CALIBRATED_TIERS, TIERS, KVCacheConfig, PaluKVCache, Tier, tier
+from palu_mlx.compare import tier_config
 from palu_mlx.config import REFERENCE_SPLIT
 from palu_mlx.spec import PaluAdapter
 
@@ -70,7 +71,12 @@ def test_unknown_tier_names_the_value_and_the_allowed_names():
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("name", ""), ("description", "two\nlines"), ("config", KVCacheConfig(method="naive"))],
+    [
+        ("name", ""),
+        ("description", "two\nlines"),
+        ("config", KVCacheConfig(method="naive")),
+        ("calibration", "some-file.safetensors"),
+    ],
 )
 def test_tier_rejects_bad_fields(field, value):
     good = dict(name="x", description="one line", config=KVCacheConfig())
@@ -105,3 +111,44 @@ def test_every_tier_caches_and_errors_grow_down_the_list():
     ):
         assert [errors[n] for n in family] == sorted(errors[n] for n in family)
     assert errors["full-rank-fp16"] < 1e-2
+
+
+def test_calibrated_tiers_are_the_bit_budget_tiers_twins_in_their_order():
+    budget = [name for name, t in TIERS.items() if t.config.palu_bits is not None]
+    assert list(CALIBRATED_TIERS) == [f"{name}+cal" for name in budget]
+    assert "palu-2.5bit-scaled+cal" in CALIBRATED_TIERS  # results files and docs read this name
+    for name, twin in CALIBRATED_TIERS.items():
+        base = TIERS[name.removesuffix("+cal")]
+        assert tier(name) is twin and twin.calibration == "model" and name not in TIERS
+        assert twin.config == base.config and twin.config.palu_calibration is None
+        assert twin.description.startswith(base.description)
+
+
+def test_with_calibration_binds_a_file_the_way_compare_always_named_it():
+    twin = tier("palu-2.5bit-scaled+cal")
+    bound = twin.with_calibration("/models/m.palu-calibration.safetensors")
+    base = tier("palu-2.5bit-scaled")
+    assert bound.name == "palu-2.5bit-scaled+cal" and bound.calibration == "model"
+    assert bound.description == (
+        f"{base.description}; calibrated (m.palu-calibration.safetensors): fixed projections and quantizers"
+    )
+    assert bound.config == dataclasses.replace(
+        base.config, palu_calibration="/models/m.palu-calibration.safetensors"
+    )
+    assert twin.config.palu_calibration is None  # the registry's entry is unchanged
+    # sized for a model: the uncalibrated tier's config plus the file
+    sized = tier_config("palu-2.5bit-scaled+cal", 64, 4, "f.safetensors")
+    assert sized == dataclasses.replace(
+        tier_config("palu-2.5bit-scaled", 64, 4), palu_calibration="f.safetensors"
+    )
+
+
+def test_calibration_goes_only_where_a_tier_needs_one():
+    with pytest.raises(KVConfigError, match="'r8-4bit' needs no calibration"):
+        tier("r8-4bit").with_calibration("f.safetensors")
+    with pytest.raises(KVConfigError, match="path=''"):
+        tier("palu-2bit+cal").with_calibration("")
+    with pytest.raises(KVConfigError, match=r"'palu-2bit\+cal' needs calibration="):
+        tier_config("palu-2bit+cal", 64, 4)
+    with pytest.raises(KVConfigError, match="'palu-2bit' takes no calibration"):
+        tier_config("palu-2bit", 64, 4, "f.safetensors")

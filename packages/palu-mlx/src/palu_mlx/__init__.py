@@ -42,7 +42,7 @@ from .mixed_bit import (
 )
 from .naive import NaiveQuantKVCache, naive_roundtrip
 from .rope import PRE_ROPE_ARCHITECTURES, PreRopeFallbackWarning, Rotary, model_rotaries
-from .tiers import TIERS, Tier, tier
+from .tiers import CALIBRATED_TIERS, TIERS, Tier, tier
 
 __version__ = "0.1.0"
 
@@ -60,6 +60,7 @@ __all__ = [
     "naive_roundtrip",
     "Tier",
     "TIERS",
+    "CALIBRATED_TIERS",
     "tier",
     "save_prompt_cache",
     "load_prompt_cache",

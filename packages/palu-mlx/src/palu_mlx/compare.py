@@ -43,7 +43,7 @@ from mlx.utils import tree_flatten
 
 from .builder import KVCacheBuilder, model_kv_dims
 from .config import KVCacheConfig
-from .tiers import TIERS
+from .tiers import CALIBRATED_SUFFIX, CALIBRATED_TIERS, TIERS, tier
 
 __all__ = ["PEER_BITS", "tier_config", "load_model", "MLXRunner", "build_candidates", "PaluHarness", "main"]
 
@@ -55,15 +55,26 @@ _DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
 
-def tier_config(name: str, head_dim: int, n_kv_heads: int | None) -> KVCacheConfig:
+def tier_config(
+    name: str, head_dim: int, n_kv_heads: int | None, calibration: str | None = None
+) -> KVCacheConfig:
     """The :class:`KVCacheConfig` of tier ``name`` for a model with ``head_dim`` and ``n_kv_heads``.
 
     The tier keeps its rank and bit widths from :data:`palu_mlx.tiers.TIERS` (full rank becomes
     the model's head dim; ranks are capped at it) and takes the default head grouping,
     ``KVCacheConfig().palu_n_head_groups`` (None: one projection per KV head, which fits any KV
-    head count). ``n_kv_heads`` is accepted for callers that size tiers per model.
+    head count). ``n_kv_heads`` is accepted for callers that size tiers per model. A calibrated
+    tier (:data:`palu_mlx.tiers.CALIBRATED_TIERS`) needs ``calibration``, a ``palu-mlx
+    calibrate`` file for the model (:meth:`~palu_mlx.tiers.Tier.with_calibration`).
     """
-    base = TIERS[name].config
+    chosen = tier(name)
+    if chosen.calibration is not None:
+        if calibration is None:
+            raise KVConfigError(f"tier {name!r} needs calibration=<a palu-mlx calibrate file for the model>")
+        chosen = chosen.with_calibration(calibration)
+    elif calibration is not None:
+        raise KVConfigError(f"tier {name!r} takes no calibration; got calibration={calibration!r}")
+    base = chosen.config
     groups = KVCacheConfig().palu_n_head_groups
     rank = base.palu_rank
     if name == "full-rank-fp16":
@@ -232,8 +243,9 @@ def build_candidates(
 ) -> list[Candidate]:
     """Baseline, then the chosen tiers, then the chosen peers, each checked against the model.
 
-    With ``calibration`` (a ``palu-mlx calibrate`` file for this model) every tier with a bit
-    budget (``palu_bits``) also runs calibrated, as ``<tier>+cal``, right after it.
+    With ``calibration`` (a ``palu-mlx calibrate`` file for this model) every tier with a
+    calibrated twin in :data:`palu_mlx.tiers.CALIBRATED_TIERS` (those with a bit budget) also
+    runs calibrated, as ``<tier>+cal``, right after it.
     Raises CompareError (one line) when palu cannot serve the model.
     """
     from mlx_lm.models.cache import KVCache, QuantizedKVCache
@@ -266,17 +278,18 @@ def build_candidates(
                 dataclasses.asdict(config),
             )
         )
-        if calibration is not None and config.palu_bits is not None:
-            cal = dataclasses.replace(config, palu_calibration=calibration)
+        twin = CALIBRATED_TIERS.get(name + CALIBRATED_SUFFIX)
+        if calibration is not None and twin is not None:
+            cal = tier_config(twin.name, head_dim, n_kv, calibration)
             try:
                 KVCacheBuilder.for_model(model, cal)
             except KVConfigError as err:
                 raise CompareError(f"--calibration: {err}") from None
             out.append(
                 Candidate(
-                    f"{name}+cal",
+                    twin.name,
                     "tier",
-                    f"{TIERS[name].description}; calibrated ({Path(calibration).name}): fixed projections and quantizers",
+                    twin.with_calibration(calibration).description,
                     lambda cal=cal: KVCacheBuilder.for_model(model, cal),
                     dataclasses.asdict(cal),
                 )

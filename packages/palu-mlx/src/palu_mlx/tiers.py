@@ -1,9 +1,17 @@
 """The palu tiers: every named configuration of the palu cache, defined here and nowhere else.
 
-A tier is a name, a one-line description and a :class:`KVCacheConfig`. The conformance
-adapter (:mod:`palu_mlx.spec`) adds capabilities and tolerances to these tiers; command
-lines, benchmarks, tests and docs read them from :data:`TIERS`. Adding a tier is one
-entry here (plus its conformance promises in :mod:`palu_mlx.spec`).
+A tier is a name, a one-line description, a :class:`KVCacheConfig` and, where it needs one, the
+calibration it needs. The conformance adapter (:mod:`palu_mlx.spec`) adds capabilities and
+tolerances to the tiers of :data:`TIERS`; command lines, benchmarks, tests and docs read them
+from here. Adding a tier is one entry here (plus its conformance promises in
+:mod:`palu_mlx.spec`).
+
+:data:`CALIBRATED_TIERS` holds the calibrated twin of every tier with a bit budget
+(``<tier>+cal``): the same config coded with fixed projections and quantizers from a
+``palu-mlx calibrate`` file made for the model it runs on (``calibration="model"``). A
+calibration is per model, so the registry names the kind and :meth:`Tier.with_calibration`
+binds a file; those twins are not in :data:`TIERS` because the conformance suite and the
+model-free runners have no model to calibrate.
 
 Every tier has ``head_dim=None`` and one head group, so one tier serves any
 ``[B, H, S, D]`` input; a runner that targets one model sets ``head_dim`` (and, if it
@@ -12,7 +20,9 @@ wants, a head grouping) with ``dataclasses.replace``.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 
 from kvspec import KVConfigError
 
@@ -20,7 +30,12 @@ from .config import DEFAULT_RECENT_TOKENS as RECENT_TOKENS
 from .config import DEFAULT_SINK_TOKENS as SINK_TOKENS
 from .config import REFERENCE_SPLIT, UNQUANTIZED_BITS, KVCacheConfig
 
-__all__ = ["Tier", "TIERS", "tier"]
+__all__ = ["Tier", "TIERS", "CALIBRATED_TIERS", "CALIBRATED_SUFFIX", "CALIBRATIONS", "tier"]
+
+#: what a tier may need: ``"model"``, a ``palu-mlx calibrate`` file made for the model it runs on
+CALIBRATIONS: tuple[str, ...] = ("model",)
+#: the end of a calibrated twin's name (``palu-2.5bit-scaled+cal``)
+CALIBRATED_SUFFIX = "+cal"
 
 
 @dataclass(frozen=True)
@@ -31,11 +46,15 @@ class Tier:
         name: the tier's one name everywhere (results files, command lines, test ids).
         description: one line saying what the tier is (rank or energy, bits).
         config: the :class:`KVCacheConfig` (``method="palu"``).
+        calibration: None (the tier fits its projections at the prefill), or one of
+            :data:`CALIBRATIONS`: the calibration the tier needs, given a file by
+            :meth:`with_calibration` (its ``config.palu_calibration`` is None until then).
     """
 
     name: str
     description: str
     config: KVCacheConfig
+    calibration: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name or self.name != self.name.strip():
@@ -44,6 +63,27 @@ class Tier:
             raise KVConfigError(f"description={self.description!r} must be one non-empty line")
         if not isinstance(self.config, KVCacheConfig) or self.config.method != "palu":
             raise KVConfigError(f"config={self.config!r} must be a KVCacheConfig with method='palu'")
+        if self.calibration is not None and self.calibration not in CALIBRATIONS:
+            raise KVConfigError(
+                f"calibration={self.calibration!r} must be None or one of {', '.join(map(repr, CALIBRATIONS))}"
+            )
+
+    def with_calibration(self, path: str) -> Tier:
+        """This calibrated tier bound to ``path``, a ``palu-mlx calibrate`` file for the model it runs on.
+
+        Its config gets ``palu_calibration=path`` and its description names the file. Raises
+        ``KVConfigError`` on a tier that needs no calibration or a path that is not a non-empty str.
+        """
+        if self.calibration is None:
+            raise KVConfigError(f"tier {self.name!r} needs no calibration; only calibrated tiers take a file")
+        if not isinstance(path, str) or not path:
+            raise KVConfigError(f"path={path!r} must be a non-empty str (a palu-mlx calibrate file)")
+        description = self.description.removesuffix(_UNBOUND_NOTE)
+        return dataclasses.replace(
+            self,
+            description=f"{description}; calibrated ({Path(path).name}): fixed projections and quantizers",
+            config=dataclasses.replace(self.config, palu_calibration=path),
+        )
 
 
 def _palu(**fields) -> KVCacheConfig:
@@ -129,10 +169,28 @@ TIERS: dict[str, Tier] = {
     )
 }
 
+#: what a calibrated twin's description adds until a file is bound (:meth:`Tier.with_calibration`)
+_UNBOUND_NOTE = "; calibrated: fixed projections and quantizers from a calibration of the model"
+
+
+def _calibrated_twin(base: Tier) -> Tier:
+    return Tier(
+        base.name + CALIBRATED_SUFFIX, base.description + _UNBOUND_NOTE, base.config, calibration="model"
+    )
+
+
+#: name -> calibrated :class:`Tier` (``<tier>+cal``), one per tier of :data:`TIERS` with a bit budget, in its order
+CALIBRATED_TIERS: dict[str, Tier] = {
+    t.name: t
+    for t in (_calibrated_twin(base) for base in TIERS.values() if base.config.palu_bits is not None)
+}
+
 
 def tier(name: str) -> Tier:
-    """The tier called ``name``; raises ``KVConfigError`` (a ``ValueError``) naming the allowed names."""
+    """The tier called ``name`` (in :data:`TIERS` or :data:`CALIBRATED_TIERS`); raises ``KVConfigError``
+    (a ``ValueError``) naming the allowed names."""
     try:
-        return TIERS[name]
+        return TIERS[name] if name in TIERS else CALIBRATED_TIERS[name]
     except (KeyError, TypeError):
-        raise KVConfigError(f"tier={name!r} is not a palu tier; allowed: {', '.join(TIERS)}") from None
+        allowed = ", ".join([*TIERS, *CALIBRATED_TIERS])
+        raise KVConfigError(f"tier={name!r} is not a palu tier; allowed: {allowed}") from None
