@@ -23,6 +23,7 @@ from flashcodec.codecs import (
     KIVICodec,
     MixedJPEGCodec,
     PartSpec,
+    RotatedKIVICodec,
     TokenIntCodec,
     ZeroPointJPEGCodec,
     keyword_codec,
@@ -82,6 +83,7 @@ def test_every_registry_key_is_its_class_mode():
         "chan4": ChannelInt4Codec,
         "kivi": KIVICodec,
         "token-int": TokenIntCodec,
+        "kivi-rot": RotatedKIVICodec,
     }
     assert all(cls.mode == mode and issubclass(cls, BlockCodec) for mode, cls in CODECS.items())
 
@@ -89,7 +91,7 @@ def test_every_registry_key_is_its_class_mode():
 def test_an_unregistered_mode_names_the_registered_ones():
     with pytest.raises(
         KVConfigError,
-        match=r"mode must be one of \('jpeg', 'png', 'jpeg-mixed', 'jpeg-zp', 'chan4', 'kivi', 'token-int'\); got 'raw'",
+        match=r"mode must be one of \('jpeg', 'png', 'jpeg-mixed', 'jpeg-zp', 'chan4', 'kivi', 'token-int', 'kivi-rot'\); got 'raw'",
     ):
         CodecKVCache(mode="raw", block_size=4)
 

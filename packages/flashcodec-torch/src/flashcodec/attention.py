@@ -40,6 +40,7 @@ from .kernels.naive import (
     CodedRows,
     decode_attention_naive,
     decoded_chunk,
+    in_rotated_domain,
     prefill_attention_naive,
 )
 from .stream import SPARE_BLOCKS, CodecStream
@@ -108,6 +109,7 @@ def coded_rows(stream: CodecStream) -> CodedRows:
         codec.row_offsets(parts),
         *(channel or (None, None)),
         identity_synthesis=codec.synthesis_is_identity,
+        rotation=codec.channel_rotation(stream.dim, stream.device),
     )
 
 
@@ -261,9 +263,12 @@ def codec_decode_attention(
     if backend == "triton":
         from .kernels.triton_attention import triton_decode_attention
 
+        # the kernel reads every token in one basis: a rotated archive's tail and query rotate too
+        q, keys, values, back = in_rotated_domain(query[:, :, 0], keys, values)
         out = triton_decode_attention(
-            query[:, :, 0], keys, values, scale=scale, key_mask=mask, blocks_per_split=blocks_per_split
+            q, keys, values, scale=scale, key_mask=mask, blocks_per_split=blocks_per_split
         )
+        out = back(out)
     else:
         out = decode_attention_naive(
             query[:, :, 0],

@@ -25,6 +25,7 @@ from .jpeg_zero import ZeroPointJPEGCodec
 from .kivi import KIVICodec, TokenIntCodec
 from .png import PNGCodec, delta_variance_ratio
 from .quant import dequantize_int8, quantize_int8
+from .rotated import RotatedKIVICodec
 
 __all__ = [
     "BlockCodec",
@@ -35,6 +36,7 @@ __all__ = [
     "ChannelInt4Codec",
     "KIVICodec",
     "TokenIntCodec",
+    "RotatedKIVICodec",
     "PNGCodec",
     "CODECS",
     "allocate_freq_bits",
@@ -60,6 +62,7 @@ CODECS: dict[str, type[BlockCodec]] = {
     "chan4": ChannelInt4Codec,
     "kivi": KIVICodec,
     "token-int": TokenIntCodec,
+    "kivi-rot": RotatedKIVICodec,
 }
 
 

@@ -201,6 +201,12 @@ class BlockCodec(ABC):
         default: no per-channel step; :class:`~flashcodec.codecs.ChannelInt4Codec` has one)."""
         return None
 
+    def channel_rotation(self, dim: int, device: torch.device | str | None = None) -> torch.Tensor | None:
+        """``M`` fp32 ``[dim, dim]`` (orthonormal) when the stored rows hold each token ``x`` as
+        ``x @ M`` (:mod:`flashcodec.codecs.rotated`), else None (the default: the token's own
+        channels). The attention kernels rotate the query and the output to match."""
+        return None
+
     def check_parts(self, parts: object) -> None:
         """``KVShapeError`` unless ``parts`` is a tuple / list of as many tensors as :meth:`encode`
         returns (what :meth:`decode`, :meth:`stored_rows` and :meth:`row_segments` take)."""

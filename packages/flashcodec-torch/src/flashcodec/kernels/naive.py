@@ -20,6 +20,7 @@ Imports torch only: the kernels are leaves of the package and know nothing of co
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from functools import lru_cache
 from typing import NamedTuple
 
@@ -34,6 +35,7 @@ __all__ = [
     "decode_attention_naive",
     "as_float",
     "decoded_chunk",
+    "in_rotated_domain",
     "online_softmax_update",
     "prefill_attention_naive",
 ]
@@ -63,6 +65,11 @@ class CodedRows(NamedTuple):
             ``(A @ rows)[t] * channel_scales[b] + channel_offsets[b]`` (chan4 has it).
         identity_synthesis: whether ``synthesis`` is the identity (the codec's
             ``synthesis_is_identity``; chan4), so the kernels skip its product.
+        rotation: ``M [D, D]`` fp32 orthonormal, or None (the default): the archived rows hold every
+            token ``x`` as ``x @ M`` (a rotation of the channels, the codec's ``channel_rotation``)
+            and everything above describes those rotated tokens; the tail holds the tokens
+            unrotated. Scores use ``q . x = (q @ M) . (x @ M)``, outputs ``sum p x = (sum p (x @ M)) @ M^T``.
+            :func:`decoded_chunk` returns the tokens rotated back; :func:`dense_rows` the rows as stored.
     """
 
     segments: tuple[torch.Tensor, ...]
@@ -73,6 +80,7 @@ class CodedRows(NamedTuple):
     channel_scales: torch.Tensor | None = None
     channel_offsets: torch.Tensor | None = None
     identity_synthesis: bool = False
+    rotation: torch.Tensor | None = None
 
     @property
     def n_blocks(self) -> int:
@@ -296,6 +304,10 @@ def decode_attention_partials(
     g = hq // hkv
     r, n = keys.block_size, keys.n_blocks
     q = (query.float() * scale).reshape(b, hkv, g, d)
+    # rotated archives (CodedRows.rotation): the archived keys meet the query rotated alike, and
+    # each archived split's output is rotated back before it meets the (unrotated) tail's
+    q_arch = q if keys.rotation is None else q @ keys.rotation.float()
+    v_back = None if values.rotation is None else values.rotation.float().T
     step = max(1, n if blocks_per_split is None else int(blocks_per_split))
     a_v = values.synthesis.float()
     ms, ls, accs = [], [], []
@@ -303,7 +315,7 @@ def decode_attention_partials(
         stop = min(start + step, n)
         nb = stop - start
         # q . S^T per stored row, then the synthesis matrix turns rows into token scores
-        scores = _token_scores(q, keys, start, stop).reshape(b, hkv, g, nb * r)
+        scores = _token_scores(q_arch, keys, start, stop).reshape(b, hkv, g, nb * r)
         if key_mask is not None:
             scores = scores + key_mask[:, None, None, start * r : stop * r]
         m, denom, p = _softmax_partial(scores)
@@ -314,6 +326,8 @@ def decode_attention_partials(
             acc = _channel_weighted(row_weights, probs.sum(-1), values, start, stop)
         else:
             acc = _weighted_rows(row_weights, values, start, stop)
+        if v_back is not None:
+            acc = acc @ v_back
         ms.append(m), ls.append(denom), accs.append(acc)
     # the raw tail: ordinary attention over fewer than r + raw_window tokens
     tail_k, tail_v = keys.tail.float(), values.tail.float()
@@ -328,6 +342,29 @@ def decode_attention_partials(
         torch.stack(ls, dim=-1).reshape(b, hq, -1),
         torch.stack(accs, dim=-2).reshape(b, hq, -1, dv),
     )
+
+
+def in_rotated_domain(
+    query: torch.Tensor, keys: CodedRows, values: CodedRows
+) -> tuple[torch.Tensor, CodedRows, CodedRows, Callable[[torch.Tensor], torch.Tensor]]:
+    """The same decode attention with every token, the tail's too, in the rotated basis.
+
+    For a kernel that knows nothing of :attr:`CodedRows.rotation` (the Triton kernel): returns
+    ``(query', keys', values', back)`` with ``query' = query @ M_k`` and each tail rotated, both
+    fp32, and ``rotation=None``; ``back(out')`` (``[B, Hq, Dv]``) is the output in ``query.dtype``
+    (``out' @ M_v^T``). Streams without a rotation pass through unchanged; ``query [B, Hq, D]``.
+    """
+    mk, mv, dtype = keys.rotation, values.rotation, query.dtype
+    if mk is not None:
+        query = query.float() @ mk.float()
+        keys = keys._replace(tail=keys.tail.float() @ mk.float(), rotation=None)
+    if mv is not None:
+        values = values._replace(tail=values.tail.float() @ mv.float(), rotation=None)
+
+    def back(out: torch.Tensor) -> torch.Tensor:
+        return (out if mv is None else out.float() @ mv.float().T).to(dtype)
+
+    return query, keys, values, back
 
 
 def combine_partials(
@@ -365,7 +402,7 @@ def decode_attention_naive(
 def decoded_chunk(rows: CodedRows, start: int, stop: int) -> torch.Tensor:
     """Blocks ``start .. stop-1`` decoded: ``[B, H, (stop-start) * r, D]`` in the tail's dtype.
 
-    ``A @ rows`` on the stored rows of those blocks only. The arithmetic runs in fp64 when a
+    ``A @ rows`` on the stored rows of those blocks only (rotated back by ``rotation^T`` when set). The arithmetic runs in fp64 when a
     segment is fp64 (png deltas: every partial sum is exact there, so the tokens come back bit
     for bit) and in fp32 otherwise; the result is rounded to the stream dtype (``tail.dtype``),
     exactly like the codec's own decode, so a chunk equals the same slice of the materialized view.
@@ -385,6 +422,8 @@ def decoded_chunk(rows: CodedRows, start: int, stop: int) -> torch.Tensor:
             t[:, :, start:stop, None, :].to(cdt) for t in (rows.channel_scales, rows.channel_offsets)
         )
         blocks = blocks * scale + shift
+    if rows.rotation is not None:  # the tokens in their own channels, like the codec's decode
+        blocks = blocks @ rows.rotation.to(cdt).T
     b, h, nb, r, d = blocks.shape
     return blocks.reshape(b, h, nb * r, d).to(rows.tail.dtype)
 

@@ -1,0 +1,461 @@
+"""KIVI's split after a fixed rotation of each head's channels (QuaRot, TurboQuant), at 2 to 8 bits.
+
+A real model's keys carry a few outlier channels, and a token's values a few large entries. An
+orthonormal rotation ``M [D, D]`` of the channels spreads them over all ``D`` channels, so a
+quantization group (a channel along a block of keys, or one token of values) meets a flatter
+range; ``M`` needs no data: ``M = diag(s) H / sqrt(D)`` with ``H`` the Sylvester Hadamard matrix and
+``s`` seeded random signs (:func:`hadamard_rotation`; ``D`` a power of two). The codes are then
+KIVI's (:mod:`flashcodec.codecs.kivi`): keys per (block, channel), values per token, asymmetric with
+fp16 scales and zero points, and the first key of the sequence stored exactly (as the zero points
+of block 0) in the rotated basis.
+
+Attention stays on the codes, because a rotation preserves dot products: ``q . k = (q M) . (k M)``
+and ``sum p v = (sum p (v M)) M^T``. The kernels get ``M`` in
+:attr:`flashcodec.kernels.naive.CodedRows.rotation`: the torch reference rotates the query once
+for the archived blocks and turns the archived blocks' part of the output back; the raw (or int8)
+tail holds the tokens as they came, unrotated. The materialized path just decodes:
+:meth:`RotatedKIVICodec.decode` returns the tokens in their own channels.
+
+Stored parts per block (``b`` bits: 2, 3, 4 or 8), in the rotated basis:
+
+* keys: ``codes [r, W]``, ``scales [1, D]`` fp16, ``zeros [1, D]`` fp16 (per channel);
+* values: ``codes [r, W]``, ``scales [r, 1]`` fp16, ``zeros [r, 1]`` fp16 (per token);
+
+with ``W`` bytes a token: ``D / 4`` (2 bits, four codes a byte), ``3 D / 8`` (3 bits, eight codes in
+three bytes), ``D / 2`` (4 bits, packed as the package's int4) or ``D`` (8 bits, int8). At
+``r = 64`` and ``D = 64`` each side costs ``b + 0.5`` bits an element. 4- and 8-bit codes are read by
+the kernels as stored; 2- and 3-bit codes are widened to int8 codes for them (a transient copy of
+one byte an element per call: the kernels read only int8 and packed int4 rows).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import ClassVar
+
+import torch
+from kvspec import KVConfigError, KVShapeError
+
+from .base import BlockCodec, PartSpec, check_block_size, from_blocks, to_blocks, to_output
+from .kivi import dequantize_zero, quantize_zero
+from .quant import packed_width
+from .tail import check_window_options
+
+__all__ = [
+    "ROTATED_BITS",
+    "RotatedKIVICodec",
+    "RotatedTokenIntCodec",
+    "hadamard_rotation",
+    "pack_codes",
+    "unpack_codes",
+    "quantize_bits",
+    "dequantize_bits",
+]
+
+#: the code widths the rotated codecs store
+ROTATED_BITS = (2, 3, 4, 8)
+#: (lowest code, highest code) per width (asymmetric; int8 leaves -128 unused, as every int8 code here)
+_CODE_RANGE = {2: (-2, 1), 3: (-4, 3), 4: (-8, 7), 8: (-127, 127)}
+#: channels one packed group holds: four 2-bit codes a byte, eight 3-bit codes in three bytes
+_GROUP = {2: 4, 3: 8, 4: 2, 8: 1}
+_FP16_MAX = float(torch.finfo(torch.float16).max)
+
+
+def _check_bits(name: str, bits: object) -> int:
+    if isinstance(bits, bool) or not isinstance(bits, numbers.Integral) or int(bits) not in ROTATED_BITS:
+        raise KVConfigError(f"{name} must be one of {ROTATED_BITS}; got {bits!r}")
+    return int(bits)
+
+
+def _check_flag(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise KVConfigError(f"{name} must be a bool; got {value!r}")
+    return value
+
+
+# --------------------------------------------------------------------------- the rotation
+@lru_cache(maxsize=32)
+def _rotation(dim: int, seed: int) -> torch.Tensor:
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < dim:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    g = torch.Generator().manual_seed(seed)
+    signs = torch.randint(0, 2, (dim, 1), generator=g, dtype=torch.float64) * 2 - 1
+    return (signs * h / math.sqrt(dim)).to(torch.float32)
+
+
+def check_power_of_two(mode: str, dim: int) -> None:
+    """``KVShapeError`` unless ``dim`` (a head dimension) is a power of two."""
+    if dim < 1 or dim & (dim - 1):
+        raise KVShapeError(
+            f"{mode} rotates each head's D channels by a Hadamard matrix: D must be a power of two; got "
+            f"D={dim} (use rotate_keys=False, rotate_values=False, or a kivi codec, for this model)"
+        )
+
+
+def hadamard_rotation(dim: int, seed: int = 0, device: torch.device | str | None = None) -> torch.Tensor:
+    """The fixed rotation ``M = diag(s) H / sqrt(D)``: fp32 ``[D, D]``, orthonormal (``M M^T = I``).
+
+    ``H`` is the Sylvester Hadamard matrix of order ``D`` (a power of two, else ``KVShapeError``)
+    and ``s`` a vector of random signs drawn from ``seed``. A token ``x [..., D]`` is stored as
+    ``x @ M`` and read back as ``(x @ M) @ M.T``. Built once per ``(dim, seed)``; each call returns
+    a copy (on ``device``), so no caller can change the cached one.
+    """
+    check_power_of_two("hadamard_rotation", dim)
+    return _rotation(int(dim), int(seed)).to(device, copy=True)
+
+
+# --------------------------------------------------------------------------- codes
+def code_width(bits: int, dim: int) -> int:
+    """Bytes of ``dim`` codes of ``bits`` bits (``dim`` a multiple of :data:`_GROUP`, checked by the codec)."""
+    if bits == 8:
+        return dim
+    if bits == 4:
+        return packed_width(dim)
+    return dim * bits // 8
+
+
+def _check_packable(mode: str, name: str, bits: int, dim: int) -> None:
+    group = _GROUP[bits]
+    if dim % group:
+        raise KVShapeError(
+            f"{mode} packs {group} {bits}-bit codes together along D ({name}={bits}): D must be a "
+            f"multiple of {group}; got D={dim}"
+        )
+
+
+def pack_codes(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """Integer codes ``q [..., D]`` in :data:`_CODE_RANGE` of ``bits`` (2 or 3) -> uint8 ``[..., W]``.
+
+    2 bits: ``q + 2`` in the four 2-bit fields of a byte, channel ``4i + j`` at bits ``2j``.
+    3 bits: each eight channels ``8i .. 8i + 7`` as ``q + 4`` in the 3-bit fields of a 24-bit word
+    (channel ``8i + j`` at bits ``3j``), stored little-endian in bytes ``3i .. 3i + 2``.
+    """
+    lo, _ = _CODE_RANGE[bits]
+    u = (q.to(torch.int32) - lo).unflatten(-1, (-1, _GROUP[bits]))
+    shifts = torch.arange(_GROUP[bits], device=q.device, dtype=torch.int32) * bits
+    word = (u << shifts).sum(-1)  # the fields do not overlap: a sum is an or
+    if bits == 2:
+        return word.to(torch.uint8)
+    return torch.stack([(word >> (8 * i)) & 255 for i in range(3)], dim=-1).flatten(-2).to(torch.uint8)
+
+
+def unpack_codes(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """Inverse of :func:`pack_codes`: uint8 ``[..., W]`` -> int8 codes ``[..., dim]``."""
+    lo, _ = _CODE_RANGE[bits]
+    group = _GROUP[bits]
+    if bits == 2:
+        word = packed.to(torch.int32)[..., None]
+    else:
+        b = packed.to(torch.int32).unflatten(-1, (-1, 3))
+        word = (b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16))[..., None]
+    shifts = torch.arange(group, device=packed.device, dtype=torch.int32) * bits
+    fields = (word >> shifts) & ((1 << bits) - 1)
+    return (fields.flatten(-2)[..., :dim] + lo).to(torch.int8)
+
+
+def quantize_bits(
+    x: torch.Tensor, bits: int, dim: int, zero_at: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric ``bits``-bit codes of ``x [..., R, D]`` with an fp16 scale and zero point per
+    slice along ``dim`` (``-2``: per channel; ``-1``: per row): ``(codes, scale, zero)``.
+
+    4 and 8 bits are :func:`flashcodec.codecs.kivi.quantize_zero` (the kivi codecs' codes, bit for
+    bit); 2 and 3 bits apply its rule (the zero point rounded to fp16 first, the scale then rounded
+    up to reach both ends of the slice from it, so ``codes * scale + zero`` is within ``scale / 2``
+    of ``x``) to their code ranges and pack the codes (:func:`pack_codes`).
+    """
+    if bits in (4, 8):
+        return quantize_zero(x, bits, dim, zero_at=zero_at)
+    lo_code, hi_code = _CODE_RANGE[bits]
+    xf = x.to(torch.float32)
+    lo, hi = torch.aminmax(xf, dim=dim, keepdim=True)
+    steps = float(hi_code - lo_code)
+    middle = lo - lo_code * (hi - lo) / steps if zero_at is None else zero_at.to(torch.float32)
+    zero = middle.clamp(-_FP16_MAX, _FP16_MAX).to(torch.float16).float()
+    need = torch.maximum((zero - lo) / -lo_code, (hi - zero) / hi_code).clamp(0.0, _FP16_MAX / 2)
+    scale = (need * (1.0 + 2.0**-10)).to(torch.float16)
+    safe = torch.where(scale > 0, scale.float(), torch.ones_like(need))
+    q = torch.round((xf - zero) / safe).clamp_(lo_code, hi_code)
+    return pack_codes(q, bits), scale, zero.to(torch.float16)
+
+
+def dequantize_bits(
+    codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, dim: int
+) -> torch.Tensor:
+    """``codes * scale + zero`` in fp32 ``[..., R, dim]`` for codes of ``bits`` bits as stored."""
+    if bits in (4, 8):
+        return dequantize_zero(codes, scale, zero, dim)
+    return unpack_codes(codes, bits, dim).to(torch.float32) * scale.float() + zero.float()
+
+
+def _dim_of(codes: torch.Tensor, bits: int) -> int:
+    """``D`` from the stored code width ``W``."""
+    width = codes.shape[-1]
+    return {2: 4 * width, 3: 8 * width // 3, 4: 2 * width, 8: width}[bits]
+
+
+def _kernel_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """The codes as the kernels read them: packed int4 and int8 as stored, 2 and 3 bits widened to int8."""
+    return codes if bits in (4, 8) else unpack_codes(codes, bits, _dim_of(codes, bits))
+
+
+def _code_spec(bits: int, rows: int, dim: int) -> PartSpec:
+    return PartSpec("codes", (rows, code_width(bits, dim)), torch.int8 if bits == 8 else torch.uint8)
+
+
+class _Rotated:
+    """What both sides share: the rotation of the channels and its inverse."""
+
+    mode: ClassVar[str]
+    seed: int
+
+    def _rotates(self) -> bool:
+        raise NotImplementedError
+
+    def channel_rotation(self, dim: int, device: torch.device | str | None = None) -> torch.Tensor | None:
+        """``M`` fp32 ``[dim, dim]`` (:func:`hadamard_rotation`) when this side rotates, else None:
+        the stored rows are ``x @ M`` of the tokens ``x``."""
+        if not self._rotates():
+            return None
+        check_power_of_two(self.mode, dim)
+        return hadamard_rotation(dim, self.seed, device)
+
+    def _rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """fp32 ``x @ M`` (or ``x`` in fp32 when this side does not rotate)."""
+        m = self.channel_rotation(x.shape[-1], x.device)
+        xf = x.to(torch.float32)
+        return xf if m is None else xf @ m
+
+    def _unrotate(self, y: torch.Tensor) -> torch.Tensor:
+        """fp32 ``y @ M^T``."""
+        m = self.channel_rotation(y.shape[-1], y.device)
+        return y if m is None else y @ m.T
+
+
+def _check_seed(seed: object) -> int:
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
+        raise KVConfigError(f"seed must be an integer >= 0 (the rotation's random signs); got {seed!r}")
+    return int(seed)
+
+
+@dataclass(frozen=True)
+class RotatedTokenIntCodec(_Rotated, BlockCodec):
+    """Values: each token rotated (``x @ M``), then ``bits``-bit asymmetric codes with an fp16 scale
+    and zero point per token; :class:`RotatedKIVICodec`'s value codec.
+
+    Args:
+        block_size: ``r`` (>= 1); tokens are coded independently, the block is the archive's unit.
+        bits: 2, 3, 4 or 8.
+        raw_window, window_bits: the tail, as :class:`~flashcodec.codecs.KIVICodec` (kept unrotated).
+        rotate: whether to rotate (False: plain per-token codes, e.g. to test 2- and 3-bit codes alone).
+        seed: the rotation's random signs.
+    """
+
+    mode: ClassVar[str] = "token-int-rot"
+    synthesis_is_identity: ClassVar[bool] = True
+
+    block_size: int = 64
+    bits: int = 4
+    raw_window: int = 0
+    window_bits: int | None = None
+    rotate: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "block_size", check_block_size(self.block_size))
+        object.__setattr__(self, "bits", _check_bits("bits", self.bits))
+        raw_window, window_bits = check_window_options(self.raw_window, self.window_bits)
+        object.__setattr__(self, "raw_window", raw_window)
+        object.__setattr__(self, "window_bits", window_bits)
+        object.__setattr__(self, "rotate", _check_flag("rotate", self.rotate))
+        object.__setattr__(self, "seed", _check_seed(self.seed))
+
+    def _rotates(self) -> bool:
+        return self.rotate
+
+    @property
+    def int4_zero_nibble(self) -> bool:  # type: ignore[override]
+        # packed codes of 2 to 4 bits use every byte value
+        return self.bits != 8
+
+    @property
+    def rows(self) -> int:
+        return self.block_size
+
+    @property
+    def lossless(self) -> bool:
+        return False
+
+    def part_specs(self, dim: int) -> tuple[PartSpec, ...]:
+        r = self.block_size
+        return (
+            _code_spec(self.bits, r, dim),
+            PartSpec("scales", (r, 1), torch.float16),
+            PartSpec("zeros", (r, 1), torch.float16),
+        )
+
+    def check_dim(self, dim: int) -> None:
+        _check_packable(self.mode, "bits", self.bits, dim)
+        if self.rotate:
+            check_power_of_two(self.mode, dim)
+
+    def synthesis_matrix(self, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
+        """The identity ``[r, r]``: the stored rows are the block's (rotated) tokens."""
+        return torch.eye(self.block_size, dtype=dtype, device=device)
+
+    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``x [..., n*r, D]`` -> ``(codes, fp16 scales, fp16 zeros [..., n, r, 1])`` of ``x @ M``."""
+        return quantize_bits(self._rotate(to_blocks(x, self.block_size)), self.bits, dim=-1)
+
+    def stored_rows(self, parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The rotated tokens ``x @ M`` as stored: ``[..., n, r, D]`` in ``dtype``."""
+        self.check_parts(parts)
+        codes, scale, zero = parts
+        return dequantize_bits(codes, scale, zero, self.bits, _dim_of(codes, self.bits)).to(dtype)
+
+    def row_segments(
+        self, parts: tuple[torch.Tensor, ...]
+    ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
+        """``((codes,), fp32 scales [..., n, r])``; the zero points are :meth:`row_offsets`."""
+        self.check_parts(parts)
+        return (_kernel_codes(parts[0], self.bits),), parts[1][..., 0].float()
+
+    def row_offsets(self, parts: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
+        """fp32 ``[..., n, r]``: each token's zero point."""
+        self.check_parts(parts)
+        return parts[2][..., 0].float()
+
+    def decode(self, parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Parts for ``n`` blocks -> the tokens ``[..., n*r, D]`` in ``dtype`` (rotated back)."""
+        return to_output(from_blocks(self._unrotate(self.stored_rows(parts, torch.float32))), dtype)
+
+
+@dataclass(frozen=True)
+class RotatedKIVICodec(_Rotated, BlockCodec):
+    """Keys rotated then coded per (block, channel), values rotated then coded per token.
+
+    This object codes the keys; :attr:`value_codec` is the :class:`RotatedTokenIntCodec` of the
+    values (the same ``block_size``, ``raw_window``, ``window_bits`` and ``seed``).
+
+    Args:
+        block_size: ``r``, tokens per block (64 by default).
+        key_bits, value_bits: 2, 3, 4 or 8 (``D`` a multiple of 4 for 2 bits, of 8 for 3 bits, even
+            for 4 bits).
+        raw_window: newest tokens kept out of the blocks (default 64), unrotated.
+        window_bits: the tail in the input dtype (None) or int8 per token (8, the default).
+        exact_sink: the first key of the sequence, rotated, is block 0's zero points (stored as code
+            0): it comes back as its fp16 rounding rotated back, in fp32 arithmetic (see
+            :class:`~flashcodec.codecs.KIVICodec`).
+        rotate_keys, rotate_values: which side is rotated (both by default); a side that rotates
+            needs ``D`` a power of two (checked before the first append: ``KVShapeError``).
+        seed: the random signs of the rotation (one rotation for every head and layer).
+    """
+
+    mode: ClassVar[str] = "kivi-rot"
+    synthesis_is_identity: ClassVar[bool] = True
+
+    block_size: int = 64
+    key_bits: int = 4
+    value_bits: int = 4
+    raw_window: int = 64
+    window_bits: int | None = 8
+    exact_sink: bool = True
+    rotate_keys: bool = True
+    rotate_values: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "block_size", check_block_size(self.block_size))
+        object.__setattr__(self, "exact_sink", _check_flag("exact_sink", self.exact_sink))
+        object.__setattr__(self, "key_bits", _check_bits("key_bits", self.key_bits))
+        object.__setattr__(self, "value_bits", _check_bits("value_bits", self.value_bits))
+        raw_window, window_bits = check_window_options(self.raw_window, self.window_bits)
+        object.__setattr__(self, "raw_window", raw_window)
+        object.__setattr__(self, "window_bits", window_bits)
+        object.__setattr__(self, "rotate_keys", _check_flag("rotate_keys", self.rotate_keys))
+        object.__setattr__(self, "rotate_values", _check_flag("rotate_values", self.rotate_values))
+        object.__setattr__(self, "seed", _check_seed(self.seed))
+
+    def _rotates(self) -> bool:
+        return self.rotate_keys
+
+    @property
+    def value_codec(self) -> RotatedTokenIntCodec:  # type: ignore[override]
+        """The values' codec: rotated per-token ``value_bits`` codes over the same blocks and tail."""
+        return RotatedTokenIntCodec(
+            self.block_size, self.value_bits, self.raw_window, self.window_bits, self.rotate_values, self.seed
+        )
+
+    @property
+    def int4_zero_nibble(self) -> bool:  # type: ignore[override]
+        return self.key_bits != 8
+
+    @property
+    def rows(self) -> int:
+        return self.block_size
+
+    @property
+    def lossless(self) -> bool:
+        return False
+
+    def part_specs(self, dim: int) -> tuple[PartSpec, ...]:
+        return (
+            _code_spec(self.key_bits, self.block_size, dim),
+            PartSpec("scales", (1, dim), torch.float16),
+            PartSpec("zeros", (1, dim), torch.float16),
+        )
+
+    def check_dim(self, dim: int) -> None:
+        """``KVShapeError`` when keys or values of head dimension ``dim`` cannot be stored."""
+        _check_packable(self.mode, "key_bits", self.key_bits, dim)
+        if self.rotate_keys:
+            check_power_of_two(self.mode, dim)
+        self.value_codec.check_dim(dim)
+
+    def synthesis_matrix(self, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
+        """The identity ``[r, r]``: the stored rows are the block's (rotated) tokens."""
+        return torch.eye(self.block_size, dtype=dtype, device=device)
+
+    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Keys ``x [..., n*r, D]`` -> ``(codes, fp16 scales, fp16 zeros [..., n, 1, D])`` of ``x @ M``;
+        every block as a later block of a stream (no sink: see :meth:`encode_blocks`)."""
+        return quantize_bits(self._rotate(to_blocks(x, self.block_size)), self.key_bits, dim=-2)
+
+    def encode_blocks(self, x: torch.Tensor, first_block: int) -> tuple[torch.Tensor, ...]:
+        """:meth:`encode`, except that with :attr:`exact_sink` block 0 (``first_block == 0``) takes
+        its first (rotated) token as the zero point of every channel."""
+        if not self.exact_sink or first_block != 0 or x.shape[-2] == 0:
+            return self.encode(x)
+        r = self.block_size
+        head = self._rotate(to_blocks(x[..., :r, :], r))
+        first = quantize_bits(head, self.key_bits, dim=-2, zero_at=head[..., :1, :])
+        if x.shape[-2] == r:
+            return first
+        rest = self.encode(x[..., r:, :])
+        return tuple(torch.cat([a, b], dim=-3) for a, b in zip(first, rest, strict=True))
+
+    def stored_rows(self, parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The rotated key tokens ``x @ M`` as stored: ``[..., n, r, D]`` in ``dtype``."""
+        self.check_parts(parts)
+        codes, scale, zero = parts
+        return dequantize_bits(codes, scale, zero, self.key_bits, _dim_of(codes, self.key_bits)).to(dtype)
+
+    def row_segments(
+        self, parts: tuple[torch.Tensor, ...]
+    ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
+        """``((codes,), None)``: no row scale (see :meth:`channel_affine`)."""
+        self.check_parts(parts)
+        return (_kernel_codes(parts[0], self.key_bits),), None
+
+    def channel_affine(self, parts: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """fp32 ``(scales, zeros)``, each ``[..., n, D]`` (per channel of the rotated basis)."""
+        self.check_parts(parts)
+        return parts[1][..., 0, :].float(), parts[2][..., 0, :].float()
+
+    def decode(self, parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Key parts for ``n`` blocks -> the keys ``[..., n*r, D]`` in ``dtype`` (rotated back)."""
+        return to_output(from_blocks(self._unrotate(self.stored_rows(parts, torch.float32))), dtype)
