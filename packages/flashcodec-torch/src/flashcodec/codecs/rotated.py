@@ -41,11 +41,12 @@ from kvspec import KVConfigError, KVShapeError
 
 from .base import BlockCodec, PartSpec, check_block_size, from_blocks, to_blocks, to_output
 from .kivi import dequantize_zero, quantize_zero
-from .quant import packed_width
+from .quant import _pack_int4, packed_width
 from .tail import check_window_options
 
 __all__ = [
     "ROTATED_BITS",
+    "RANGE_FITS",
     "RotatedKIVICodec",
     "RotatedTokenIntCodec",
     "hadamard_rotation",
@@ -62,6 +63,13 @@ _CODE_RANGE = {2: (-2, 1), 3: (-4, 3), 4: (-8, 7), 8: (-127, 127)}
 #: channels one packed group holds: four 2-bit codes a byte, eight 3-bit codes in three bytes
 _GROUP = {2: 4, 3: 8, 4: 2, 8: 1}
 _FP16_MAX = float(torch.finfo(torch.float16).max)
+#: how a slice's codes are fitted: its [min, max] (every element within half a step), or the step
+#: of the best uniform quantizer of a Gaussian of the slice's mean and standard deviation (Max,
+#: 1960), clipping its tails: after a rotation a slice is close to Gaussian, and at 2 bits min-max
+#: spends its four levels on the two extremes of 64 samples
+RANGE_FITS = ("minmax", "gauss")
+#: that step in standard deviations, per code width (4, 8 and 16 levels)
+_GAUSS_STEP = {2: 0.9957, 3: 0.5860, 4: 0.3352}
 
 
 def _check_bits(name: str, bits: object) -> int:
@@ -158,29 +166,39 @@ def unpack_codes(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
 
 
 def quantize_bits(
-    x: torch.Tensor, bits: int, dim: int, zero_at: torch.Tensor | None = None
+    x: torch.Tensor, bits: int, dim: int, zero_at: torch.Tensor | None = None, fit: str = "minmax"
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric ``bits``-bit codes of ``x [..., R, D]`` with an fp16 scale and zero point per
     slice along ``dim`` (``-2``: per channel; ``-1``: per row): ``(codes, scale, zero)``.
 
-    4 and 8 bits are :func:`flashcodec.codecs.kivi.quantize_zero` (the kivi codecs' codes, bit for
-    bit); 2 and 3 bits apply its rule (the zero point rounded to fp16 first, the scale then rounded
-    up to reach both ends of the slice from it, so ``codes * scale + zero`` is within ``scale / 2``
-    of ``x``) to their code ranges and pack the codes (:func:`pack_codes`).
+    ``fit="minmax"``: 4 and 8 bits are :func:`flashcodec.codecs.kivi.quantize_zero` (the kivi
+    codecs' codes, bit for bit); 2 and 3 bits apply its rule (the zero point rounded to fp16 first,
+    the scale then rounded up to reach both ends of the slice from it, so ``codes * scale + zero``
+    is within ``scale / 2`` of ``x``) to their code ranges and pack the codes (:func:`pack_codes`).
+    ``fit="gauss"`` (2 to 4 bits): the scale is :data:`_GAUSS_STEP` standard deviations of the
+    slice and the levels sit symmetrically about its mean (zero point ``mean + scale / 2``), or about
+    ``zero_at`` when given; elements beyond the outer levels are clipped to them.
     """
-    if bits in (4, 8):
+    if fit == "minmax" and bits in (4, 8):
         return quantize_zero(x, bits, dim, zero_at=zero_at)
     lo_code, hi_code = _CODE_RANGE[bits]
     xf = x.to(torch.float32)
-    lo, hi = torch.aminmax(xf, dim=dim, keepdim=True)
-    steps = float(hi_code - lo_code)
-    middle = lo - lo_code * (hi - lo) / steps if zero_at is None else zero_at.to(torch.float32)
-    zero = middle.clamp(-_FP16_MAX, _FP16_MAX).to(torch.float16).float()
-    need = torch.maximum((zero - lo) / -lo_code, (hi - zero) / hi_code).clamp(0.0, _FP16_MAX / 2)
-    scale = (need * (1.0 + 2.0**-10)).to(torch.float16)
-    safe = torch.where(scale > 0, scale.float(), torch.ones_like(need))
+    if fit == "gauss" and bits != 8:
+        std, mean = torch.std_mean(xf, dim=dim, keepdim=True, correction=0)
+        scale = (_GAUSS_STEP[bits] * std).clamp(0.0, _FP16_MAX / 2).to(torch.float16)
+        middle = mean + scale.float() / 2 if zero_at is None else zero_at.to(torch.float32)
+        zero = middle.clamp(-_FP16_MAX, _FP16_MAX).to(torch.float16).float()
+    else:
+        lo, hi = torch.aminmax(xf, dim=dim, keepdim=True)
+        steps = float(hi_code - lo_code)
+        middle = lo - lo_code * (hi - lo) / steps if zero_at is None else zero_at.to(torch.float32)
+        zero = middle.clamp(-_FP16_MAX, _FP16_MAX).to(torch.float16).float()
+        need = torch.maximum((zero - lo) / -lo_code, (hi - zero) / hi_code).clamp(0.0, _FP16_MAX / 2)
+        scale = (need * (1.0 + 2.0**-10)).to(torch.float16)
+    safe = torch.where(scale > 0, scale.float(), torch.ones_like(scale, dtype=torch.float32))
     q = torch.round((xf - zero) / safe).clamp_(lo_code, hi_code)
-    return pack_codes(q, bits), scale, zero.to(torch.float16)
+    codes = pack_codes(q, bits) if bits < 4 else _pack_int4(q) if bits == 4 else q.to(torch.int8)
+    return codes, scale, zero.to(torch.float16)
 
 
 def dequantize_bits(
@@ -236,6 +254,12 @@ class _Rotated:
         return y if m is None else y @ m.T
 
 
+def _check_fit(fit: object) -> str:
+    if not isinstance(fit, str) or fit not in RANGE_FITS:
+        raise KVConfigError(f"range_fit must be one of {RANGE_FITS}; got {fit!r}")
+    return fit
+
+
 def _check_seed(seed: object) -> int:
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
         raise KVConfigError(f"seed must be an integer >= 0 (the rotation's random signs); got {seed!r}")
@@ -253,6 +277,8 @@ class RotatedTokenIntCodec(_Rotated, BlockCodec):
         raw_window, window_bits: the tail, as :class:`~flashcodec.codecs.KIVICodec` (kept unrotated).
         rotate: whether to rotate (False: plain per-token codes, e.g. to test 2- and 3-bit codes alone).
         seed: the rotation's random signs.
+        range_fit: ``"minmax"`` (default) or ``"gauss"``: how each token's levels are fitted
+            (:func:`quantize_bits`; 8-bit codes are always min-max).
     """
 
     mode: ClassVar[str] = "token-int-rot"
@@ -264,6 +290,7 @@ class RotatedTokenIntCodec(_Rotated, BlockCodec):
     window_bits: int | None = None
     rotate: bool = True
     seed: int = 0
+    range_fit: str = "minmax"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "block_size", check_block_size(self.block_size))
@@ -273,6 +300,7 @@ class RotatedTokenIntCodec(_Rotated, BlockCodec):
         object.__setattr__(self, "window_bits", window_bits)
         object.__setattr__(self, "rotate", _check_flag("rotate", self.rotate))
         object.__setattr__(self, "seed", _check_seed(self.seed))
+        object.__setattr__(self, "range_fit", _check_fit(self.range_fit))
 
     def _rotates(self) -> bool:
         return self.rotate
@@ -309,7 +337,7 @@ class RotatedTokenIntCodec(_Rotated, BlockCodec):
 
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """``x [..., n*r, D]`` -> ``(codes, fp16 scales, fp16 zeros [..., n, r, 1])`` of ``x @ M``."""
-        return quantize_bits(self._rotate(to_blocks(x, self.block_size)), self.bits, dim=-1)
+        return quantize_bits(self._rotate(to_blocks(x, self.block_size)), self.bits, -1, fit=self.range_fit)
 
     def stored_rows(self, parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
         """The rotated tokens ``x @ M`` as stored: ``[..., n, r, D]`` in ``dtype``."""
@@ -353,6 +381,9 @@ class RotatedKIVICodec(_Rotated, BlockCodec):
         rotate_keys, rotate_values: which side is rotated (both by default); a side that rotates
             needs ``D`` a power of two (checked before the first append: ``KVShapeError``).
         seed: the random signs of the rotation (one rotation for every head and layer).
+        range_fit: ``"minmax"`` (default: every element within half a step) or ``"gauss"`` (the
+            step of the best uniform quantizer of a Gaussian, tails clipped; 2 to 4 bits), for
+            both sides (:func:`quantize_bits`).
     """
 
     mode: ClassVar[str] = "kivi-rot"
@@ -367,6 +398,7 @@ class RotatedKIVICodec(_Rotated, BlockCodec):
     rotate_keys: bool = True
     rotate_values: bool = True
     seed: int = 0
+    range_fit: str = "minmax"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "block_size", check_block_size(self.block_size))
@@ -379,6 +411,7 @@ class RotatedKIVICodec(_Rotated, BlockCodec):
         object.__setattr__(self, "rotate_keys", _check_flag("rotate_keys", self.rotate_keys))
         object.__setattr__(self, "rotate_values", _check_flag("rotate_values", self.rotate_values))
         object.__setattr__(self, "seed", _check_seed(self.seed))
+        object.__setattr__(self, "range_fit", _check_fit(self.range_fit))
 
     def _rotates(self) -> bool:
         return self.rotate_keys
@@ -387,7 +420,13 @@ class RotatedKIVICodec(_Rotated, BlockCodec):
     def value_codec(self) -> RotatedTokenIntCodec:  # type: ignore[override]
         """The values' codec: rotated per-token ``value_bits`` codes over the same blocks and tail."""
         return RotatedTokenIntCodec(
-            self.block_size, self.value_bits, self.raw_window, self.window_bits, self.rotate_values, self.seed
+            self.block_size,
+            self.value_bits,
+            self.raw_window,
+            self.window_bits,
+            self.rotate_values,
+            self.seed,
+            self.range_fit,
         )
 
     @property
@@ -423,7 +462,9 @@ class RotatedKIVICodec(_Rotated, BlockCodec):
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Keys ``x [..., n*r, D]`` -> ``(codes, fp16 scales, fp16 zeros [..., n, 1, D])`` of ``x @ M``;
         every block as a later block of a stream (no sink: see :meth:`encode_blocks`)."""
-        return quantize_bits(self._rotate(to_blocks(x, self.block_size)), self.key_bits, dim=-2)
+        return quantize_bits(
+            self._rotate(to_blocks(x, self.block_size)), self.key_bits, -2, fit=self.range_fit
+        )
 
     def encode_blocks(self, x: torch.Tensor, first_block: int) -> tuple[torch.Tensor, ...]:
         """:meth:`encode`, except that with :attr:`exact_sink` block 0 (``first_block == 0``) takes
@@ -432,7 +473,7 @@ class RotatedKIVICodec(_Rotated, BlockCodec):
             return self.encode(x)
         r = self.block_size
         head = self._rotate(to_blocks(x[..., :r, :], r))
-        first = quantize_bits(head, self.key_bits, dim=-2, zero_at=head[..., :1, :])
+        first = quantize_bits(head, self.key_bits, -2, zero_at=head[..., :1, :], fit=self.range_fit)
         if x.shape[-2] == r:
             return first
         rest = self.encode(x[..., r:, :])
