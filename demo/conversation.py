@@ -51,7 +51,7 @@ class TurnResult:
     native: SideStats
     compressed: SideStats
     match: TokenMatch
-    cache_name: str  # the cache actually built (a tier's materialization-free twin with the toggle on)
+    cache_name: str  # the cache actually built (with the toggle on, the tier's ``-mf`` name)
     native_ids: list[int]  # each side's prompt this turn (the whole conversation) + its reply
     compressed_ids: list[int]
     native_messages: list[dict[str, str]]  # each side's history after the turn

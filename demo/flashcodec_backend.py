@@ -9,19 +9,12 @@ from pathlib import Path
 
 import torch
 from flashcodec.compare import FlashCodecHarness
-from flashcodec.tiers import TIERS
+from flashcodec.tiers import MF_SUFFIX, TIERS
 from kvbench.cli import Loaded
 
 from .backend import Backend, DemoError
 
-__all__ = ["FlashcodecBackend", "materialization_free_twin"]
-
-
-def materialization_free_twin(name: str) -> str | None:
-    """The registry's tier that stores what ``name`` stores with materialization-free decode
-    attention (the same codec), or None when the registry has none."""
-    codec = TIERS[name].codec
-    return next((t.name for t in TIERS.values() if t.materialization_free and t.codec == codec), None)
+__all__ = ["FlashcodecBackend"]
 
 
 class FlashcodecBackend(Backend):
@@ -41,22 +34,26 @@ class FlashcodecBackend(Backend):
         return argparse.Namespace(model=model, dtype=self.dtype, device=self.device)
 
     def chat_choices(self) -> list[str]:
-        # a "-mf" tier is its twin with the toggle on, so the list shows each stored format once
-        return [n for n in self.tier_names() if not TIERS[n].materialization_free] + self.peer_names()
+        # each stored format once: materialization-free attention is the toggle, not a second entry
+        return list(TIERS) + self.peer_names()
 
     def resolve(self, choice: str, materialization_free: bool) -> str:
         if choice not in self.chat_choices():
             raise DemoError(f"unknown cache {choice!r}; pick one of: {', '.join(self.chat_choices())}")
         if not materialization_free:
             return choice
-        twin = materialization_free_twin(choice) if choice in TIERS else None
-        if twin is None:
-            offered = [n for n in self.chat_choices() if n in TIERS and materialization_free_twin(n)]
+        if choice not in TIERS:
             raise DemoError(
-                f"{choice} has no materialization-free tier in flashcodec.tiers; turn the toggle off "
-                f"or pick one of: {', '.join(offered)}"
+                f"{choice} is not a flashcodec tier, so materialization-free attention does not apply; "
+                f"turn the toggle off or pick one of: {', '.join(TIERS)}"
             )
-        return twin
+        return choice + MF_SUFFIX  # the tier with attention on the stored codes (flashcodec.tiers.tier)
+
+    def candidates(self, loaded: Loaded, names):
+        # a "-mf" name is a tier on the attention axis, listed by the harness or not
+        peers = [n for n in self.peer_names() if n in names]
+        tiers = [n for n in names if n not in peers and n.removesuffix(MF_SUFFIX) in TIERS]
+        return self.harness.candidates(loaded, tiers, peers)
 
     def memory_now(self, loaded: Loaded) -> int | None:
         device = torch.device(loaded.runner.device)

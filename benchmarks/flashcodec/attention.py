@@ -48,7 +48,7 @@ from common import add_device_options, save, stamp, sync, tier_list
 from flashcodec import CodecKVCache
 from flashcodec.attention import codec_decode_attention, triton_available
 from flashcodec.peak_memory import PeakMemory
-from flashcodec.tiers import TIERS
+from flashcodec.tiers import tier as TIER
 
 DEFAULT_TIERS = "jpeg-k2-int8,jpeg-k2,png-keep1"
 
@@ -88,7 +88,7 @@ def make_step(path: str, cache: CodecKVCache):
 
 
 def run_path(path: str, tier: str, prefill: tuple, tokens: list, device: torch.device) -> dict:
-    cache = CodecKVCache(codec=TIERS[tier].codec)
+    cache = CodecKVCache(codec=TIER(tier).codec)
     cache.append(*prefill)
     if path == "materialized":
         cache.read()  # what the prefill leaves behind in a transformers run: the view
@@ -163,7 +163,7 @@ def run(args) -> dict:
             for t in range(start, seq)
         ]
         for name in args.tiers:
-            result = {"seq_len": seq, "tier": name, "codec": TIERS[name].codec.config()}
+            result = {"seq_len": seq, "tier": name, "codec": TIER(name).codec.config()}
             for path in paths:
                 result[path] = run_path(path, name, prefill, tokens, device)
             ref = result["materialized"].pop("_out")

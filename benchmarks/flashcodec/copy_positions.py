@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from common import RESULTS, log_probs, stamp, tier_list
 from flashcodec.hf import FlashCodecCache, apply_codec_attention, remove_codec_attention
-from flashcodec.tiers import TIERS
+from flashcodec.tiers import tier
 from kvbench.models import default_text_path, embedded_model_path
 from kvbench.protocol import BOOTSTRAP_RESAMPLES, Settings, text_windows
 from kvbench.results import weights_digest, write_json
@@ -101,8 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         "baseline": lambda: DynamicCache(config=model.config),
         PEER: lambda: QuantizedCache(backend="hqq", config=model.config, nbits=4),
         **{
-            name: (lambda codec=TIERS[name].codec: FlashCodecCache.from_config(model.config, codec=codec))
-            for name in args.tiers
+            name: (lambda codec=codec: FlashCodecCache.from_config(model.config, codec=codec))
+            for name, codec in ((n, tier(n).codec) for n in args.tiers)
         },
     }
     nll: dict[str, list[np.ndarray]] = {name: [] for name in makers}
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         targets = torch.tensor(window[ctx:])
         base = None
         for name, make in makers.items():
-            if TIERS.get(name) is not None and TIERS[name].materialization_free:
+            if name in args.tiers and tier(name).materialization_free:
                 apply_codec_attention(model)
             try:
                 lp = log_probs(model, make(), window, ctx)

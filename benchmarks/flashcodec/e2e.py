@@ -51,7 +51,7 @@ import torch
 from common import add_device_options, save, stamp, sync, tier_list
 from flashcodec.hf import FlashCodecCache, apply_codec_attention, remove_codec_attention
 from flashcodec.peak_memory import PeakMemory
-from flashcodec.tiers import TIERS
+from flashcodec.tiers import tier
 from kvbench.models import default_text_path, embedded_model_path
 from kvbench.results import weights_digest
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
@@ -95,11 +95,11 @@ def greedy(
 
 
 class Run:
-    """One configuration: ``baseline`` (``DynamicCache``) or a tier of ``TIERS``."""
+    """One configuration: ``baseline`` (``DynamicCache``) or a tier (``-mf``: materialization-free)."""
 
     def __init__(self, name: str):
         self.name = name
-        self.tier = None if name == "baseline" else TIERS[name]
+        self.tier = None if name == "baseline" else tier(name)
         self.decode_s: list[float] = []
         self.result: dict = {}
         self.coded_calls = 0  # the wrapper's counters, summed over every run of this configuration

@@ -2,8 +2,8 @@
 
 Question: how much of the K/V signal does each tier keep, and at what storage?
 
-Configurations: every codec of :data:`flashcodec.tiers.TIERS` (a ``-mf`` tier stores what its
-twin stores, so it is not repeated), plus ``png-keep1-fp32``, see :data:`EXTRA`.
+Configurations: every codec of :data:`flashcodec.tiers.TIERS` (each storage format once; attention
+does not change what is stored), plus ``png-keep1-fp32``, see :data:`EXTRA`.
 
 Signals: the description's synthetic random walk (B=2, H=8, S=2048, D=64, fp32, seeded) and,
 when kvspec ships them, the real post-RoPE K/V vectors captured from the embedded model
@@ -40,7 +40,7 @@ EXTRA: dict[str, BlockCodec] = {"png-keep1-fp32": PNGCodec(8, keep_ratio=1.0, de
 
 #: what is measured, by name: one row per distinct codec
 MEASURED: dict[str, BlockCodec] = {
-    **{name: t.codec for name, t in TIERS.items() if not t.materialization_free},
+    **{name: t.codec for name, t in TIERS.items()},
     **EXTRA,
 }
 

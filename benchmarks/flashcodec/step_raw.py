@@ -37,7 +37,7 @@ COMPARE_ARGS = [
 def make_harness():
     from flashcodec.compare import FlashCodecHarness, build_candidates
     from flashcodec.hf import FlashCodecCache
-    from flashcodec.tiers import TIERS as REGISTRY
+    from flashcodec.tiers import tier, tier_names
 
     class StepRawHarness(FlashCodecHarness):
         """The compare harness with one more candidate per tier: ``<tier>+coded-step``."""
@@ -46,7 +46,8 @@ def make_harness():
 
         def tiers(self):
             out = {}
-            for name, t in REGISTRY.items():
+            for name in tier_names():
+                t = tier(name)
                 out[name] = t.description + " (a multi-token step attends its own tokens raw)"
                 out[name + CODED] = t.description + " (a multi-token step attends its own tokens as stored)"
             return out
@@ -60,7 +61,7 @@ def make_harness():
             for name in tiers:
                 base = by_name[name.removesuffix(CODED)]
                 if name.endswith(CODED):
-                    codec = REGISTRY[base.name].codec
+                    codec = tier(base.name).codec
                     base = dataclasses.replace(
                         base,
                         name=name,

@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 from common import RESULTS, random_walk, stamp, tier_list
 from flashcodec import CodecKVCache
-from flashcodec.tiers import TIERS
+from flashcodec.tiers import tier
 from kvbench.results import write_json
 
 DEFAULT_TIERS = "jpeg-k2,jpeg-k2-int8,jpeg-k8-int8,png-keep1"
@@ -55,7 +55,7 @@ def timed(fn, repeats: int) -> list[float]:
 
 
 def run_one(name: str, keys: torch.Tensor, values: torch.Tensor, new: torch.Tensor, args) -> dict:
-    s, codec = keys.shape[2], TIERS[name].codec
+    s, codec = keys.shape[2], tier(name).codec
     fills = []
     for _ in range(args.repeats):
         cache = CodecKVCache(codec=codec)

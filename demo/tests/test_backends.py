@@ -24,33 +24,27 @@ def palu():
 
 
 def test_every_flashcodec_tier_is_reachable_from_the_chat_tab(flashcodec):
-    from demo.flashcodec_backend import materialization_free_twin
-
     offered = flashcodec.chat_choices()
-    tiers = flashcodec_tiers.TIERS
-    with_toggle = [
-        flashcodec.resolve(n, True) for n in offered if n in tiers and materialization_free_twin(n)
-    ]
+    with_toggle = [flashcodec.resolve(n, True) for n in offered if n in flashcodec_tiers.TIERS]
     reachable = set(offered) | set(with_toggle)
-    assert set(flashcodec_tiers.TIERS) <= reachable
+    assert set(flashcodec_tiers.tier_names()) <= reachable  # every listed -mf name too
     assert {"hf-hqq-q8", "hf-fp8"} <= reachable  # transformers' QuantizedCache peers
     assert flashcodec.closest_choice in reachable and flashcodec.default_choice in reachable
+    assert not any(n.endswith("-mf") for n in offered)  # each stored format once
 
 
-def test_the_toggle_picks_the_tier_with_the_same_codec(flashcodec):
+def test_the_toggle_is_the_attention_axis_of_the_same_tier(flashcodec):
     assert flashcodec.resolve("jpeg-k8-int8", True) == "jpeg-k8-int8-mf"
     assert flashcodec.resolve("jpeg-k2-int8", True) == "jpeg-k2-int8-mf"
     assert flashcodec.resolve("jpeg-k2-int8", False) == "jpeg-k2-int8"
-    tiers = flashcodec_tiers.TIERS
-    for name in flashcodec.chat_choices():
-        if name in tiers and (twin := flashcodec.resolve(name, False)) != name:
-            assert tiers[twin].codec == tiers[name].codec
+    for name in flashcodec_tiers.TIERS:
+        on = flashcodec_tiers.tier(flashcodec.resolve(name, True))
+        assert on.materialization_free and on.codec == flashcodec_tiers.TIERS[name].codec
 
 
-@pytest.mark.parametrize("name", ["png-keep1", "hf-fp8"])
-def test_the_toggle_on_a_cache_without_a_twin_is_a_message(flashcodec, name):
-    with pytest.raises(DemoError, match="no materialization-free tier.*jpeg-k8-int8"):
-        flashcodec.resolve(name, True)
+def test_the_toggle_on_a_peer_is_a_message(flashcodec):
+    with pytest.raises(DemoError, match="hf-fp8 is not a flashcodec tier.*png-keep1"):
+        flashcodec.resolve("hf-fp8", True)
 
 
 def test_palu_tab_offers_every_palu_tier_and_mlx_lm_quantized_cache(palu):

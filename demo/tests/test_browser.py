@@ -119,12 +119,13 @@ def test_flashcodec_chat_lossless_tier_matches_native(page, screenshot_dir: Path
     assert second_context >= first_context + NEW_TOKENS, (rows[0], later[0])
     assert page.locator("#flashcodec-native [data-testid=user]").count() == 2
 
-    # a tier without a materialization-free twin, toggle on: a message, nothing generated
+    # a peer, toggle on: a message, nothing generated
+    pick_cache(page, "flashcodec", "hf-fp8")
     page.locator("#flashcodec-mf input").check()
     send(page, "flashcodec", PROMPT)
-    assert "no materialization-free tier" in wait_status(page, "flashcodec", "Error")
+    assert "not a flashcodec tier" in wait_status(page, "flashcodec", "Error")
 
-    # a tier with a twin: the turn runs jpeg-k8-int8-mf, its decode steps attend on the codes
+    # a tier, toggle on: the turn runs jpeg-k8-int8-mf, its decode steps attend on the codes
     pick_cache(page, "flashcodec", "jpeg-k8-int8")
     send(page, "flashcodec", PROMPT)
     _, _, rows = check_turn(page, "flashcodec", "jpeg-k8-int8-mf")

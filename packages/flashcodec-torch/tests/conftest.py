@@ -46,10 +46,9 @@ def walk():
     return random_walk()
 
 
-#: the codec of every tier in flashcodec.tiers (a -mf tier shares its base tier's codec, so it is
-#: not repeated), plus png with half the deltas kept (Top-M pruning) and a mixed-bit jpeg with
+#: the codec of every tier in flashcodec.tiers (each storage format once), plus png with half the deltas kept (Top-M pruning) and a mixed-bit jpeg with
 #: both row formats and a dropped frequency (two row segments, int8 + packed int4), which no tier uses
-CODECS = {name: t.codec for name, t in TIERS.items() if not t.materialization_free}
+CODECS = {name: t.codec for name, t in TIERS.items()}
 CODECS["png-keep0.5"] = PNGCodec(8, keep_ratio=0.5)
 CODECS["jpeg-mixed-84"] = MixedJPEGCodec(8, freq_bits=(8, 8, 4, 4, 4, 4, 4, 0))
 

@@ -18,7 +18,7 @@ from .cache import SUPPORTED_DTYPES, CodecKVCache
 from .codecs import CODECS, BlockCodec, JPEGCodec, PNGCodec, dct_matrix, delta_variance_ratio, make_codec
 from .storage import CodecStorage
 from .stream import CodecStream
-from .tiers import TIERS, Tier, tier
+from .tiers import TIERS, Tier, tier, tier_names
 
 __version__ = "0.1.0"
 
@@ -57,6 +57,7 @@ __all__ = [
     "Tier",
     "TIERS",
     "tier",
+    "tier_names",
     "dct_matrix",
     "delta_variance_ratio",
     "codec_decode_attention",

@@ -8,8 +8,8 @@ Needs the ``compare`` extra (``pip install "flashcodec-kv[compare]"``: kvbench a
 Candidates:
 
 * ``baseline``: transformers' ``DynamicCache`` (uncompressed, the model's dtype);
-* tiers: :data:`flashcodec.tiers.TIERS` (same names) as a :class:`flashcodec.hf.FlashCodecCache`
-  on every full-attention layer; a tier with ``materialization_free`` runs with attention on the
+* tiers: :func:`flashcodec.tiers.tier_names` (same names) as a :class:`flashcodec.hf.FlashCodecCache`
+  on every full-attention layer; a ``-mf`` name (materialization-free) runs with attention on the
   stored codes for decode steps and over the archive in chunks for multi-token steps
   (:func:`flashcodec.hf.codec_attention.apply_codec_attention`, removed again after each of its
   runs; its details count both kinds of step and any fallback);
@@ -43,7 +43,8 @@ from kvbench.protocol import Candidate, KVBytes
 from kvbench.results import CompareError, weights_digest
 from kvspec import KVSpecError
 
-from .tiers import TIERS
+from .tiers import tier as tier_named
+from .tiers import tier_names
 
 __all__ = ["PEERS", "load_model", "TorchRunner", "RSSPeak", "build_candidates", "FlashCodecHarness", "main"]
 
@@ -309,7 +310,7 @@ def build_candidates(
         )
     ]
     for name in tiers:
-        tier = TIERS[name]
+        tier = tier_named(name)
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("error", UserWarning)  # "no full-attention layer" is an error here
@@ -402,7 +403,7 @@ class FlashCodecHarness:
     dtypes = tuple(_DTYPES)
 
     def tiers(self) -> Mapping[str, str]:
-        return {name: tier.description for name, tier in TIERS.items()}
+        return {name: tier_named(name).description for name in tier_names()}
 
     def peers(self) -> Mapping[str, str]:
         return {

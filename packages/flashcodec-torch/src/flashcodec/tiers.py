@@ -1,9 +1,7 @@
-"""The flashcodec tiers: the one place a tier is defined.
+"""The flashcodec tiers: the one place a storage tier is defined.
 
-A tier is a named codec (r = 8 tokens per block; 64 for the per-channel ``chan64`` tiers) with a one-line description, plus whether
-attention runs without the reconstructed view (``materialization_free``: the transformers
-backend's :func:`flashcodec.hf.apply_codec_attention`; decode on the stored rows, multi-token
-steps over the archive in chunks). :data:`TIERS` lists them easiest first; the
+A tier is a named codec (r = 8 tokens per block; 64 for the per-channel ``chan64`` tiers) with a
+one-line description. :data:`TIERS` lists each storage format once, easiest first; the
 conformance adapter (:mod:`flashcodec.spec`) adds capabilities and tolerances to them, and
 command lines, benchmarks and tests read them from here.
 
@@ -11,9 +9,13 @@ command lines, benchmarks and tests read them from here.
     cache = CodecKVCache(codec=tier("jpeg-k2-int8").codec)
     cache = FlashCodecCache.from_config(model.config, codec=TIERS["png-keep1"].codec)
 
-A ``-mf`` tier stores exactly what the tier named without the suffix stores (the same codec);
-only the attention differs (decode steps on the stored codes, multi-token steps over the archive
-in chunks). Adding a tier is one line below.
+Attention is a second axis, not a second copy of each tier: ``tier("<name>-mf")`` is tier
+``<name>`` with ``materialization_free`` set (the transformers backend's
+:func:`flashcodec.hf.apply_codec_attention`: decode steps on the stored codes, multi-token steps
+over the archive in chunks). It stores exactly what ``<name>`` stores. Every tier takes the
+suffix; a tier marked ``offer_mf`` also lists its ``-mf`` name right after its own
+(:func:`tier_names`: ``flashcodec compare --list`` and its default selection). Adding a tier is
+one line below.
 """
 
 from __future__ import annotations
@@ -24,7 +26,10 @@ from kvspec import KVConfigError
 
 from .codecs import BlockCodec, ChannelInt4Codec, JPEGCodec, KIVICodec, PNGCodec, ZeroPointJPEGCodec
 
-__all__ = ["Tier", "TIERS", "tier"]
+__all__ = ["MF_SUFFIX", "Tier", "TIERS", "tier", "tier_names"]
+
+#: the name suffix that selects materialization-free attention on a tier
+MF_SUFFIX = "-mf"
 
 
 @dataclass(frozen=True)
@@ -37,13 +42,17 @@ class Tier:
         codec: the codec every compressed layer uses.
         materialization_free: decode steps attend on the stored rows and multi-token steps on
             the archive decoded a chunk at a time, instead of the reconstructed K/V view
-            (transformers backend only; storage is the codec's either way).
+            (transformers backend only; storage is the codec's either way). Set by
+            :func:`tier` for a ``-mf`` name; the registry's tiers leave it False.
+        offer_mf: list the ``-mf`` name beside this tier's (:func:`tier_names`): the pairs
+            compare and the benchmarks measure by default.
     """
 
     name: str
     description: str
     codec: BlockCodec
     materialization_free: bool = False
+    offer_mf: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name or self.name != self.name.strip():
@@ -54,10 +63,20 @@ class Tier:
             raise KVConfigError(f"Tier description must be one non-empty line; got {self.description!r}")
         if not isinstance(self.codec, BlockCodec):
             raise KVConfigError(f"Tier codec must be a codec object (a BlockCodec); got {self.codec!r}")
-        if not isinstance(self.materialization_free, bool):
-            raise KVConfigError(
-                f"Tier materialization_free must be a bool; got {self.materialization_free!r}"
-            )
+        for flag in ("materialization_free", "offer_mf"):
+            if not isinstance(getattr(self, flag), bool):
+                raise KVConfigError(f"Tier {flag} must be a bool; got {getattr(self, flag)!r}")
+
+    def with_materialization_free(self) -> Tier:
+        """This tier with materialization-free attention: named ``<name>-mf``, the same codec."""
+        if self.materialization_free:
+            return self
+        return Tier(
+            self.name + MF_SUFFIX,
+            f"{self.name} with materialization-free attention (decode on the stored codes, prefill in chunks)",
+            self.codec,
+            materialization_free=True,
+        )
 
 
 def _registry(*tiers: Tier) -> dict[str, Tier]:
@@ -65,11 +84,15 @@ def _registry(*tiers: Tier) -> dict[str, Tier]:
     for t in tiers:
         if t.name in out:
             raise KVConfigError(f"tier name {t.name!r} is defined twice")
+        if t.name.endswith(MF_SUFFIX) or t.materialization_free:
+            raise KVConfigError(
+                f"tier {t.name!r}: the registry holds storage tiers; {MF_SUFFIX!r} is the attention axis"
+            )
         out[t.name] = t
     return out
 
 
-#: every tier by name, easiest first (each ``-mf`` tier right after the tier it shares a codec with)
+#: every storage tier by name, easiest first (``offer_mf``: its ``-mf`` name is listed beside it)
 TIERS: dict[str, Tier] = _registry(
     Tier(
         "png-keep1",
@@ -85,91 +108,51 @@ TIERS: dict[str, Tier] = _registry(
         "jpeg-k8-int8",
         "jpeg, all 8 coefficients stored int8 with a scale per (block, frequency)",
         JPEGCodec(8, keep_freqs=8, quant_bits=8),
-    ),
-    Tier(
-        "jpeg-k8-int8-mf",
-        "jpeg-k8-int8 with materialization-free attention (decode on the int8 codes, prefill in chunks)",
-        JPEGCodec(8, keep_freqs=8, quant_bits=8),
-        materialization_free=True,
+        offer_mf=True,
     ),
     Tier(
         "jpeg-k8-int4",
         "jpeg, all 8 coefficients int4 with a scale per (block, frequency); loses to hqq 4-bit on a real model",
         JPEGCodec(8, keep_freqs=8, quant_bits=4),
-    ),
-    Tier(
-        "jpeg-k8-int4-mf",
-        "jpeg-k8-int4 with materialization-free attention (decode on the packed int4 codes, prefill in chunks)",
-        JPEGCodec(8, keep_freqs=8, quant_bits=4),
-        materialization_free=True,
+        offer_mf=True,
     ),
     Tier(
         "jpeg-k8-int4z",
         "jpeg, all 8 coefficients int4, fp16 scale and zero per (block, frequency); loses to hqq 4-bit on a real model",
         ZeroPointJPEGCodec(8),
-    ),
-    Tier(
-        "jpeg-k8-int4z-mf",
-        "jpeg-k8-int4z with materialization-free attention (decode on the int4 codes, prefill in chunks)",
-        ZeroPointJPEGCodec(8),
-        materialization_free=True,
+        offer_mf=True,
     ),
     Tier(
         "jpeg-k8-int4z-w64",
         "jpeg-k8-int4z, the newest 64 to 71 tokens kept raw; loses to hqq 4-bit on a real model",
         ZeroPointJPEGCodec(8, raw_window=64),
-    ),
-    Tier(
-        "jpeg-k8-int4z-w64-mf",
-        "jpeg-k8-int4z-w64 with materialization-free attention (decode on the int4 codes and the raw window)",
-        ZeroPointJPEGCodec(8, raw_window=64),
-        materialization_free=True,
+        offer_mf=True,
     ),
     Tier(
         "jpeg-k8-int4z-w96i8",
         "jpeg-k8-int4z, the newest 96 to 103 tokens in int8 per token; loses to hqq 4-bit on a real model",
         ZeroPointJPEGCodec(8, raw_window=96, window_bits=8),
-    ),
-    Tier(
-        "jpeg-k8-int4z-w96i8-mf",
-        "jpeg-k8-int4z-w96i8 with materialization-free attention (decode on the int4 codes and the int8 window)",
-        ZeroPointJPEGCodec(8, raw_window=96, window_bits=8),
-        materialization_free=True,
+        offer_mf=True,
     ),
     Tier(
         "chan64-int4-w64i8",
         "int4 per (64-token block, channel), newest 64-127 tokens int8; kivi64-k4v4-w64i8 beats it at its bytes",
         ChannelInt4Codec(64, raw_window=64, window_bits=8),
-    ),
-    Tier(
-        "chan64-int4-w64i8-mf",
-        "chan64-int4-w64i8 with materialization-free attention (decode on the int4 codes and the int8 window)",
-        ChannelInt4Codec(64, raw_window=64, window_bits=8),
-        materialization_free=True,
+        offer_mf=True,
     ),
     Tier(
         "kivi64-k8v8-w64i8",
         "int8 keys per (64-token block, channel), int8 values per token, first key exact; newest 64-127 "
         "tokens int8",
         KIVICodec(64, key_bits=8, value_bits=8),
-    ),
-    Tier(
-        "kivi64-k8v8-w64i8-mf",
-        "kivi64-k8v8-w64i8 with materialization-free attention (decode on the int8 codes and the int8 window)",
-        KIVICodec(64, key_bits=8, value_bits=8),
-        materialization_free=True,
+        offer_mf=True,
     ),
     Tier(
         "kivi64-k4v4-w64i8",
         "int4 keys per (64-token block, channel), int4 values per token (KIVI), first key exact; "
         "newest 64-127 tokens int8",
         KIVICodec(64, key_bits=4, value_bits=4),
-    ),
-    Tier(
-        "kivi64-k4v4-w64i8-mf",
-        "kivi64-k4v4-w64i8 with materialization-free attention (decode on the int4 codes and the int8 window)",
-        KIVICodec(64, key_bits=4, value_bits=4),
-        materialization_free=True,
+        offer_mf=True,
     ),
     Tier(
         "jpeg-k4",
@@ -185,18 +168,26 @@ TIERS: dict[str, Tier] = _registry(
         "jpeg-k2-int8",
         "jpeg, lowest 2 of 8 coefficients, int8: truncation, unusable on a real model",
         JPEGCodec(8, keep_freqs=2, quant_bits=8),
-    ),
-    Tier(
-        "jpeg-k2-int8-mf",
-        "jpeg-k2-int8 with materialization-free attention (decode on the int8 codes, prefill in chunks)",
-        JPEGCodec(8, keep_freqs=2, quant_bits=8),
-        materialization_free=True,
+        offer_mf=True,
     ),
 )
 
 
+def tier_names() -> list[str]:
+    """Every tier name a command line lists, in order: each tier of :data:`TIERS`, followed by its
+    ``-mf`` name when it has ``offer_mf``."""
+    return [n for t in TIERS.values() for n in (t.name, t.name + MF_SUFFIX)[: 2 if t.offer_mf else 1]]
+
+
 def tier(name: str) -> Tier:
-    """The tier called ``name``; ``KVConfigError`` (a ``ValueError``) listing the names otherwise."""
-    if not isinstance(name, str) or name not in TIERS:
-        raise KVConfigError(f"tier must be one of {list(TIERS)}; got {name!r}")
-    return TIERS[name]
+    """The tier called ``name``: a tier of :data:`TIERS`, or ``<tier>-mf`` for that tier with
+    materialization-free attention. ``KVConfigError`` (a ``ValueError``) listing the names otherwise."""
+    if isinstance(name, str):
+        if name in TIERS:
+            return TIERS[name]
+        base = name.removesuffix(MF_SUFFIX)
+        if base != name and base in TIERS:
+            return TIERS[base].with_materialization_free()
+    raise KVConfigError(
+        f"tier must be one of {tier_names()} (any tier also with the suffix {MF_SUFFIX!r}); got {name!r}"
+    )

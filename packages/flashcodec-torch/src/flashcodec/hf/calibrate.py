@@ -50,8 +50,8 @@ _FILE_FORMAT = "flashcodec-calibration-file-1"
 
 
 def default_candidates() -> dict[str, BlockCodec]:
-    """The codecs of every tier of :data:`flashcodec.tiers.TIERS` (``-mf`` twins left out: same codec)."""
-    return {name: t.codec for name, t in TIERS.items() if not t.materialization_free}
+    """The codecs of every tier of :data:`flashcodec.tiers.TIERS`."""
+    return {name: t.codec for name, t in TIERS.items()}
 
 
 @dataclass(frozen=True)
