@@ -101,6 +101,15 @@ def with_settings(cache, **changes) -> tuple[str, str]:
     return json.dumps(settings), runtime
 
 
+def without(cache, settings: tuple[str, ...] = (), runtime: tuple[str, ...] = ()) -> tuple[str, str]:
+    """meta_state with the named settings and runtime fields dropped."""
+    parts = [json.loads(text) for text in cache.meta_state]
+    for part, names in zip(parts, (settings, runtime), strict=True):
+        for name in names:
+            del part[name]
+    return json.dumps(parts[0]), json.dumps(parts[1])
+
+
 def restore(cache, state=None, meta=None, **kw):
     return type(cache).from_state(cache.state if state is None else state, meta or cache.meta_state, **kw)
 
@@ -310,6 +319,44 @@ CATALOGUE: dict[str, Bad] = {
         lambda c: restore(c, meta=(json.dumps({"quant_bits": 2}), c.meta_state[1])),
         KVDataError,
         "exactly quant_bits",
+    ),
+    "from_state: sink arrays dropped with the config field that kept them": Bad(
+        cache(FITTED),
+        lambda c: restore(
+            c, state=state_with(c, sink__keys=None, sink__values=None), meta=without(c, ("palu_sink_tokens",))
+        ),
+        KVDataError,
+        r"config lacks the fields \['palu_sink_tokens'\]",
+    ),
+    "from_state: palu_group_size changed after the fit (fixed quantizers)": Bad(
+        cache(FIXED),
+        lambda c: restore(c, meta=with_settings(c, palu_group_size=7)),
+        KVDataError,
+        r"palu_group_size=7, but the state's codes were made with palu_group_size=32; allowed: 32",
+    ),
+    "from_state: palu_group_size changed after the fit (same group count)": Bad(
+        cache(FITTED),
+        lambda c: restore(c, meta=with_settings(c, palu_group_size=33)),
+        KVDataError,
+        "palu_group_size=33, but the state's codes were made with palu_group_size=32",
+    ),
+    "from_state: palu_hi_bit changed after the fit": Bad(
+        cache(FITTED),
+        lambda c: restore(c, meta=with_settings(c, palu_hi_bit=8)),
+        KVDataError,
+        "palu_hi_bit=8, but the state's codes were made with palu_hi_bit=None",
+    ),
+    "from_state: coded_with missing after the fit": Bad(
+        cache(FIXED),
+        lambda c: restore(c, meta=without(c, runtime=("coded_with",))),
+        KVDataError,
+        "'coded_with'",
+    ),
+    "from_state: coded_with before the fit": Bad(
+        cache(EXACT),
+        lambda c: restore(c, meta=with_runtime(c, coded_with={"palu_bits": 2.0})),
+        KVDataError,
+        "coded_with=.*must be null before the fit",
     ),
     # ---- from_state: arrays
     "from_state: state not a dict": Bad(

@@ -198,6 +198,29 @@ def test_failed_save_keeps_the_earlier_file(saved):
     assert open(path, "rb").read() == before
 
 
+def test_a_name_without_the_suffix_loads_under_the_name_it_was_saved_as(tmp_path):
+    originals = caches()
+    name = str(tmp_path / "session")
+    save_prompt_cache(name, originals)
+    # mlx-lm's save (through mx.save_safetensors) appends the suffix too; load resolves the same way
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["session.safetensors"]
+    for loaded in (load_prompt_cache(name), load_prompt_cache(name + ".safetensors")):
+        assert [snapshot(c) for c in loaded[:4]] == [snapshot(c) for c in originals[:4]]
+
+
+def test_a_directory_is_refused_and_nothing_is_written(tmp_path):
+    target = tmp_path / "dir"
+    target.mkdir()
+    (tmp_path / "taken.safetensors").mkdir()
+    for name in (target, tmp_path / "taken", tmp_path / "taken.safetensors"):
+        with pytest.raises(KVConfigError, match=r"is a directory; allowed: a file path"):
+            save_prompt_cache(str(name), caches())
+        with pytest.raises(KVConfigError, match=r"is a directory"):
+            load_prompt_cache(name)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dir", "taken.safetensors"]
+    assert list(target.iterdir()) == []
+
+
 # ----------------------------------------------------------------------------- calibration files
 @pytest.fixture
 def calibration_path(tmp_path):

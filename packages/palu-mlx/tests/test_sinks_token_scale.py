@@ -233,7 +233,7 @@ def test_recent_tokens_must_be_a_non_negative_int(value):
         KVCacheConfig(palu_recent_tokens=value)
 
 
-def test_a_state_saved_before_these_options_loads_as_it_was_coded():
+def test_a_state_without_these_options_is_refused_not_read_with_defaults():
     import json
 
     keys, values = kv(60)
@@ -243,10 +243,14 @@ def test_a_state_saved_before_these_options_loads_as_it_was_coded():
     cache = PaluKVCache(old)
     cache.update_and_fetch(keys, values)
     config_json, runtime = cache.meta_state
-    settings = json.loads(config_json)
-    for name in ("palu_token_scale", "palu_sink_tokens", "palu_recent_tokens"):
-        del settings[name]  # as written before these fields existed
-    restored = PaluKVCache.from_state(cache.state, (json.dumps(settings), runtime))
+    restored = PaluKVCache.from_state(cache.state, (config_json, runtime))
     assert restored.config == old
     for a, b in zip(restored._fetch(), cache._fetch(), strict=True):
         assert mx.array_equal(a, b).item()
+    settings = json.loads(config_json)
+    for name in ("palu_token_scale", "palu_sink_tokens", "palu_recent_tokens"):
+        del settings[name]
+    with pytest.raises(
+        KVDataError, match="lacks the fields .'palu_recent_tokens', 'palu_sink_tokens', 'palu_token_scale'."
+    ):
+        PaluKVCache.from_state(cache.state, (json.dumps(settings), runtime))

@@ -229,6 +229,21 @@ def _check_file_name(file_name: Any) -> str:
     return file_name
 
 
+def _cache_file(file_name: Any) -> str:
+    """The file a prompt cache is saved to and loaded from: ``file_name``, with ``.safetensors``
+    appended when it lacks it (as ``mx.save_safetensors`` and so mlx-lm's own save do), so that
+    loading the name a cache was saved under reads it. A directory is refused."""
+    file_name = _check_file_name(file_name)
+    final = file_name if file_name.endswith(".safetensors") else file_name + ".safetensors"
+    for name in dict.fromkeys((file_name, final)):
+        if os.path.isdir(name):
+            raise KVConfigError(
+                f"file_name={file_name!r}: {name!r} is a directory; allowed: a file path "
+                "(.safetensors is appended to a name without it)"
+            )
+    return final
+
+
 def _mlx_cache_class(name: str) -> type | None:
     # only mlx-lm's cache classes, not any attribute of its module (a function, an import)
     cls = getattr(mlx_cache, name, None)
@@ -239,12 +254,13 @@ def _mlx_cache_class(name: str) -> type | None:
 def save_prompt_cache(file_name: str, cache: list[Any], metadata: dict[str, str] | None = None) -> None:
     """Save a prompt cache (palu, naive and mlx-lm layers) to a ``.safetensors`` file.
 
-    As with ``mx.save_safetensors``, ``.safetensors`` is appended to a name without it. The
-    file's metadata carries a sha256 checksum of its arrays and layer metadata, which
+    As with ``mx.save_safetensors`` (and mlx-lm's ``save_prompt_cache``), ``.safetensors`` is
+    appended to a name without it; :func:`load_prompt_cache` resolves the name the same way. A
+    directory raises ``KVConfigError``. The file's metadata carries a sha256 checksum of its arrays and layer metadata, which
     :func:`load_prompt_cache` verifies. The file is written under a temporary name and then
     renamed, so a failed save leaves any earlier file of that name as it was.
     """
-    file_name = _check_file_name(file_name)
+    final = _cache_file(file_name)
     if not isinstance(cache, (list, tuple)):
         raise KVConfigError(f"cache must be a list of layer caches; got {type(cache).__name__}")
     if metadata is not None and (
@@ -274,7 +290,6 @@ def save_prompt_cache(file_name: str, cache: list[Any], metadata: dict[str, str]
         layers.append({"class": name, "scalars": scalars})
     meta = {"format": _FORMAT, "layers": json.dumps(layers), "metadata": json.dumps(metadata or {})}
     meta[CHECKSUM_KEY] = digest(arrays, {"layers": meta["layers"], "metadata": meta["metadata"]})
-    final = file_name if file_name.endswith(".safetensors") else file_name + ".safetensors"
     tmp = f"{final}.{os.getpid()}.tmp.safetensors"
     try:
         mx.save_safetensors(tmp, arrays, meta)
@@ -286,7 +301,8 @@ def save_prompt_cache(file_name: str, cache: list[Any], metadata: dict[str, str]
 
 
 def load_prompt_cache(file_name: str, return_metadata: bool = False) -> Any:
-    """Load a prompt cache written by :func:`save_prompt_cache`.
+    """Load a prompt cache written by :func:`save_prompt_cache` under ``file_name``
+    (``.safetensors`` appended to a name without it, as on saving).
 
     Returns the list of layer caches, or ``(caches, metadata)`` when ``return_metadata``.
     Raises ``KVDataError`` naming the file when it cannot be read, its checksum does not match
@@ -294,7 +310,7 @@ def load_prompt_cache(file_name: str, return_metadata: bool = False) -> Any:
     is not a palu-mlx prompt cache. A file without a checksum (written by palu-mlx before it
     wrote one) loads with an :class:`UnverifiedPromptCacheWarning`.
     """
-    file_name = _check_file_name(file_name)
+    file_name = _cache_file(file_name)
     if not isinstance(return_metadata, bool):
         raise KVConfigError(f"return_metadata={return_metadata!r} must be True or False")
     try:

@@ -358,7 +358,8 @@ class PaluKVCache(CacheLayer):
 
     @property
     def meta_state(self) -> tuple[str, str]:
-        """``(config JSON, runtime JSON)``: offset, shape, dtype and the segment layouts."""
+        """``(config JSON, runtime JSON)``: offset, shape, dtype, the segment layouts and, once fitted,
+        the config fields the codes were made with (``coded_with``, checked by :meth:`from_state`)."""
         runtime = {
             **self._runtime(),
             "key_segments": _segments_to_list(self._key_coder),
@@ -366,6 +367,7 @@ class PaluKVCache(CacheLayer):
             "key_fixed_widths": _fixed_widths(self._key_coder),
             "value_fixed_widths": _fixed_widths(self._value_coder),
             "rope": None if self.rotary is None else self.rotary.to_meta(),
+            "coded_with": None if self._key_proj is None else _coded_with(self.config),
         }
         if self._key_proj is not None and self.config.palu_recent_tokens:
             runtime["recent_start"] = self._recent.state(self.offset)[1]
@@ -381,7 +383,10 @@ class PaluKVCache(CacheLayer):
         """Rebuild a cache from :attr:`state` and :attr:`meta_state` (bitwise the same arrays).
 
         Every metadata field and every array is checked first (segment layouts, offset, names,
-        shapes, dtypes, finite values): a mismatch raises ``KVDataError`` naming it.
+        shapes, dtypes, finite values): a mismatch raises ``KVDataError`` naming it. The config must
+        name every field, and a fitted state's config must agree with ``coded_with`` on every
+        field its codes depend on (:data:`CODED_WITH`): a config edited after the fit would read
+        the codes as something they are not.
         """
         owner = f"{cls.__name__}.from_state"
         settings, runtime = parse_meta_state(meta_state, owner)
@@ -419,6 +424,7 @@ class PaluKVCache(CacheLayer):
                 f"{owner}: meta_state key_segments and value_segments must be both null (before the fit) or both "
                 "set, and fixed widths need segments"
             )
+        _check_coded_with(read_field(runtime, "coded_with", owner), config, fitted, owner)
         if shape is None:
             arrays.finish()
             return cache
@@ -566,6 +572,48 @@ class PaluKVCache(CacheLayer):
         phase = f"fitted r_k={self.key_rank} r_v={self.value_rank}" if self.fitted else "exact"
         rope = ", pre-RoPE keys" if self.rotary is not None else ""
         return f"PaluKVCache(offset={self.offset}, {phase}{rope})"
+
+
+#: the config fields a fitted cache's arrays depend on: how latents were projected and coded, and
+#: which tokens are held exactly; a fitted state records them (``coded_with``) so that a config
+#: edited afterwards cannot reinterpret its codes
+CODED_WITH: tuple[str, ...] = (
+    "palu_bits",
+    "palu_rank",
+    "palu_energy_threshold",
+    "palu_hi_bit",
+    "palu_lo_bit",
+    "palu_hi_fraction",
+    "palu_group_size",
+    "palu_quantize_values",
+    "palu_token_scale",
+    "palu_n_head_groups",
+    "palu_sink_tokens",
+    "palu_recent_tokens",
+)
+
+
+def _coded_with(config: KVCacheConfig) -> dict[str, object]:
+    return {name: getattr(config, name) for name in CODED_WITH}
+
+
+def _check_coded_with(coded: object, config: KVCacheConfig, fitted: bool, owner: str) -> None:
+    """KVDataError unless ``coded`` is None before the fit and, after it, names the fields of
+    :data:`CODED_WITH` with the values ``config`` has."""
+    if not fitted:
+        if coded is not None:
+            raise KVDataError(f"{owner}: meta_state coded_with={coded!r} must be null before the fit")
+        return
+    if not isinstance(coded, dict) or set(coded) != set(CODED_WITH):
+        raise KVDataError(
+            f"{owner}: meta_state coded_with={coded!r:.200} must be an object of the fields {list(CODED_WITH)}"
+        )
+    for name in CODED_WITH:
+        if coded[name] != getattr(config, name):
+            raise KVDataError(
+                f"{owner}: meta_state config {name}={getattr(config, name)!r}, but the state's codes were made "
+                f"with {name}={coded[name]!r}; allowed: {coded[name]!r} (a fitted cache keeps how it coded)"
+            )
 
 
 def default_policy(config: KVCacheConfig) -> BitAllocationPolicy:

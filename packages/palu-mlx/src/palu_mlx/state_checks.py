@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import numbers
 from collections.abc import Mapping
+from dataclasses import fields
 from typing import Any
 
 import mlx.core as mx
@@ -66,16 +67,16 @@ def parse_meta_state(meta_state: Any, owner: str) -> tuple[dict[str, Any], dict[
     return out[0], out[1]
 
 
-#: fields added after states were first saved, and the values that mean what those states did:
-#: a state saved before them was coded without a per-token scale or exact tokens
-_BEFORE_FIELDS: dict[str, Any] = {"palu_token_scale": False, "palu_sink_tokens": 0, "palu_recent_tokens": 0}
-
-
 def read_config(settings: dict[str, Any], owner: str) -> KVCacheConfig:
-    """The :class:`KVCacheConfig` saved in meta_state. Fields the state lacks take the values that
-    reproduce how it was coded (:data:`_BEFORE_FIELDS` for those added since), else their defaults."""
+    """The :class:`KVCacheConfig` saved in meta_state; it must name every field (a state written by
+    :attr:`meta_state` does), so a field dropped from it cannot silently take its default."""
     if isinstance(settings, dict):
-        settings = {**_BEFORE_FIELDS, **settings}
+        missing = sorted({f.name for f in fields(KVCacheConfig)} - set(settings))
+        if missing:
+            raise KVDataError(
+                f"{owner}: meta_state config lacks the fields {missing}; a saved state names every "
+                "KVCacheConfig field"
+            )
     try:
         return KVCacheConfig.from_json(json.dumps(settings))
     except KVSpecError as exc:
