@@ -1,0 +1,242 @@
+"""A Hadamard rotation before KIVI's codes, at 2 to 8 bits, on the real model beside hqq 4/8-bit.
+
+Candidates are :class:`flashcodec.codecs.RotatedKIVICodec` configurations (``kivi64r-*``: keys and
+values rotated; ``kivi64rk-*``: keys only; ``kivi64rg-*``: rotated, levels fitted to a Gaussian
+instead of min-max), each named like the kivi tiers (``k<key bits>v<value bits>``, 64-token blocks,
+the newest 64-127 tokens int8, the first key exact). They are added to the tier registry of this
+process only (:func:`register`), beside the registered ``kivi64-*`` tiers they would replace.
+
+Two protocols:
+
+* default: ``flashcodec compare`` (kvbench's protocol, as ``real_tiers.py``: SmolLM2-135M-Instruct,
+  bf16, one window of 1,792 prefilled + 256 scored tokens decoded one at a time, attention on the
+  codes for the ``-mf`` names, hqq 4/8-bit in the same run); writes ``flashcodec_rotated_tiers.json``
+  with ``summary_long`` (bytes resident averaged over decoding, KL, top-1, ratios to hqq-q4).
+* ``--quick``: a ranking (as ``kv_recipes.py``): per window the context is prefilled exactly, each
+  layer's K/V go through a :class:`flashcodec.CodecKVCache` of the candidate (archive coded, window
+  int8) and the scored tokens run in one forward over the decoded cache (their own K/V exact);
+  bytes are the cache's held bytes at the context length. Writes ``flashcodec_rotated_quick.json``.
+
+    OMP_NUM_THREADS=1 nice -n 10 hatch run bench:python benchmarks/flashcodec/rotated_tiers.py
+    OMP_NUM_THREADS=1 nice -n 10 hatch run bench:python benchmarks/flashcodec/rotated_tiers.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import flashcodec.tiers as tiers_module
+import torch
+from common import RESULTS, stamp
+from flashcodec.codecs import BlockCodec, KIVICodec
+from flashcodec.codecs.rotated import RotatedKIVICodec
+from kvbench.results import write_json
+from real_tiers import COMPARE_ARGS, summarize
+
+
+def _codec(name: str) -> BlockCodec:
+    """``kivi64[r|rk|rg]-k<K>v<V>-w64i8`` -> its codec (registered ``kivi64-*`` names as they are)."""
+    family, bits, window = name.split("-")
+    if window != "w64i8" or not bits.startswith("k") or "v" not in bits:
+        raise ValueError(f"not a candidate name: {name!r}")
+    key_bits, value_bits = (int(b) for b in bits[1:].split("v"))
+    if family == "kivi64":
+        return KIVICodec(64, key_bits, value_bits)
+    options = {
+        "kivi64r": {},
+        "kivi64rk": {"rotate_values": False},
+        "kivi64rg": {"range_fit": "gauss"},
+        "kivi64rkg": {"rotate_values": False, "range_fit": "gauss"},
+    }[family]
+    return RotatedKIVICodec(64, key_bits, value_bits, **options)
+
+
+def _describe(name: str, codec: BlockCodec) -> str:
+    if not isinstance(codec, RotatedKIVICodec):
+        return tiers_module.TIERS[name].description
+    sides = "keys and values" if codec.rotate_values else "keys"
+    fit = "levels fitted to a Gaussian" if codec.range_fit == "gauss" else "min-max levels"
+    return (
+        f"{sides} Hadamard-rotated, then int{codec.key_bits} keys per (64-token block, channel), "
+        f"int{codec.value_bits} values per token, {fit}; first key exact; newest 64-127 tokens int8"
+    )
+
+
+def register(name: str) -> None:
+    """Add candidate ``name`` (and its materialization-free form) to this process's tier registry."""
+    if name in tiers_module.TIERS:
+        return
+    codec = _codec(name)
+    Tier = tiers_module.Tier
+    if hasattr(tiers_module, "MF_SUFFIX"):  # "-mf" is an attention axis over the storage tiers
+        tiers_module.TIERS[name] = Tier(name, _describe(name, codec), codec, offer_mf=True)
+    else:
+        tiers_module.TIERS[name] = Tier(name, _describe(name, codec), codec)
+        tiers_module.TIERS[name + "-mf"] = Tier(
+            name + "-mf",
+            _describe(name, codec) + "; attention on the codes",
+            codec,
+            materialization_free=True,
+        )
+
+
+#: the kvbench run: the registered references, then rotated 4-, 8- and sub-4-bit candidates
+COMPARE_TIERS = (
+    "kivi64-k4v4-w64i8-mf,kivi64r-k4v4-w64i8-mf,kivi64rk-k4v4-w64i8-mf,"
+    "kivi64-k8v8-w64i8-mf,kivi64r-k8v8-w64i8-mf,"
+    "kivi64r-k3v3-w64i8-mf,kivi64r-k4v2-w64i8-mf,kivi64rg-k3v2-w64i8-mf,kivi64rg-k2v2-w64i8-mf"
+)
+#: the quick ranking: every family at every width worth a look
+QUICK_TIERS = ",".join(
+    [
+        "kivi64-k4v4-w64i8",
+        "kivi64-k8v8-w64i8",
+        *(
+            f"kivi64{f}-k{k}v{v}-w64i8"
+            for f in ("r", "rk")
+            for k, v in ((8, 8), (4, 4), (3, 3), (4, 2), (3, 2), (2, 2))
+        ),
+        *(
+            f"kivi64{f}-k{k}v{v}-w64i8"
+            for f in ("rg", "rkg")
+            for k, v in ((4, 4), (3, 3), (4, 2), (3, 2), (2, 2))
+        ),
+    ]
+)
+
+
+def run_compare(names: list[str], out: Path, model: str | None) -> None:
+    from flashcodec.compare import main as compare_main
+
+    for name in names:
+        register(name.removesuffix("-mf"))
+    cli = ["--tiers", ",".join(names), *COMPARE_ARGS]
+    if model:
+        cli = ["--model", model, *cli]
+    path = Path(tempfile.mkdtemp()) / "compare.json"
+    t0 = time.perf_counter()
+    code = compare_main([*cli, "--json", str(path)])
+    if code:
+        raise SystemExit(f"flashcodec compare exited with {code}")
+    result = json.loads(path.read_text())
+    result["command"] = "python benchmarks/flashcodec/rotated_tiers.py --tiers " + ",".join(names)
+    result["compare_args"] = cli
+    result["candidates"] = {n: _describe(n.removesuffix("-mf"), _codec(n.removesuffix("-mf"))) for n in names}
+    result["wall_s"] = time.perf_counter() - t0
+    result["summary_long"] = summarize(result)
+    write_json(out, result)
+    for row in result["summary_long"]:
+        print(
+            f"{row['name']:26s} bytes {row['resident_ratio_decode_mean']:.3f}  KL {row['kl_mean']:.2e}  "
+            f"top-1 {row['top1_agreement']:.3f}  bytes x hqq-q4 {row.get('bytes_vs_hqq_q4') or 0:.3f}  "
+            f"KL x hqq-q4 {row.get('kl_vs_hqq_q4') or 0:.3f}"
+        )
+    print(f"wrote {out}")
+
+
+@torch.no_grad()
+def run_quick(names: list[str], args: argparse.Namespace) -> None:
+    from flashcodec import CodecKVCache
+    from kvbench.models import default_text_path, resolve_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+    path = resolve_model(args.model or "smollm2-135m")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    ids = AutoTokenizer.from_pretrained(path).encode(
+        default_text_path().read_text(), add_special_tokens=False
+    )
+    size = args.context + args.scored
+    windows = [torch.tensor(ids[i * size : (i + 1) * size])[None] for i in range(args.windows)]
+    exact = []
+    for w in windows:
+        cache = DynamicCache(config=model.config)
+        model(w[:, : args.context], past_key_values=cache, use_cache=True)
+        kv = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+        logits = model(w[:, args.context :], past_key_values=cache, use_cache=True).logits
+        exact.append((kv, logits.float().log_softmax(-1)[0]))
+    rows = []
+    for name in names:
+        t0 = time.perf_counter()
+        codec = _codec(name)
+        kls, agree, held, raw = [], [], 0, 0
+        for w, (kv, base) in zip(windows, exact, strict=True):
+            cache = DynamicCache(config=model.config)
+            for i, (k, v) in enumerate(kv):
+                coded = CodecKVCache(codec=codec)
+                keys, values = coded.update_and_fetch(k, v)
+                cache.update(keys.clone(), values.clone(), i)
+                st = coded.storage_bytes()
+                held, raw = held + st.held, raw + st.raw
+            lp = model(w[:, args.context :], past_key_values=cache, use_cache=True).logits
+            lp = lp.float().log_softmax(-1)[0]
+            kls.append((base.exp() * (base - lp)).sum(-1))
+            agree.append((base.argmax(-1) == lp.argmax(-1)).float())
+        row = {
+            "name": name,
+            "description": _describe(name, codec),
+            "codec": repr(codec),
+            "bytes_x_raw": held / raw,
+            "kl_mean": float(torch.cat(kls).mean()),
+            "top1_agreement": float(torch.cat(agree).mean()),
+        }
+        rows.append(row)
+        print(
+            f"{name:24s} bytes {row['bytes_x_raw']:.3f}  KL {row['kl_mean']:.2e}  top-1 {row['top1_agreement']:.3f}"
+            f"  ({time.perf_counter() - t0:.0f} s)",
+            flush=True,
+        )
+    out = args.out or RESULTS / "flashcodec_rotated_quick.json"
+    write_json(
+        out,
+        {
+            "stamp": stamp(["flashcodec-kv", "kvbench", "torch", "transformers"]),
+            "model": str(args.model or "smollm2-135m"),
+            "dtype": "bfloat16",
+            "protocol": "one forward of the scored tokens over the decoded cache (see the script's docstring)",
+            "windows": args.windows,
+            "context_tokens": args.context,
+            "scored_tokens": args.scored,
+            "command": "python benchmarks/flashcodec/rotated_tiers.py --quick " + " ".join(sys.argv[1:]),
+            "rows": rows,
+        },
+    )
+    print(f"wrote {out}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--tiers", default=None, help="comma-separated candidate names (default: per protocol)"
+    )
+    parser.add_argument("--quick", action="store_true", help="the one-forward ranking instead of kvbench")
+    parser.add_argument(
+        "--model", default=None, help="kvbench model name or directory (default: the real model)"
+    )
+    parser.add_argument("--windows", type=int, default=2, help="--quick: windows")
+    parser.add_argument("--context", type=int, default=1792, help="--quick: context tokens")
+    parser.add_argument("--scored", type=int, default=256, help="--quick: scored tokens")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    names = [
+        n.strip()
+        for n in (args.tiers or (QUICK_TIERS if args.quick else COMPARE_TIERS)).split(",")
+        if n.strip()
+    ]
+    for name in names:
+        _codec(name.removesuffix("-mf"))  # a bad name fails before any model is loaded
+    if args.quick:
+        run_quick([n.removesuffix("-mf") for n in names], args)
+    else:
+        run_compare(names, args.out or RESULTS / "flashcodec_rotated_tiers.json", args.model)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
