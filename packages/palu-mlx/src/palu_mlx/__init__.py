@@ -13,6 +13,7 @@ file, coded by bit budget, and attended on as codes (:mod:`palu_mlx.attention`).
 """
 
 from .attention import latent_attention
+from .baseline import NaiveQuantKVCache, naive_roundtrip
 from .builder import (
     KVCacheBuilder,
     UnverifiedPromptCacheWarning,
@@ -40,7 +41,6 @@ from .mixed_bit import (
     WaterFillingPolicy,
     water_fill,
 )
-from .naive import NaiveQuantKVCache, naive_roundtrip
 from .rope import PRE_ROPE_ARCHITECTURES, PreRopeFallbackWarning, Rotary, model_rotaries
 from .tiers import CALIBRATED_TIERS, TIERS, Tier, tier
 

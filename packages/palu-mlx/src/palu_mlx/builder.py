@@ -34,6 +34,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models import cache as mlx_cache
 
 from .attention import route_attention, unroute_attention
+from .baseline import NaiveQuantKVCache
 from .cache import PaluKVCache
 from .calibrated import CalibratedKVCache, calibrated_caches
 from .calibration.file import Calibration
@@ -41,7 +42,6 @@ from .config import KVCacheConfig
 from .integrity import CHECKSUM_KEY, UnverifiedFileWarning, digest
 from .mixed_bit import BitAllocationPolicy, check_policy
 from .models import check_model, default_caches, model_kv_dims, original_make_cache
-from .naive import NaiveQuantKVCache
 from .rope import Rotary, model_rotaries
 
 __all__ = [

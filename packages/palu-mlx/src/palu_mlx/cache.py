@@ -7,11 +7,14 @@ Life of a layer's cache:
    short prompt therefore never fixes a degenerate projection.
 2. **Fit.** On the call that reaches that count, group-head projections are
    fitted on every token held (keys and values separately), all held tokens are
-   projected and coded, and the exact buffers are dropped. This happens once:
+   projected and coded (with a bit budget: water-filled widths and fixed Gaussian-step
+   quantizers, :mod:`palu_mlx.coders.fixed`; with the reference's hi/lo split: the
+   mixed-bit coder of :mod:`palu_mlx.mixed_bit`), and the exact buffers are dropped. This happens once:
    later prefill chunks (``S > 1``) and decode steps are projected into the
    stored projections, never refit.
-3. **Latent phase.** The cache holds only packed latent codes ``[B, H, S, ·]``,
-   the projections and means. Full K/V are reconstructed (``L V_gᵀ + μ_g``) for
+3. **Latent phase.** The cache holds packed latent codes ``[B, H, S, ·]``, the
+   projections and means, and the first ``palu_sink_tokens`` and newest
+   ``palu_recent_tokens`` tokens exactly (:mod:`palu_mlx.sinks`). Full K/V are reconstructed (``L V_gᵀ + μ_g``) for
    each attention call and not kept.
 
 Buffers grow in steps of :attr:`step` tokens (as mlx-lm's ``KVCache``): one
@@ -78,9 +81,10 @@ class PaluKVCache(CacheLayer):
 
     Args:
         config: a :class:`KVCacheConfig` with ``method="palu"``.
-        allocation_policy: how latent channels get their bit widths; defaults to
-            :class:`FixedSplitPolicy` from the config's hi/lo fields. Value latents
-            use ``UniformPolicy(16)`` (unquantized) when ``palu_quantize_values`` is False.
+        allocation_policy: how latent channels get their bit widths; defaults to the policy the
+            config implies (:func:`default_policy`: water-filling at ``coder_bits``, coded by fixed
+            Gaussian-step quantizers, or the reference's hi/lo split). Value latents use
+            ``UniformPolicy(16)`` (unquantized) when ``palu_quantize_values`` is False.
         rotary: the layer's RoPE as a :class:`~palu_mlx.rope.Rotary`: keys arrive rotated at
             positions ``offset + i`` and are coded before RoPE (the pre-RoPE path). None codes
             the keys as given.
@@ -322,7 +326,8 @@ class PaluKVCache(CacheLayer):
         """Every array needed to rebuild the cache, cut to ``offset`` tokens.
 
         Before the fit: ``exact_keys``, ``exact_values``. After: ``key.basis``,
-        ``key.mean``, ``key.singular_values``, ``key.seg<i>.<field>`` (and ``value.*``).
+        ``key.mean``, ``key.singular_values`` and the codes: ``key.seg<i>.<field>`` (mixed-bit
+        coder) or ``key.codes`` and ``key.steps`` (fixed quantizers); likewise ``value.*``.
         With ``palu_sink_tokens`` (after the fit) also ``sink.keys`` / ``sink.values``, the first
         ``min(palu_sink_tokens, offset)`` tokens as given.
         On the pre-RoPE path also ``rope.inv_freq`` (even when empty). Copies: writing into
