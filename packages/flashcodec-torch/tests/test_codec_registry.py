@@ -30,7 +30,7 @@ from flashcodec.codecs import (
     make_codec,
 )
 from flashcodec.codecs.base import check_block_size, from_blocks, to_blocks
-from kvspec import KVConfigError
+from kvspec import KVConfigError, KVDataError
 
 
 @dataclass(frozen=True)
@@ -106,6 +106,30 @@ def test_the_toy_codec_runs_through_the_cache_exactly(raw_registered):
         assert cache.keys.n_blocks == 5 and cache.nbytes == cache.raw_nbytes
         twin = CodecKVCache.from_state(cache.state, cache.meta_state)  # meta_state: mode=raw, block_size=4
         assert twin.codec == RawCodec(4) and torch.equal(twin.read()[0], x)
+
+
+@dataclass(frozen=True)
+class BoundedRawCodec(RawCodec):
+    """RawCodec that never stores a value above 100: it says so in its own part check."""
+
+    mode: ClassVar[str] = "raw"
+
+    def check_part(self, spec: PartSpec, part: torch.Tensor, *, check_finite: bool) -> None:
+        super().check_part(spec, part, check_finite=check_finite)
+        if bool((part.abs() > 100).any()):
+            raise KVDataError(f"part {spec.name!r} holds a value above 100")
+
+
+def test_a_restored_state_is_checked_by_the_codec_itself(monkeypatch):
+    monkeypatch.setitem(CODECS, "raw", BoundedRawCodec)
+    cache = CodecKVCache(codec=BoundedRawCodec(4))
+    x = gaussian(s=9)
+    cache.update_and_fetch(x, x)
+    state = list(cache.state)
+    assert CodecKVCache.from_state(state, cache.meta_state).offset == 9
+    state[2] = state[2] * 1000  # the values' blocks
+    with pytest.raises(KVDataError, match="values part 'tokens' holds a value above 100"):
+        CodecKVCache.from_state(state, cache.meta_state)
 
 
 def test_the_toy_codec_needs_no_attention_code(raw_registered):

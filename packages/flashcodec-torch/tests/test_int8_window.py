@@ -92,7 +92,7 @@ def test_state_round_trip_and_its_checks():
         CodecKVCache.from_state(state, older)
     bad = list(state)
     bad[4] = -bad[4].abs() - 1
-    with pytest.raises(KVDataError, match="keys tail_scales holds a negative scale"):
+    with pytest.raises(KVDataError, match="keys part 'tail_scales' holds a negative scale"):
         CodecKVCache.from_state(bad, meta)
     bad = list(state)
     bad[3] = bad[3].to(torch.int16)

@@ -4,18 +4,18 @@
 a truncated or edited array, or a ``meta_state`` whose ``block_size`` was changed would otherwise
 rebuild a cache that returns other values, or fails deep inside a later call. Every array is checked
 against what the codec in ``meta_state`` stores (count, shape, dtype, device), the keys against the
-values, the token count against the ``offset`` recorded in ``meta_state``, and the contents against
-what the codec can have written (finite floats, non-negative scales, quantized codes in range).
+values and the token count against the ``offset`` recorded in ``meta_state``; the contents are the
+codec's to check (:meth:`flashcodec.BlockCodec.check_stored`, ``TailCoder.check_stored``).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from kvspec import KVDataError
 
 from .codecs.base import BlockCodec
-from .codecs.quant import QMAX
-from .validate import all_finite
 
 __all__ = ["check_state"]
 
@@ -118,12 +118,7 @@ def _check_stream(
                 f"{name} {spec.name} must be {want_shape} {want_dtype} on {tail.device} for {codec!r}; "
                 f"got {tuple(part.shape)} {part.dtype} on {part.device}"
             )
-        if part.is_floating_point() and not all_finite(part) and (check_finite or not raw):
-            raise KVDataError(f"{name} {spec.name} holds NaN or infinity")
-        if spec.name == "tail_scales" and bool((part < 0).any()):
-            raise KVDataError(
-                f"{name} {spec.name} holds a negative scale (scales are (max - min) / 255, >= 0)"
-            )
+    _contents(name, lambda: codec.tail_coder.check_stored(tails, check_finite=check_finite))
     n = parts[0].shape[2] if parts[0].dim() >= 3 else -1
     for spec, part in zip(codec.part_specs(d), parts, strict=True):
         want_shape = (b, h, n, *spec.shape)
@@ -133,25 +128,12 @@ def _check_stream(
                 f"{name} part {spec.name!r} must be {want_shape} {want_dtype} on {tail.device} for {codec!r}; "
                 f"got {tuple(part.shape)} {part.dtype} on {part.device}"
             )
-        _check_contents(f"{name} part {spec.name!r}", spec.name, part, check_finite, codec.int4_zero_nibble)
+    _contents(name, lambda: codec.check_stored(parts, check_finite=check_finite))
 
 
-def _check_contents(
-    where: str, part_name: str, part: torch.Tensor, check_finite: bool, zero_nibble: bool = False
-) -> None:
-    """What the codecs write: finite floats, scales >= 0, int8 codes in -127..127, int4 nibbles 1..15
-    (0..15 when the codec says its codes reach -8: ``zero_nibble``)."""
-    if part.numel() == 0:
-        return
-    if part.is_floating_point():
-        if (check_finite or part_name == "scales") and not all_finite(part):
-            raise KVDataError(f"{where} holds NaN or infinity")
-        if part_name == "scales" and bool((part < 0).any()):
-            raise KVDataError(f"{where} holds a negative scale (scales are max |coefficient| / levels, >= 0)")
-    elif part.dtype == torch.int8:
-        if int(part.min()) < -QMAX:
-            raise KVDataError(f"{where} holds the int8 code -128; codes lie in -{QMAX}..{QMAX}")
-    elif part.dtype == torch.uint8 and not zero_nibble:
-        # int4 codes q in -7..7 are stored as q + 8 (1..15); an odd D pads with 8, so 0 never occurs
-        if bool(((part & 15) == 0).any()) or bool(((part >> 4) == 0).any()):
-            raise KVDataError(f"{where} holds a 0 nibble; packed int4 codes are stored as 1..15")
+def _contents(name: str, check: Callable[[], None]) -> None:
+    """Run a codec's own content check, its error naming the stream (``keys`` / ``values``)."""
+    try:
+        check()
+    except KVDataError as err:
+        raise KVDataError(f"{name} {err}") from None

@@ -26,12 +26,20 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
-from kvspec import KVConfigError, KVDtypeError, KVShapeError
+from kvspec import KVConfigError, KVDataError, KVDtypeError, KVShapeError
 
 if TYPE_CHECKING:
     from .tail import TailCoder
 
-__all__ = ["PartSpec", "BlockCodec", "check_block_size", "to_blocks", "from_blocks", "to_output"]
+__all__ = [
+    "PartSpec",
+    "BlockCodec",
+    "check_block_size",
+    "check_finite_part",
+    "to_blocks",
+    "from_blocks",
+    "to_output",
+]
 
 
 @dataclass(frozen=True)
@@ -45,6 +53,28 @@ class PartSpec:
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype | None
+
+
+#: the largest symmetric int8 code (-128 is never written): ``flashcodec.codecs.quant.QMAX``
+SYMMETRIC_INT8_MAX = 127
+
+
+def check_finite_part(spec: PartSpec, part: torch.Tensor, *, check_finite: bool) -> None:
+    """``KVDataError`` when a float part holds NaN / inf (scales always; any other part when
+    ``check_finite``: with it off, an infinite input leaves infinite coefficients), or a negative
+    scale (a part named ``scales`` / ``tail_scales``: a range over levels, never below 0)."""
+    if not part.is_floating_point():
+        return
+    is_scale = spec.name in ("scales", "tail_scales")
+    if (check_finite or is_scale) and not _all_finite(part):
+        raise KVDataError(f"part {spec.name!r} holds NaN or infinity")
+    if is_scale and bool((part < 0).any()):
+        raise KVDataError(f"part {spec.name!r} holds a negative scale (scales are a range over levels, >= 0)")
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    lo, hi = torch.aminmax(t)
+    return bool(torch.isfinite(lo) & torch.isfinite(hi))
 
 
 def check_block_size(block_size: object) -> int:
@@ -108,7 +138,7 @@ class BlockCodec(ABC):
     #: tokens per block ``r``
     block_size: int
     #: whether packed int4 codes may be -8 (the nibble 0): symmetric codecs never write it, so a
-    #: restored state holding one is refused (``state_check``); jpeg-zp uses all 16 levels
+    #: restored state holding one is refused (:meth:`check_part`); jpeg-zp uses all 16 levels
     int4_zero_nibble: ClassVar[bool] = False
     #: whether :meth:`synthesis_matrix` is the identity (the stored rows are the tokens): the
     #: attention kernels then skip its product
@@ -221,6 +251,33 @@ class BlockCodec(ABC):
             raise KVShapeError(
                 f"{self.mode} codec parts must be {len(specs)} tensor(s) ({names}) as encode returns them; got {got}"
             )
+
+    def check_stored(self, parts: tuple[torch.Tensor, ...], *, check_finite: bool = True) -> None:
+        """``KVDataError`` naming the part when ``parts`` (shaped as :meth:`part_specs` says; a
+        restored state's) hold values this codec never writes. Reads only.
+
+        Calls :meth:`check_part` on each part. ``check_finite``: NaN / inf in parts of the input
+        dtype are refused too (scales and zero points always are)."""
+        for spec, part in zip(self.part_specs(1), parts, strict=True):
+            if part.numel():
+                self.check_part(spec, part, check_finite=check_finite)
+
+    def check_part(self, spec: PartSpec, part: torch.Tensor, *, check_finite: bool) -> None:
+        """What every codec here writes: finite values (:func:`check_finite_part`), scales >= 0, int8 codes in ``-QMAX..QMAX`` (symmetric; -128 never
+        occurs), packed int4 codes stored as ``q + 8`` in ``1..15`` unless
+        :attr:`int4_zero_nibble`. A codec whose parts hold something else overrides this."""
+        check_finite_part(spec, part, check_finite=check_finite)
+        if part.dtype == torch.int8 and int(part.min()) < -SYMMETRIC_INT8_MAX:
+            raise KVDataError(
+                f"part {spec.name!r} holds the int8 code -128; codes lie in "
+                f"-{SYMMETRIC_INT8_MAX}..{SYMMETRIC_INT8_MAX}"
+            )
+        if part.dtype == torch.uint8 and not self.int4_zero_nibble:
+            # int4 codes q in -7..7 are stored as q + 8 (1..15); an odd D pads with 8, so 0 never occurs
+            if bool(((part & 15) == 0).any()) or bool(((part >> 4) == 0).any()):
+                raise KVDataError(
+                    f"part {spec.name!r} holds a 0 nibble; packed int4 codes are stored as 1..15"
+                )
 
     def check_dim(self, dim: int) -> None:
         """Raise ``KVShapeError`` when this codec cannot store rows of head dimension ``dim``.

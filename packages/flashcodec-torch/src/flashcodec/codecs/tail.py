@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from kvspec import KVConfigError
 
-from .base import PartSpec
+from .base import PartSpec, check_finite_part
 
 __all__ = ["TailCoder", "RawTail", "Int8Tail", "tail_coder", "check_window_options", "TAIL_BITS"]
 
@@ -49,6 +49,14 @@ class TailCoder(ABC):
     @abstractmethod
     def decode(self, parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
         """The stored parts -> tokens ``[B, H, t, D]`` in ``dtype``."""
+
+    def check_stored(self, parts: tuple[torch.Tensor, ...], *, check_finite: bool = True) -> None:
+        """``KVDataError`` naming the part when the stored tail ``parts`` hold what this coder never
+        writes: NaN / inf (raw tokens only when ``check_finite``; a coded tail's metadata always),
+        a negative scale. Reads only."""
+        for spec, part in zip(self.part_specs(1), parts, strict=True):
+            if part.numel():
+                check_finite_part(spec, part, check_finite=check_finite or spec.dtype is not None)
 
 
 @dataclass(frozen=True)
