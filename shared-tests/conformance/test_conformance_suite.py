@@ -27,7 +27,7 @@ from kvspec.conformance import PASSED, conformance_items
 ADAPTER_CLASSES = {
     "reference": "kvspec.reference:ReferenceAdapter",
     "palu": "palu_mlx.spec:PaluAdapter",
-    "flashcodec": "flashcodec.spec:FlashCodecAdapter",
+    "flashcodec": "flashcodec.kvspec_adapter:FlashCodecAdapter",
 }
 
 

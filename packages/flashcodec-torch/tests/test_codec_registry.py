@@ -79,8 +79,8 @@ def test_every_registry_key_is_its_class_mode():
         "jpeg": JPEGCodec,
         "png": PNGCodec,
         "jpeg-mixed": MixedJPEGCodec,
-        "jpeg-zp": ZeroPointJPEGCodec,
-        "chan4": ChannelInt4Codec,
+        "jpeg-int4z": ZeroPointJPEGCodec,
+        "chan-int4": ChannelInt4Codec,
         "kivi": KIVICodec,
         "token-int": TokenIntCodec,
         "kivi-rot": RotatedKIVICodec,
@@ -91,7 +91,7 @@ def test_every_registry_key_is_its_class_mode():
 def test_an_unregistered_mode_names_the_registered_ones():
     with pytest.raises(
         KVConfigError,
-        match=r"mode must be one of \('jpeg', 'png', 'jpeg-mixed', 'jpeg-zp', 'chan4', 'kivi', 'token-int', 'kivi-rot'\); got 'raw'",
+        match=r"mode must be one of \('jpeg', 'png', 'jpeg-mixed', 'jpeg-int4z', 'chan-int4', 'kivi', 'token-int', 'kivi-rot'\); got 'raw'",
     ):
         CodecKVCache(mode="raw", block_size=4)
 

@@ -8,7 +8,7 @@ from conftest import random_walk
 from flashcodec import CodecKVCache
 from flashcodec.attention import codec_decode_attention
 from flashcodec.codecs import ZeroPointJPEGCodec
-from flashcodec.codecs.tail import Int8Tail, RawTail
+from flashcodec.codecs.tail import RawTail, Uint8Tail
 from kvspec import KVConfigError, KVDataError
 
 R, W, D = 8, 24, 16
@@ -27,16 +27,16 @@ def _fed(steps=STEPS, dtype=torch.float32):
 
 
 def _int8(x: torch.Tensor) -> torch.Tensor:
-    return Int8Tail().decode(Int8Tail().encode(x), x.dtype)
+    return Uint8Tail().decode(Uint8Tail().encode(x), x.dtype)
 
 
 def test_int8_tail_round_trip_is_within_half_a_step_per_token():
     x = random_walk(b=2, h=3, s=11, d=D, seed=1) * 7
     x[0, 0, 4] = 2.5  # a constant token: scale 0, stored exactly
-    codes, scale, zero = Int8Tail().encode(x)
+    codes, scale, zero = Uint8Tail().encode(x)
     assert codes.dtype == torch.uint8 and scale.dtype == zero.dtype == torch.float32
     assert codes.shape == x.shape and scale.shape == zero.shape == (2, 3, 11, 1)
-    back = Int8Tail().decode((codes, scale, zero), torch.float32)
+    back = Uint8Tail().decode((codes, scale, zero), torch.float32)
     assert bool(((back - x).abs() <= scale / 2 * (1 + 1e-5) + 1e-6).all())
     assert torch.equal(back[0, 0, 4], x[0, 0, 4])
     raw = RawTail().encode(x)

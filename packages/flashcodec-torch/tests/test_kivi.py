@@ -41,8 +41,8 @@ def test_quantize_zero_is_within_half_a_step(bits, dim):
         assert int(codes.min()) >= -127  # -128 is never written (the state check refuses it)
 
 
-def test_four_bit_keys_equal_chan4():
-    """At 4 bits and without the sink, the keys are chan4's codes bit for bit."""
+def test_four_bit_keys_equal_chan_int4():
+    """At 4 bits and without the sink, the keys are chan-int4's codes bit for bit."""
     k, _ = kv()
     x = k[:, :, :192]
     ours = KIVICodec(64, exact_sink=False).encode(x)
@@ -124,7 +124,7 @@ def test_attention_on_the_codes_equals_decode_then_attend(name, groups):
     assert (got - want).abs().max() <= 2e-6 * want.abs().max()
 
 
-def test_kivi_beats_chan4_on_values_that_vary_per_token():
+def test_kivi_beats_chan_int4_on_values_that_vary_per_token():
     """What the split is for: values whose size varies token to token lose less per token."""
     k, v = kv(s=64 * 4)
     ours = CodecKVCache(codec=KIVICodec(64, raw_window=0, window_bits=None))

@@ -7,7 +7,7 @@ import torch
 from conftest import CODECS, random_walk
 from flashcodec import CodecKVCache, JPEGCodec, PNGCodec, Tier
 from flashcodec.codecs import ChannelInt4Codec, ZeroPointJPEGCodec
-from flashcodec.spec import FlashCodecAdapter, conformance_tiers
+from flashcodec.kvspec_adapter import FlashCodecAdapter, conformance_tiers
 from flashcodec.tiers import TIERS, tier, tier_names
 from kvspec import KVConfigError
 

@@ -93,7 +93,7 @@ def coded_rows(stream: CodecStream) -> CodedRows:
 
     The codec says how its parts are addressed (:meth:`flashcodec.BlockCodec.row_segments`; jpeg:
     the coefficients, int8 or not, and their scales; png: the anchors and the deltas, as views),
-    its zero points if it has any (:meth:`flashcodec.BlockCodec.row_offsets`, jpeg-zp) and its
+    its zero points if it has any (:meth:`flashcodec.BlockCodec.row_offsets`, jpeg-int4z) and its
     synthesis matrix ``A [r, R]`` in fp32.
     """
     codec = stream.codec

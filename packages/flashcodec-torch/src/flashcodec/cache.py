@@ -29,7 +29,7 @@ from kvspec import (
 )
 
 from .codecs import BlockCodec, keyword_codec, make_codec
-from .state_check import check_state
+from .state_layout import check_state_layout
 from .storage import CodecStorage
 from .stream import CodecStream
 from .validate import all_finite, batch_index, check_bool, check_int
@@ -55,7 +55,7 @@ class CodecKVCache:
 
     Args:
         keyword_form, codec_options: the codec in the keyword form, ``mode`` (a registry name:
-            ``"jpeg"``, ``"png"``, ``"jpeg-zp"``, ``"kivi"``, ...; default ``"jpeg"``) and the
+            ``"jpeg"``, ``"png"``, ``"jpeg-int4z"``, ``"kivi"``, ...; default ``"jpeg"``) and the
             fields of that codec class (jpeg: ``block_size``, ``keep_freqs``, ``quant_bits``; png:
             ``block_size``, ``keep_ratio``, ``delta_dtype``; kivi: ``key_bits``, ``value_bits``,
             ...). Up to five may be given by position, in the order ``mode, block_size,
@@ -417,7 +417,7 @@ class CodecKVCache:
                 f"state must be a sequence of tensors (a cache's .state); got {type(state).__name__}"
             )
         arrays = tuple(state)
-        check_state(
+        check_state_layout(
             cache.codec,
             arrays,
             supported_dtypes=SUPPORTED_DTYPES,

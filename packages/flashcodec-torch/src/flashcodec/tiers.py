@@ -2,7 +2,7 @@
 
 A tier is a named codec (r = 8 tokens per block; 64 for the per-channel ``chan64`` tiers) with a
 one-line description. :data:`TIERS` lists each storage format once, easiest first; the
-conformance adapter (:mod:`flashcodec.spec`) adds capabilities and tolerances to them, and
+conformance adapter (:mod:`flashcodec.kvspec_adapter`) adds capabilities and tolerances to them, and
 command lines, benchmarks and tests read them from here.
 
     from flashcodec.tiers import TIERS, tier

@@ -18,10 +18,10 @@ from typing import Any
 from kvspec import KVConfigError
 
 from .base import BlockCodec, PartSpec
-from .channel import ChannelInt4Codec
+from .chan_int4 import ChannelInt4Codec
 from .jpeg import JPEGCodec, dct_matrix
+from .jpeg_int4z import ZeroPointJPEGCodec
 from .jpeg_mixed import MixedJPEGCodec, allocate_freq_bits, frequency_variances
-from .jpeg_zero import ZeroPointJPEGCodec
 from .kivi import KIVICodec, TokenIntCodec
 from .png import PNGCodec, delta_variance_ratio
 from .quant import dequantize_int8, quantize_int8
@@ -58,8 +58,8 @@ CODECS: dict[str, type[BlockCodec]] = {
     "jpeg": JPEGCodec,
     "png": PNGCodec,
     "jpeg-mixed": MixedJPEGCodec,
-    "jpeg-zp": ZeroPointJPEGCodec,
-    "chan4": ChannelInt4Codec,
+    "jpeg-int4z": ZeroPointJPEGCodec,
+    "chan-int4": ChannelInt4Codec,
     "kivi": KIVICodec,
     "token-int": TokenIntCodec,
     "kivi-rot": RotatedKIVICodec,

@@ -138,7 +138,7 @@ class BlockCodec(ABC):
     #: tokens per block ``r``
     block_size: int
     #: whether packed int4 codes may be -8 (the nibble 0): symmetric codecs never write it, so a
-    #: restored state holding one is refused (:meth:`check_part`); jpeg-zp uses all 16 levels
+    #: restored state holding one is refused (:meth:`check_part`); jpeg-int4z uses all 16 levels
     int4_zero_nibble: ClassVar[bool] = False
     #: whether :meth:`synthesis_matrix` is the identity (the stored rows are the tokens): the
     #: attention kernels then skip its product

@@ -25,7 +25,7 @@ from kvspec import KVConfigError
 
 from .base import PartSpec, check_finite_part
 
-__all__ = ["TailCoder", "RawTail", "Int8Tail", "tail_coder", "check_window_options", "TAIL_BITS"]
+__all__ = ["TailCoder", "RawTail", "Uint8Tail", "tail_coder", "check_window_options", "TAIL_BITS"]
 
 #: the ``window_bits`` values a codec accepts: None (raw) or 8
 TAIL_BITS = (None, 8)
@@ -74,7 +74,7 @@ class RawTail(TailCoder):
 
 
 @dataclass(frozen=True)
-class Int8Tail(TailCoder):
+class Uint8Tail(TailCoder):
     """Asymmetric int8 per token: ``x ~ codes * scale + zero`` with ``scale = (max - min) / 255``
     and ``zero = min`` over the token's ``D`` values (fp32); a constant token gets scale 0."""
 
@@ -100,7 +100,7 @@ class Int8Tail(TailCoder):
 
 
 #: one shared coder per ``window_bits`` (coders hold no state; streams ask for theirs at every step)
-_CODERS: dict[int | None, TailCoder] = {None: RawTail(), 8: Int8Tail()}
+_CODERS: dict[int | None, TailCoder] = {None: RawTail(), 8: Uint8Tail()}
 
 
 def tail_coder(window_bits: int | None) -> TailCoder:

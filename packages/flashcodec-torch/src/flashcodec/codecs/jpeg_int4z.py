@@ -48,13 +48,13 @@ class ZeroPointJPEGCodec(BlockCodec):
             transformers' ``residual_length`` it slides, it is never flushed).
         window_bits: how the window (and the incomplete block) is stored: None (the default) in
             the input dtype, bit for bit; 8 in int8 per token with an fp32 scale and zero point
-            (:class:`~flashcodec.codecs.tail.Int8Tail`), a little over half the bytes.
+            (:class:`~flashcodec.codecs.tail.Uint8Tail`), a little over half the bytes.
 
     ``D`` must be even (two codes a byte). Arithmetic in fp32; :meth:`decode` returns the
     requested dtype.
     """
 
-    mode: ClassVar[str] = "jpeg-zp"
+    mode: ClassVar[str] = "jpeg-int4z"
     int4_zero_nibble: ClassVar[bool] = True
 
     block_size: int = 8
@@ -96,7 +96,7 @@ class ZeroPointJPEGCodec(BlockCodec):
 
     def check_dim(self, dim: int) -> None:
         if dim % 2:
-            raise KVShapeError(f"jpeg-zp packs two int4 codes a byte along D: D must be even; got D={dim}")
+            raise KVShapeError(f"jpeg-int4z packs two int4 codes a byte along D: D must be even; got D={dim}")
 
     def analysis_matrix(self, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
         """``M [K, r]`` (encode: ``C = M @ block``)."""

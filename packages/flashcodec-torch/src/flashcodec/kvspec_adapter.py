@@ -18,7 +18,7 @@ Capability flags claim exactly what the cache guarantees:
   dtype: not within a single rounding of the input dtype, so it is held to a tolerance instead.
 
 Tolerances are relative Frobenius errors per vector family, set from measurements on the
-shipped vectors (``python -m flashcodec.spec`` prints them) with headroom; Gaussian data has no
+shipped vectors (``python -m flashcodec.kvspec_adapter`` prints them) with headroom; Gaussian data has no
 sequence correlation, so the truncated tiers get honest, large tolerances there.
 """
 
@@ -78,7 +78,7 @@ def conformance_tiers() -> list[str]:
     stale = sorted(set(_CASES) - set(names))
     if missing or stale:
         raise KVConfigError(
-            f"flashcodec.spec capabilities must cover exactly the tiers {names}; "
+            f"flashcodec.kvspec_adapter capabilities must cover exactly the tiers {names}; "
             f"missing: {missing}, not a tier: {stale}"
         )
     return names

@@ -17,10 +17,10 @@ from kvspec import KVDataError
 
 from .codecs.base import BlockCodec
 
-__all__ = ["check_state"]
+__all__ = ["check_state_layout"]
 
 
-def check_state(
+def check_state_layout(
     codec: BlockCodec,
     arrays: tuple[object, ...],
     *,

@@ -1,4 +1,4 @@
-"""Asymmetric int4 jpeg (jpeg-zp): the quantizer's error bound, stored bytes, row offsets, errors."""
+"""Asymmetric int4 jpeg (jpeg-int4z): the quantizer's error bound, stored bytes, row offsets, errors."""
 
 from __future__ import annotations
 
@@ -57,10 +57,10 @@ def test_parts_offsets_and_stored_rows_agree():
 
 
 def test_registry_keyword_form_and_config():
-    assert CODECS["jpeg-zp"] is ZeroPointJPEGCodec
-    codec = make_codec("jpeg-zp", block_size=8, keep_freqs=6)
+    assert CODECS["jpeg-int4z"] is ZeroPointJPEGCodec
+    codec = make_codec("jpeg-int4z", block_size=8, keep_freqs=6)
     assert codec == ZeroPointJPEGCodec(8, 6) and codec.config() == {
-        "mode": "jpeg-zp",
+        "mode": "jpeg-int4z",
         "block_size": 8,
         "keep_freqs": 6,
         "raw_window": 0,
@@ -83,7 +83,7 @@ def test_odd_head_dim_is_refused_before_anything_changes():
 
 
 def test_parts_are_checked():
-    with pytest.raises(KVShapeError, match="jpeg-zp codec parts"):
+    with pytest.raises(KVShapeError, match="jpeg-int4z codec parts"):
         ZeroPointJPEGCodec(8).row_offsets((torch.zeros(1),))
 
 

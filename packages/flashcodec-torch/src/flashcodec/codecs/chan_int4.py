@@ -2,7 +2,7 @@
 
 A block of ``r`` tokens (64 by default) is stored as ``r x D`` int4 codes with one fp16 scale and
 one fp16 zero point per channel of the block: element ``(t, d)`` is ``code[t, d] * scale[d] +
-zero[d]``. At ``r = 64`` that is the bytes of ``jpeg-zp`` (4 bits an element plus 32 bits per 64
+zero[d]``. At ``r = 64`` that is the bytes of ``jpeg-int4z`` (4 bits an element plus 32 bits per 64
 elements), grouped the other way: a quantization group runs along the sequence, one channel at a
 time, instead of across the channels of one (DCT) row.
 
@@ -46,13 +46,13 @@ class ChannelInt4Codec(BlockCodec):
             :class:`~flashcodec.codecs.ZeroPointJPEGCodec`: the tail then holds ``raw_window`` to
             ``raw_window + r - 1`` tokens).
         window_bits: how the tail is stored: None (the default) in the input dtype, bit for bit;
-            8 in int8 per token (:class:`~flashcodec.codecs.tail.Int8Tail`).
+            8 in int8 per token (:class:`~flashcodec.codecs.tail.Uint8Tail`).
 
     ``D`` must be even (two codes a byte). Arithmetic in fp32; :meth:`decode` returns the
     requested dtype.
     """
 
-    mode: ClassVar[str] = "chan4"
+    mode: ClassVar[str] = "chan-int4"
     int4_zero_nibble: ClassVar[bool] = True
     synthesis_is_identity: ClassVar[bool] = True
 
@@ -83,7 +83,7 @@ class ChannelInt4Codec(BlockCodec):
 
     def check_dim(self, dim: int) -> None:
         if dim % 2:
-            raise KVShapeError(f"chan4 packs two int4 codes a byte along D: D must be even; got D={dim}")
+            raise KVShapeError(f"chan-int4 packs two int4 codes a byte along D: D must be even; got D={dim}")
 
     def synthesis_matrix(self, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
         """The identity ``[r, r]``: the stored rows are the block's tokens."""
