@@ -13,11 +13,8 @@ from pathlib import Path
 
 import torch
 from flashcodec.tiers import tier, tier_names
-from kvbench.results import environment_stamp, write_json
+from kvbench.results import environment_stamp, results_path, write_json
 from kvspec import KVConfigError
-
-#: benchmarks/results/
-RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 
 def tier_list(text: str) -> list[str]:
@@ -74,8 +71,8 @@ def add_device_options(parser: argparse.ArgumentParser) -> None:
 
 
 def save(data: dict, name: str, args: argparse.Namespace) -> Path:
-    """Write ``data`` to ``args.out`` or ``results/<name>.json`` (``<name>_cuda.json`` on a GPU)."""
-    out = args.out or RESULTS / (f"{name}.json" if args.device == "cpu" else f"{name}_cuda.json")
+    """Write ``data`` to ``args.out`` or ``$KVBENCH_RESULTS/<name>.json`` (``<name>_cuda.json`` on a GPU)."""
+    out = args.out or results_path(f"{name}.json" if args.device == "cpu" else f"{name}_cuda.json")
     write_json(out, data)
     print(f"wrote {out}")
     return out

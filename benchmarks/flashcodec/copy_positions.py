@@ -30,12 +30,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from common import RESULTS, log_probs, stamp, tier_list
+from common import log_probs, stamp, tier_list
 from flashcodec.hf import FlashCodecCache, apply_codec_attention, remove_codec_attention
 from flashcodec.tiers import tier
 from kvbench.models import default_text_path, embedded_model_path
 from kvbench.protocol import BOOTSTRAP_RESAMPLES, Settings, text_windows
-from kvbench.results import weights_digest, write_json
+from kvbench.results import results_path, weights_digest, write_json
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, QuantizedCache
 
 DEFAULT_TIERS = "jpeg-k8-int4z-w96i8-mf,chan64-int4-w64i8-mf"
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--windows", type=int, default=18)
     parser.add_argument("--context-tokens", type=int, default=1536)
     parser.add_argument("--scored-tokens", type=int, default=512)
-    parser.add_argument("--out", type=Path, default=RESULTS / "flashcodec_copy_positions.json")
+    parser.add_argument("--out", type=Path, default=results_path("flashcodec_copy_positions.json"))
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     path = embedded_model_path()

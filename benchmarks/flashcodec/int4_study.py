@@ -36,7 +36,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from common import RESULTS, log_probs, stamp
+from common import log_probs, stamp
 from flashcodec import JPEGCodec
 from flashcodec.codecs import MixedJPEGCodec, ZeroPointJPEGCodec
 from flashcodec.codecs.quant import (
@@ -46,7 +46,7 @@ from flashcodec.codecs.quant import (
     quantize_int4_zero,
 )
 from kvbench.models import default_text_path, embedded_model_path
-from kvbench.results import write_json
+from kvbench.results import results_path, write_json
 
 Quantizer = Callable[[torch.Tensor], torch.Tensor]  # fp32 [B, H, n*r, D] -> its reconstruction
 
@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--compare-json", type=Path, help="read part 2 from this compare JSON (made with COMPARE_ARGS)"
     )
-    parser.add_argument("--out", type=Path, default=RESULTS / "flashcodec_int4_study.json")
+    parser.add_argument("--out", type=Path, default=results_path("flashcodec_int4_study.json"))
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     out = {

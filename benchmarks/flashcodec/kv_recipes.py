@@ -32,10 +32,10 @@ import sys
 import time
 
 import torch
-from common import RESULTS, stamp
+from common import stamp
 from flashcodec.codecs.kivi import dequantize_zero, quantize_zero
 from kvbench.models import default_text_path, resolve_model
-from kvbench.results import write_json
+from kvbench.results import results_path, write_json
 
 BLOCK = 64
 
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scored", type=int, default=256)
     parser.add_argument("--window", type=int, default=64, help="newest context tokens kept int8 per token")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", default=str(RESULTS / "flashcodec_kv_recipes.json"))
+    parser.add_argument("--out", default=str(results_path("flashcodec_kv_recipes.json")))
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache

@@ -22,8 +22,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import RESULTS, tier_list
-from kvbench.results import write_json
+from common import tier_list
+from kvbench.results import results_path, write_json
 
 #: the tiers measured by default: the new split codecs, and the per-channel tier they replace
 TIERS = "kivi64-k4v4-w64i8-mf,kivi64-k8v8-w64i8-mf,chan64-int4-w64i8-mf"
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         "--model", default=None, help="kvbench model name or directory (default: the real model)"
     )
     parser.add_argument("--compare-json", type=Path, help="summarize this compare JSON instead of running")
-    parser.add_argument("--out", type=Path, default=RESULTS / "flashcodec_real_tiers.json")
+    parser.add_argument("--out", type=Path, default=results_path("flashcodec_real_tiers.json"))
     args = parser.parse_args(argv)
     cli = ["--tiers", ",".join(args.tiers), *COMPARE_ARGS]
     if args.model:

@@ -27,11 +27,11 @@ import time
 from pathlib import Path
 
 import torch
-from common import RESULTS, random_walk, stamp
+from common import random_walk, stamp
 from flashcodec import CodecKVCache, PNGCodec, dct_matrix, delta_variance_ratio
 from flashcodec.codecs import BlockCodec
 from flashcodec.tiers import TIERS
-from kvbench.results import write_json
+from kvbench.results import results_path, write_json
 from kvspec.conformance import relative_error
 
 #: Not a tier: png with fp32 deltas, the description's layout (100% of raw). It is measured because
@@ -108,7 +108,7 @@ def signal_stats(keys: torch.Tensor, values: torch.Tensor) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=RESULTS / "flashcodec_reconstruct.json")
+    parser.add_argument("--out", type=Path, default=results_path("flashcodec_reconstruct.json"))
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)

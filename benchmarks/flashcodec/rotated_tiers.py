@@ -32,10 +32,10 @@ from pathlib import Path
 
 import flashcodec.tiers as tiers_module
 import torch
-from common import RESULTS, stamp
+from common import stamp
 from flashcodec.codecs import BlockCodec, KIVICodec
 from flashcodec.codecs.rotated import RotatedKIVICodec
-from kvbench.results import write_json
+from kvbench.results import results_path, write_json
 from real_tiers import COMPARE_ARGS, summarize
 
 
@@ -190,7 +190,7 @@ def run_quick(names: list[str], args: argparse.Namespace) -> None:
             f"  ({time.perf_counter() - t0:.0f} s)",
             flush=True,
         )
-    out = args.out or RESULTS / "flashcodec_rotated_quick.json"
+    out = args.out or results_path("flashcodec_rotated_quick.json")
     write_json(
         out,
         {
@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         run_quick([n.removesuffix("-mf") for n in names], args)
     else:
-        run_compare(names, args.out or RESULTS / "flashcodec_rotated_tiers.json", args.model)
+        run_compare(names, args.out or results_path("flashcodec_rotated_tiers.json"), args.model)
     return 0
 
 

@@ -20,7 +20,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from common import RESULTS
+from kvbench.results import results_path
 
 TIERS = "chan64-int4-w64i8-mf,chan64-int4-w64i8"
 CODED = "+coded-step"
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--model", default=None, help="model for the compare (default: its default, the real model)"
     )
-    parser.add_argument("--out", type=Path, default=RESULTS / "flashcodec_step_raw.json")
+    parser.add_argument("--out", type=Path, default=results_path("flashcodec_step_raw.json"))
     args, rest = parser.parse_known_args(argv)  # the rest goes to the compare command
     import warnings
 

@@ -37,10 +37,10 @@ import time
 from pathlib import Path
 
 import torch
-from common import RESULTS, random_walk, stamp, tier_list
+from common import random_walk, stamp, tier_list
 from flashcodec import CodecKVCache
 from flashcodec.tiers import tier
-from kvbench.results import write_json
+from kvbench.results import results_path, write_json
 
 DEFAULT_TIERS = "jpeg-k2,jpeg-k2-int8,jpeg-k8-int8,png-keep1"
 
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--tiers", type=tier_list, default=tier_list(DEFAULT_TIERS), help="tier names, comma-separated"
     )
-    parser.add_argument("--out", type=Path, default=RESULTS / "flashcodec_vram.json")
+    parser.add_argument("--out", type=Path, default=results_path("flashcodec_vram.json"))
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 

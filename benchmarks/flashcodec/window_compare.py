@@ -21,7 +21,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from common import RESULTS
+from kvbench.results import results_path
 
 TIERS = "jpeg-k8-int4z-w96i8-mf,chan64-int4-w64i8-mf"
 
@@ -37,7 +37,7 @@ COMPARE_ARGS = [
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=RESULTS / "flashcodec_window_compare.json")
+    parser.add_argument("--out", type=Path, default=results_path("flashcodec_window_compare.json"))
     args = parser.parse_args(argv)
     from flashcodec.compare import main as compare
 

@@ -25,14 +25,11 @@ import sys
 from pathlib import Path
 
 import torch
-from kvbench.results import environment_stamp, weights_digest, write_json
+from kvbench.results import environment_stamp, results_path, weights_digest, write_json
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from corpus import DOC_SEPARATOR, load_corpus  # noqa: E402
 from train import DEFAULT_OUT, encode_documents, heldout_nll, heldout_nll_by_position  # noqa: E402
-
-RESULTS = Path(__file__).resolve().parents[1] / "results"
-
 
 #: the offsets between the window layouts: the narrowest position bucket
 BUCKET = 256
@@ -90,7 +87,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     parser.add_argument("--baseline", type=Path, default=None, help="an earlier checkpoint to compare with")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=RESULTS / "tiny_model_eval.json")
+    parser.add_argument("--out", type=Path, default=results_path("tiny_model_eval.json"))
     args = parser.parse_args(argv)
     result = {
         **environment_stamp(["torch", "transformers", "tokenizers", "numpy"]),

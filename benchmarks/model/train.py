@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from kvbench.results import environment_stamp, weights_digest
+from kvbench.results import environment_stamp, results_path, weights_digest, write_json
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from corpus import (  # noqa: E402
@@ -40,7 +40,7 @@ from corpus import (  # noqa: E402
 
 MODEL_DIR = Path(__file__).resolve().parent
 DEFAULT_OUT = MODEL_DIR / "tiny-qwen3"
-DEFAULT_RECORD = MODEL_DIR.parent / "results" / "tiny_model_training.json"
+DEFAULT_RECORD = results_path("tiny_model_training.json")
 
 BOS, EOS = "<|startoftext|>", "<|endoftext|>"
 
@@ -522,8 +522,7 @@ def main(argv: list[str] | None = None) -> dict:
         "heldout_by_position": by_position,
         "greedy_continuations": samples,
     }
-    args.record.parent.mkdir(parents=True, exist_ok=True)
-    args.record.write_text(json.dumps(record, indent=2) + "\n")
+    write_json(args.record, record)
     print(f"wrote {args.out} and {args.record}", flush=True)
     return record
 

@@ -30,9 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from kvbench.models import embedded_model_path
-from kvbench.results import environment_stamp, write_json
+from kvbench.results import environment_stamp, results_path, write_json
 
-RESULTS = Path(__file__).resolve().parents[1] / "results"
 WEIGHTINGS = ("none", "attention")
 #: what the side-by-side table keeps of a row
 FIELDS = ("kv_bytes", "bits_per_element", "kl_mean", "kl_p99", "top1_agreement", "ppl_delta")
@@ -56,7 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--speed-rounds", type=int, default=1)
     p.add_argument("--speed-steps", type=int, default=4)
     p.add_argument("--keep", default=None, help="directory to keep the two calibration files in")
-    p.add_argument("--out", default=str(RESULTS / "palu_calibration_weighting.json"))
+    p.add_argument("--out", default=str(results_path("palu_calibration_weighting.json")))
     args = p.parse_args(argv)
     if args.max_tokens < 2:
         p.error(f"--max-tokens {args.max_tokens} must be at least 2")

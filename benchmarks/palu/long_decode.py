@@ -40,14 +40,13 @@ from typing import Any
 
 import mlx.core as mx
 from kvbench.models import default_text_path
-from kvbench.results import environment_stamp, write_json
+from kvbench.results import environment_stamp, results_path, write_json
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 from palu_mlx import KVCacheBuilder
 from palu_mlx.attention import route_attention, unroute_attention
 from palu_mlx.builder import model_kv_dims
 from palu_mlx.compare import load_model, tier_config
 
-RESULTS = Path(__file__).resolve().parents[1] / "results"
 CHUNK = 512
 PALU_TIERS = ("palu-2bit", "palu-1.5bit", "palu-1.25bit", "palu-1bit")
 #: the tier also run through the path that rebuilds the whole history (for comparison)
@@ -158,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192])
     parser.add_argument("--steps", type=int, default=8, help="decode steps per candidate per round")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--out", default=str(RESULTS / "palu_long_decode.json"))
+    parser.add_argument("--out", default=str(results_path("palu_long_decode.json")))
     parser.add_argument(
         "--calibration",
         default=str(CALIBRATION),

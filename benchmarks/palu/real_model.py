@@ -47,14 +47,13 @@ import mlx.core as mx
 import numpy as np
 from kvbench.models import default_text_path
 from kvbench.protocol import Settings, text_windows
-from kvbench.results import environment_stamp, write_json
+from kvbench.results import environment_stamp, results_path, write_json
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 from palu_mlx import KVCacheBuilder
 from palu_mlx.builder import model_kv_dims
 from palu_mlx.compare import load_model, tier_config
 
-RESULTS = Path(__file__).resolve().parents[1] / "results"
-OUT = RESULTS / "palu_real_model.json"
+OUT = results_path("palu_real_model.json")
 #: palu tiers run by default, and the tiers also run calibrated when --calibration is given
 TIERS = ("palu-3bit-scaled", "palu-2.5bit-scaled", "palu-2bit-scaled", "palu-3bit", "palu-1.5bit")
 CALIBRATED = ("palu-3bit-scaled", "palu-2.5bit-scaled", "palu-2bit-scaled")

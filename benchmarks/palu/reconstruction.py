@@ -14,17 +14,14 @@ agreement, perplexity, memory, speed) is measured by ``palu-mlx compare`` (kvben
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import numpy as np
-from kvbench.results import environment_stamp, write_json
+from kvbench.results import environment_stamp, results_path, write_json
 from kvspec.conformance import relative_error as rel_err
 from kvspec.vectors import load_vectors
 from palu_mlx import PaluKVCache, naive_roundtrip
 from palu_mlx.spec import PaluAdapter
 from palu_mlx.tiers import TIERS
-
-RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 FAMILIES = ("planted_lowrank", "random_walk", "gaussian", "outlier_keys", "real")
 #: the tier the summary sets against naive 2-bit
@@ -157,9 +154,8 @@ def run_reconstruction() -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    RESULTS.mkdir(parents=True, exist_ok=True)
     result = run_reconstruction()
-    write_json(RESULTS / "palu_reconstruction.json", result)
+    write_json(results_path("palu_reconstruction.json"), result)
     for v in result["palu_headline_vs_naive_2bit"]:
         print(
             f"  {v['family']:>16} {v['tensor']:>5}: palu {HEADLINE} {v['palu_headline_rel_err']:.3f} "

@@ -39,8 +39,6 @@ from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-RESULTS = Path(__file__).resolve().parents[1] / "results"
-OUT = RESULTS / "palu_serving.json"
 KINDS = ("mlx-lm", "palu-mlx")
 
 
@@ -191,19 +189,22 @@ def main() -> int:
     )
     parser.add_argument("--kind", choices=KINDS, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--part", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--out", default=str(OUT))
+    parser.add_argument("--out", default=None, help="default: $KVBENCH_RESULTS/palu_serving.json")
     args = parser.parse_args()
 
     if args.kind is not None:
-        Path(args.part).write_text(json.dumps(run_kind(args.kind, args)))
+        from kvbench.results import write_json
+
+        write_json(args.part, run_kind(args.kind, args))
         sys.stdout.flush()
         sys.stderr.flush()
         # the server's generation thread holds MLX streams whose teardown at interpreter exit
         # aborts the process ("terminate called without an active exception"): leave at once
         os._exit(0)
 
-    from kvbench.results import environment_stamp, write_json
+    from kvbench.results import environment_stamp, results_path, write_json
 
+    args.out = args.out or str(results_path("palu_serving.json"))
     runs = {}
     for kind in KINDS:
         part = Path(args.out).with_suffix(f".{kind}.part.json")

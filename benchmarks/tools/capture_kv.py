@@ -25,16 +25,15 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import sys
 from pathlib import Path
 
 import numpy as np
-from kvbench.results import environment_stamp
+from kvbench.results import environment_stamp, results_path, write_json
 
 BENCH_DIR = Path(__file__).resolve().parents[1]
 REPO_ROOT = BENCH_DIR.parent
-DEFAULT_OUT = BENCH_DIR / "results" / "real_kv_stats.json"
+DEFAULT_OUT = results_path("real_kv_stats.json")
 KVSPEC_SOURCE_DATA = REPO_ROOT / "packages" / "kvspec" / "src" / "kvspec" / "data"
 HELDOUT_LABEL = "kvbench/data/heldout.txt"
 
@@ -411,9 +410,7 @@ def main(argv: list[str] | None = None) -> dict:
         },
         "per_layer": per_layer,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    print(f"wrote {write_json(args.out, record)}")
     return record
 
 

@@ -73,14 +73,15 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("gpu_check.py needs a CUDA device; none is visible here (nothing was run)")
     sys.path.insert(0, str(BENCH / "flashcodec"))
-    from kvbench.results import environment_stamp, write_json
+    # run directly on a GPU machine (no hatch): this repository's folders, as hatch.toml sets them
+    os.environ.setdefault("KVBENCH_RESULTS", str(BENCH / "results"))
+    os.environ.setdefault("KVBENCH_EMBEDDED_MODEL", str(BENCH / "model" / "tiny-qwen3"))
+    from kvbench.results import environment_stamp, results_path, write_json
 
     tests = run_tests()
     stamp = environment_stamp(["torch", "triton", "transformers", "flashcodec-kv", "kvcache-spec"])
     stamp["machine"]["device"] = torch.cuda.get_device_name(0)
-    write_json(
-        BENCH / "results" / "flashcodec_gpu_check.json", {"benchmark": "gpu_check", **stamp, "tests": tests}
-    )
+    write_json(results_path("flashcodec_gpu_check.json"), {"benchmark": "gpu_check", **stamp, "tests": tests})
 
     import attention
     import e2e

@@ -48,10 +48,10 @@ from capture_kv import (
     rank_for_energy_per_group,
     var_delta_ratio,
 )
-from kvbench.results import environment_stamp, write_json
+from kvbench.results import environment_stamp, results_path, write_json
 
 BENCH_DIR = Path(__file__).resolve().parents[1]
-DEFAULT_OUT = BENCH_DIR / "results" / "smollm2_kv_stats.json"
+DEFAULT_OUT = results_path("smollm2_kv_stats.json")
 DOC_START, DOC_END = "<!-- kvstats:start -->", "<!-- kvstats:end -->"
 TENSORS = ("keys_pre_rope", "keys_post_rope", "values")
 #: the first-token counts whose attention share is recorded

@@ -40,9 +40,8 @@ from kvbench.passkey import (
     passkey_result,
     run_passkey,
 )
-from kvbench.results import CompareError, read_json, text_digest, write_json
+from kvbench.results import CompareError, read_json, results_path, text_digest, write_json
 
-RESULTS = Path(__file__).resolve().parents[1] / "results"
 DEFAULT_LENGTHS = "1024,2048,4096,8192"
 #: settings that must match for an earlier file's rows to be reused
 RESUME_KEYS = (
@@ -165,7 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--peers", default="none", help=f"comma-separated peers or 'none' (default): {', '.join(peer_names)}"
     )
     parser.add_argument("--text", help="filler text (default: kvbench's held-out text)")
-    parser.add_argument("--out", help=f"result file (default {RESULTS}/passkey_<package>.json)")
+    parser.add_argument("--out", help="result file (default $KVBENCH_RESULTS/passkey_<package>.json)")
     parser.add_argument("--fresh", action="store_true", help="ignore the rows already in --out")
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
     harness.add_arguments(parser)
@@ -175,7 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     lengths = _lengths(args.lengths)
     tiers = parse_selection(args.tiers, tier_names, "--tiers")
     peers = parse_selection(args.peers, peer_names, "--peers")
-    out = Path(args.out) if args.out else RESULTS / f"passkey_{package}.json"
+    out = Path(args.out) if args.out else results_path(f"passkey_{package}.json")
     text, text_path = load_eval_text(args.text)
 
     loaded = harness.load(args)

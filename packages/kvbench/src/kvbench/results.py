@@ -32,6 +32,8 @@ __all__ = [
     "to_jsonable",
     "write_json",
     "read_json",
+    "RESULTS_ENV_VAR",
+    "results_path",
     "weights_digest",
     "text_digest",
     "run_of",
@@ -111,6 +113,27 @@ def write_json(path: str | os.PathLike, data: Any) -> Path:
             Path(handle.name).unlink(missing_ok=True)
         raise CompareError(f"result file {str(out)!r} cannot be written: {err}") from None
     return out
+
+
+#: the environment variable naming the folder benchmarks write their results into
+RESULTS_ENV_VAR = "KVBENCH_RESULTS"
+
+
+def results_path(name: str) -> Path:
+    """``<results folder>/name``: where a benchmark writes its result ``name`` by default.
+
+    The folder is named by the environment variable ``KVBENCH_RESULTS`` (the repository's
+    hatch.toml sets it to ``benchmarks/results``); kvbench does not know any checkout's layout.
+    Raises ``CompareError`` saying so when it is unset (pass the script an explicit output path,
+    or set the variable).
+    """
+    folder = os.environ.get(RESULTS_ENV_VAR)
+    if not folder:
+        raise CompareError(
+            f"no results folder: the environment variable {RESULTS_ENV_VAR} is not set (the hatch "
+            f"environments set it to benchmarks/results); set it or give the output file ({name}) explicitly"
+        )
+    return Path(folder).expanduser() / name
 
 
 def read_json(path: str | os.PathLike) -> dict[str, Any]:
