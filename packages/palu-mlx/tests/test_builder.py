@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx_lm
-import palu_mlx.cache as palu_cache_module
+import palu_mlx.coders.water_filling as fitting_module
 import pytest
 from kvspec import KVConfigError
 from mlx_lm.generate import generate_step
@@ -87,9 +87,9 @@ def test_default_config_generates_finite_logits(tiny_model):
 
 def test_chunked_prefill_fits_once_then_projects(tiny_model, monkeypatch):
     fits = []
-    real_fit = palu_cache_module.fit_group_projection
+    real_fit = fitting_module.fit_group_projection
     monkeypatch.setattr(
-        palu_cache_module, "fit_group_projection", lambda x, *a: fits.append(x.shape) or real_fit(x, *a)
+        fitting_module, "fit_group_projection", lambda x, *a: fits.append(x.shape) or real_fit(x, *a)
     )
     caches = KVCacheBuilder.for_model(tiny_model, KVCacheConfig(head_dim=HEAD_DIM))
     tokens = greedy(tiny_model, list(range(3, 103)), 5, caches, prefill_step_size=40)  # chunks 40, 40, 19, 1

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from kvspec import KVConfigError, KVDtypeError, KVShapeError, KVTrimError, KVValueError
 from palu_helpers import gaussian, planted_lowrank, rel_err
-from palu_mlx import KVCacheConfig, NaiveQuantKVCache, PaluKVCache, naive_roundtrip
+from palu_mlx import FixedQuantCoder, KVCacheConfig, NaiveQuantKVCache, PaluKVCache, naive_roundtrip
 from palu_mlx.config import REFERENCE_SPLIT
 
 D = 64
@@ -25,8 +25,8 @@ def held_arrays(cache: PaluKVCache) -> list[mx.array]:
         if proj is not None:
             out += list(proj.arrays().values())
     for coder in (cache._key_coder, cache._value_coder):
-        if hasattr(coder, "coder"):  # the water-filling tiers' fixed quantizers: per-channel steps
-            out.append(coder.coder.steps)
+        if isinstance(coder, FixedQuantCoder):  # the water-filling tiers' quantizers: per-channel steps
+            out.append(coder.steps)
     for codes in (cache._key_codes, cache._value_codes):
         out += list((codes or {}).values())
     out += [cache._sinks.keys, cache._sinks.values]  # the exact first tokens, once written

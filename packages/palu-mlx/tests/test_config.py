@@ -69,3 +69,100 @@ def test_json_round_trip():
     assert KVCacheConfig.from_json(cfg.to_json()) == cfg
     with pytest.raises(KVConfigError, match="unknown"):
         KVCacheConfig.from_json('{"head_dim": 64, "palu_bogus": 1}')
+
+
+# ----------------------------------------------------------------------------- the coder as an object
+def test_the_palu_fields_choose_a_coder_object():
+    from palu_mlx import HiLoSplit, WaterFilling
+
+    assert KVCacheConfig().coder_choice == WaterFilling(DEFAULT_PALU_BITS, token_scale=True)
+    assert KVCacheConfig(palu_bits=1.5, palu_token_scale=False).coder_choice == WaterFilling(
+        1.5, token_scale=False
+    )
+    assert KVCacheConfig(palu_rank=8).coder_choice == HiLoSplit(4, 2, 0.25)
+    assert KVCacheConfig(palu_hi_bit=8, palu_hi_fraction=0.5).coder_choice == HiLoSplit(8, 2, 0.5)
+
+
+def test_coder_writes_its_fields_and_reads_back_the_same():
+    import dataclasses
+
+    from palu_mlx import HiLoSplit, WaterFilling
+
+    budget = KVCacheConfig(coder=WaterFilling(bits=2.0, token_scale=False))
+    assert budget == KVCacheConfig(palu_bits=2.0, palu_token_scale=False)
+    assert budget.coder_choice == WaterFilling(2.0, token_scale=False) and budget.coder_bits == 2.0
+    split = KVCacheConfig(coder=HiLoSplit(hi_bit=8, lo_bit=4, hi_fraction=0.5), palu_rank=16)
+    assert split == KVCacheConfig(palu_hi_bit=8, palu_lo_bit=4, palu_hi_fraction=0.5, palu_rank=16)
+    assert split.uses_split and split.coder_choice == HiLoSplit(8, 4, 0.5)
+    # an init-only argument: not a field, so to_json / asdict / meta_state look as before
+    assert "coder" not in split.to_json() and KVCacheConfig.from_json(split.to_json()) == split
+    assert dataclasses.replace(split, head_dim=64).coder_choice == split.coder_choice
+    # replace() may change a choosing field: the old choice is not passed back in as coder=
+    assert dataclasses.replace(budget, palu_bits=3.0).coder_choice == WaterFilling(3.0, token_scale=False)
+    energy = KVCacheConfig(palu_energy_threshold=0.8)
+    assert dataclasses.replace(energy, palu_hi_bit=8).coder_choice == HiLoSplit(8, 2, 0.25)
+    # a field that agrees with the coder is no conflict
+    assert KVCacheConfig(coder=WaterFilling(3.0), palu_bits=3.0).coder_bits == 3.0
+
+
+@pytest.mark.parametrize(
+    ("coder", "fields", "match"),
+    [
+        ("water", {"palu_hi_bit": 4}, "palu_hi_bit=4 both choose the coder"),
+        ("water", {"palu_bits": 1.0}, "palu_bits=1.0 both choose the coder"),
+        ("split", {"palu_bits": 2.0}, "palu_bits=2.0 both choose the coder"),
+        ("split", {"palu_lo_bit": 1}, "palu_lo_bit=1 both choose the coder"),
+        ("text", {}, "coder='water-filling' must be None, palu_mlx.coders.WaterFilling or"),
+    ],
+)
+def test_a_coder_and_fields_that_disagree_are_refused(coder, fields, match):
+    from palu_mlx import HiLoSplit, WaterFilling
+
+    given = {"water": WaterFilling(2.5), "split": HiLoSplit(), "text": "water-filling"}[coder]
+    with pytest.raises(KVConfigError, match=match):
+        KVCacheConfig(coder=given, **fields)
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda c: c.WaterFilling(bits=0), r"WaterFilling bits=0 must be a number in \(0, 8\]"),
+        (lambda c: c.WaterFilling(bits=9.0), "WaterFilling bits=9.0"),
+        (lambda c: c.WaterFilling(token_scale=1), "WaterFilling token_scale=1 must be True or False"),
+        (
+            lambda c: c.HiLoSplit(hi_bit=7),
+            "HiLoSplit hi_bit=7 cannot be packed; allowed: 1, 2, 3, 4, 5, 6, 8, 16",
+        ),
+        (lambda c: c.HiLoSplit(lo_bit=True), "HiLoSplit lo_bit=True"),
+        (lambda c: c.HiLoSplit(hi_fraction=1.5), r"HiLoSplit hi_fraction=1.5 must be a number in \[0, 1\]"),
+    ],
+)
+def test_coder_objects_check_their_fields(make, match):
+    import palu_mlx.coders as coders
+
+    with pytest.raises(KVConfigError, match=match):
+        make(coders)
+
+
+def test_a_cache_from_a_coder_object_is_the_cache_from_the_fields():
+    import mlx.core as mx
+    import numpy as np
+    from palu_mlx import HiLoSplit, PaluKVCache, WaterFilling
+
+    x = mx.random.normal((1, 2, 40, 16), key=mx.random.key(5))
+    pairs = [
+        (KVCacheConfig(coder=WaterFilling(2.0)), KVCacheConfig(palu_bits=2.0)),
+        (
+            KVCacheConfig(coder=HiLoSplit(8, 2, 0.5), palu_rank=8),
+            KVCacheConfig(palu_rank=8, palu_hi_bit=8, palu_lo_bit=2, palu_hi_fraction=0.5),
+        ),
+    ]
+    for by_object, by_fields in pairs:
+        assert by_object == by_fields
+        a, b = PaluKVCache(by_object), PaluKVCache(by_fields)
+        a.update_and_fetch(x, x)
+        b.update_and_fetch(x, x)
+        assert a.meta_state == b.meta_state
+        assert {k: np.array(v).tobytes() for k, v in a.state.items()} == {
+            k: np.array(v).tobytes() for k, v in b.state.items()
+        }

@@ -99,3 +99,16 @@ def test_cache_at_palu_bits_drops_channels_and_keeps_the_low_rank_signal():
     k2, _ = restored.update_and_fetch(x[:, :, :1], v[:, :, :1])
     k1, _ = cache.update_and_fetch(x[:, :, :1], v[:, :, :1])  # (a token leaves the exact window)
     assert mx.array_equal(k2, k1).item()
+
+
+def test_an_explicit_policy_means_the_mixed_bit_coder_with_it():
+    from palu_mlx import FixedQuantCoder, MixedBitCoder
+
+    x = mx.random.normal((1, 2, 40, 16), key=mx.random.key(2))
+    by_config = PaluKVCache(KVCacheConfig(palu_bits=2.0))
+    by_policy = PaluKVCache(KVCacheConfig(palu_bits=2.0), allocation_policy=WaterFillingPolicy(2.0))
+    for cache in (by_config, by_policy):
+        cache.update_and_fetch(x, x)
+    assert isinstance(by_config._key_coder, FixedQuantCoder)  # the config's coder: fixed quantizers
+    assert isinstance(by_policy._key_coder, MixedBitCoder)  # the policy's segments, per-group scales
+    assert any(name.endswith(".scales") for name in by_policy.state)

@@ -2,7 +2,7 @@
 
 Keys and values of each layer are projected onto group-head low-rank bases
 fitted on the first tokens (PALU-style group-head SVD) or read from a calibration
-file, coded by bit budget, and attended on as codes (:mod:`palu_mlx.attention`). Named configurations
+file, coded by the config's coder (:mod:`palu_mlx.coders`: a bit budget by default), and attended on as codes (:mod:`palu_mlx.attention`). Named configurations
 (tiers) are in :data:`TIERS`::
 
     from palu_mlx import KVCacheConfig, KVCacheBuilder
@@ -30,6 +30,7 @@ from .calibration import (
     calibrate,
     default_calibration_text,
 )
+from .coders import HiLoSplit, LatentCoder, WaterFilling
 from .config import KVCacheConfig
 from .lowrank import GroupProjection, fit_group_projection, project, reconstruct, select_rank
 from .mixed_bit import (
@@ -48,6 +49,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "KVCacheConfig",
+    "WaterFilling",
+    "HiLoSplit",
+    "LatentCoder",
     "KVCacheBuilder",
     "PaluKVCache",
     "CalibratedKVCache",

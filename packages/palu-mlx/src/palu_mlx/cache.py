@@ -37,24 +37,16 @@ import json
 from collections.abc import Callable
 
 import mlx.core as mx
-import numpy as np
 from kvspec import KVConfigError, KVDataError, KVShapeError
 
 from .attention import LatentStore
-from .coders.fixed import GAUSSIAN_STEP, FixedQuantCoder
-from .config import UNQUANTIZED_BITS, KVCacheConfig
+from .coders.base import LatentCoder, compact_dtype, projection_dtype
+from .coders.fixed import FixedQuantCoder
+from .coders.hilo import fit_mixed_bit
+from .config import KVCacheConfig
 from .layer import CacheLayer, detached, write_rows
-from .lowrank import GroupProjection, fit_group_projection, project, reconstruct
-from .mixed_bit import (
-    BitAllocationPolicy,
-    FixedSplitPolicy,
-    MixedBitCoder,
-    Segment,
-    UniformPolicy,
-    WaterFillingPolicy,
-    check_policy,
-    water_fill,
-)
+from .lowrank import GroupProjection, project, reconstruct
+from .mixed_bit import BitAllocationPolicy, MixedBitCoder, check_policy
 from .rope import Rotary
 from .sinks import ExactPrefix, RecentWindow, read_recent
 from .state_checks import (
@@ -71,20 +63,15 @@ from .state_checks import (
 __all__ = ["PaluKVCache"]
 
 
-def compact_dtype(dtype: mx.Dtype) -> mx.Dtype:
-    """16-bit dtype for scales, biases and the projections of quantized latents."""
-    return mx.bfloat16 if dtype == mx.bfloat16 else mx.float16
-
-
 class PaluKVCache(CacheLayer):
     """One attention layer's palu cache (mlx-lm cache interface and :class:`kvspec.KVCacheLayer`).
 
     Args:
         config: a :class:`KVCacheConfig` with ``method="palu"``.
-        allocation_policy: how latent channels get their bit widths; defaults to the policy the
-            config implies (:func:`default_policy`: water-filling at ``coder_bits``, coded by fixed
-            Gaussian-step quantizers, or the reference's hi/lo split). Value latents use
-            ``UniformPolicy(16)`` (unquantized) when ``palu_quantize_values`` is False.
+        allocation_policy: None (the default): the config's coder (``config.coder_choice``,
+            :mod:`palu_mlx.coders`) fits and codes the latents. A
+            :class:`~palu_mlx.mixed_bit.BitAllocationPolicy` instead: the mixed-bit coder with the
+            widths it allocates. Value latents stay unquantized when ``palu_quantize_values`` is False.
         rotary: the layer's RoPE as a :class:`~palu_mlx.rope.Rotary`: keys arrive rotated at
             positions ``offset + i`` and are coded before RoPE (the pre-RoPE path). None codes
             the keys as given.
@@ -113,13 +100,13 @@ class PaluKVCache(CacheLayer):
         super().__init__()
         self.config = config
         self.rotary = rotary
-        self.allocation_policy = allocation_policy or default_policy(config)
+        self.allocation_policy = allocation_policy
         self._exact_keys: mx.array | None = None
         self._exact_values: mx.array | None = None
         self._key_proj: GroupProjection | None = None
         self._value_proj: GroupProjection | None = None
-        self._key_coder: MixedBitCoder | None = None
-        self._value_coder: MixedBitCoder | None = None
+        self._key_coder: LatentCoder | None = None
+        self._value_coder: LatentCoder | None = None
         self._key_codes: dict[str, mx.array] | None = None
         self._value_codes: dict[str, mx.array] | None = None
         self._sinks = ExactPrefix(config.palu_sink_tokens)
@@ -196,78 +183,37 @@ class PaluKVCache(CacheLayer):
     def _append_codes(
         self,
         buffers: dict[str, mx.array] | None,
-        coder: MixedBitCoder,
+        coder: LatentCoder,
         projection: GroupProjection,
         x: mx.array,
         prev: int,
     ) -> dict[str, mx.array]:
-        coded = coder.encode(project(x, projection))
+        coded = coder.encode_fields(project(x, projection))
         held = buffers or {}
         return {name: write_rows(held.get(name), arr, prev, self.step) for name, arr in coded.items()}
 
     def _fit(self, keys: mx.array, values: mx.array, dtype: mx.Dtype) -> None:
         """Fit projections on every held token, code them all, and switch to the latent phase."""
         cfg = self.config
-        if _fixed_mode(cfg, self.allocation_policy):
-            return self._fit_fixed(keys, values, dtype)
-        value_policy = self.allocation_policy if cfg.palu_quantize_values else UniformPolicy(UNQUANTIZED_BITS)
-        groups = cfg.head_groups(keys.shape[1])
-        key_proj, key_segments = _fit_and_allocate(keys, cfg, self.allocation_policy, groups)
-        value_proj, value_segments = _fit_and_allocate(values, cfg, value_policy, groups)
-        compact = compact_dtype(dtype)
-        key_coder = MixedBitCoder(key_segments, cfg.palu_group_size, dtype, compact)
-        value_coder = MixedBitCoder(value_segments, cfg.palu_group_size, dtype, compact)
-        # Quantized latents carry far more error than 16-bit projections add (2^-11 relative),
-        # so their projections are stored at 16 bits; unquantized tiers keep the input dtype
-        # so that full rank stays near-lossless.
-        key_proj = key_proj.astype(_projection_dtype(key_coder, dtype))
-        value_proj = value_proj.astype(_projection_dtype(value_coder, dtype))
+        knobs = dict(
+            groups=cfg.head_groups(keys.shape[1]),
+            rank=cfg.palu_rank,
+            energy_threshold=cfg.energy_threshold,
+            group_size=cfg.palu_group_size,
+            quantize_values=cfg.palu_quantize_values,
+            dtype=dtype,
+        )
+        if self.allocation_policy is None:
+            (key_proj, key_coder), (value_proj, value_coder) = cfg.coder_choice.fit(keys, values, **knobs)
+        else:
+            (key_proj, key_coder), (value_proj, value_coder) = fit_mixed_bit(
+                keys, values, self.allocation_policy, **knobs
+            )
         key_codes = self._append_codes(None, key_coder, key_proj, keys, 0)
         value_codes = self._append_codes(None, value_coder, value_proj, values, 0)
         self._key_codes, self._value_codes = key_codes, value_codes
         self._key_proj, self._value_proj = key_proj, value_proj
         self._key_coder, self._value_coder = key_coder, value_coder
-
-    def _fit_fixed(self, keys: mx.array, values: mx.array, dtype: mx.Dtype) -> None:
-        """``palu_bits`` without a calibration file: the calibration is made on the tokens at the fit.
-
-        Full-rank projections per head group; per head and channel, the latent variance of the
-        fit tokens sets a fixed Gaussian-step quantizer (no per-token scales); one water-filling
-        level across this layer's keys and values spends ``palu_bits`` code bits per element;
-        the codes of a token and head are packed into whole bytes.
-        """
-        cfg = self.config
-        fitted = []
-        for x in (keys, values):
-            rank = x.shape[-1] if cfg.palu_rank is None else min(cfg.palu_rank, x.shape[-1])
-            proj = fit_group_projection(x, cfg.head_groups(x.shape[1]), rank)
-            latents = project(x, proj)
-            head_var = mx.mean(latents * latents, axis=(0, 2))  # [H, r]; latents are centred per group
-            fitted.append((proj, np.array(head_var, dtype=np.float64)))
-        dims = keys.shape[-1] + values.shape[-1]
-        widths = water_fill([v.mean(axis=0) for _, v in fitted], int(round(cfg.coder_bits * dims)))
-        coders, projs = [], []
-        for (proj, head_var), w in zip(fitted, widths, strict=True):
-            # channels by mean variance, so the widths are non-increasing and 0-bit ones trail
-            order = np.argsort(-head_var.mean(axis=0), kind="stable")
-            w = w[order]
-            keep = max(1, int(np.count_nonzero(w)))
-            cols = mx.array(order[:keep].astype(np.int32))
-            widths_kept = tuple(max(1, int(b)) for b in w[:keep])
-            sigma = np.sqrt(np.maximum(head_var[:, order[:keep]], 1e-12))
-            steps = mx.array((sigma * np.array([GAUSSIAN_STEP[b] for b in widths_kept])).astype(np.float32))
-            proj = GroupProjection(
-                basis=mx.contiguous(mx.take(proj.basis, cols, axis=2)),
-                mean=proj.mean,
-                singular_values=mx.contiguous(mx.take(proj.singular_values, cols, axis=1)),
-            )
-            projs.append(proj.astype(compact_dtype(dtype)))
-            coders.append(_FixedFields(FixedQuantCoder(widths_kept, steps, cfg.palu_token_scale)))
-        key_codes = self._append_codes(None, coders[0], projs[0], keys, 0)
-        value_codes = self._append_codes(None, coders[1], projs[1], values, 0)
-        self._key_codes, self._value_codes = key_codes, value_codes
-        self._key_proj, self._value_proj = projs
-        self._key_coder, self._value_coder = coders
 
     def _fetch(self) -> tuple[mx.array, mx.array]:
         n = self.offset
@@ -277,7 +223,9 @@ class PaluKVCache(CacheLayer):
         if self.rotary is None:
             keys = self._reconstruct(self._key_codes, self._key_coder, self._key_proj, n)
         else:
-            latents = self._key_coder.decode({name: buf[..., :n, :] for name, buf in self._key_codes.items()})
+            latents = self._key_coder.decode_fields(
+                {name: buf[..., :n, :] for name, buf in self._key_codes.items()}
+            )
             keys = self.rotary.rotate(reconstruct(latents, self._key_proj, mx.float32), 0).astype(self._dtype)
         values = self._reconstruct(self._value_codes, self._value_coder, self._value_proj, n)
         sinks, m = self._sinks, self._sinks.count(n)
@@ -290,8 +238,10 @@ class PaluKVCache(CacheLayer):
         if self._key_proj is None:
             return None
 
-        def latents(buffers: dict[str, mx.array], coder: MixedBitCoder) -> Callable[[int, int], mx.array]:
-            return lambda start, stop: coder.decode({k: b[..., start:stop, :] for k, b in buffers.items()})
+        def latents(buffers: dict[str, mx.array], coder: LatentCoder) -> Callable[[int, int], mx.array]:
+            return lambda start, stop: coder.decode_fields(
+                {k: b[..., start:stop, :] for k, b in buffers.items()}
+            )
 
         m = self._sinks.count(self.offset)
         lo, hi = self._recent.span(self.offset, m)
@@ -311,8 +261,8 @@ class PaluKVCache(CacheLayer):
             recent_start=lo if lo < hi else None,
         )
 
-    def _reconstruct(self, buffers, coder: MixedBitCoder, projection: GroupProjection, n: int) -> mx.array:
-        latents = coder.decode({name: buf[..., :n, :] for name, buf in buffers.items()})
+    def _reconstruct(self, buffers, coder: LatentCoder, projection: GroupProjection, n: int) -> mx.array:
+        latents = coder.decode_fields({name: buf[..., :n, :] for name, buf in buffers.items()})
         return reconstruct(latents, projection, self._dtype)
 
     # ------------------------------------------------------------------ state
@@ -350,7 +300,7 @@ class PaluKVCache(CacheLayer):
             for name, arr in proj.arrays().items():
                 out[f"{prefix}.{name}"] = arr
             coder = self._key_coder if prefix == "key" else self._value_coder
-            for name, arr in _coder_constants(coder).items():
+            for name, arr in coder.constants().items():
                 out[f"{prefix}.{name}"] = arr
             for name, arr in codes.items():
                 out[f"{prefix}.{name}"] = arr[..., :n, :]
@@ -452,16 +402,15 @@ class PaluKVCache(CacheLayer):
                 if fixed is not None:
                     widths = read_widths(fixed, f"{prefix}_fixed_widths", owner)
                     steps = arrays.take(f"{prefix}.steps", (h, len(widths)), mx.float32, positive=True)
-                    coder = _FixedFields(FixedQuantCoder(widths, detached(steps), config.palu_token_scale))
+                    coder = FixedQuantCoder(widths, detached(steps), config.palu_token_scale)
                     if coder.segments != segments:
                         raise KVDataError(
                             f"{owner}: meta_state {prefix}_segments {layout[f'{prefix}_segments']} do not match "
                             f"{prefix}_fixed_widths {list(widths)}"
                         )
-                    proj_dtype = compact_dtype(dtype)
                 else:
                     coder = MixedBitCoder(segments, config.palu_group_size, dtype, compact_dtype(dtype))
-                    proj_dtype = _projection_dtype(coder, dtype)
+                proj_dtype = projection_dtype(coder, dtype)
                 g, r = config.head_groups(h), coder.rank
                 if r > dim:
                     raise KVDataError(f"{owner}: meta_state {prefix} rank {r} exceeds the head dim {dim}")
@@ -513,7 +462,7 @@ class PaluKVCache(CacheLayer):
         if proj is not None:
             out += list(proj.arrays().values())
             coder = self._key_coder if which == "key" else self._value_coder
-            out += list(_coder_constants(coder).values())
+            out += list(coder.constants().values())
             for extra in (self._sinks.arrays(), self._recent.arrays()):
                 out += extra[:1] if which == "key" else extra[1:]
         out += list((codes or {}).values())
@@ -621,99 +570,12 @@ def _check_coded_with(coded: object, config: KVCacheConfig, fitted: bool, owner:
             )
 
 
-def default_policy(config: KVCacheConfig) -> BitAllocationPolicy:
-    """The policy a config implies: water-filling at ``palu_bits`` when set, else the hi/lo split."""
-    if config.coder_bits is not None:
-        return WaterFillingPolicy(config.coder_bits)
-    return FixedSplitPolicy(config.hi_bit, config.lo_bit, config.hi_fraction)
+def _fixed_widths(coder: LatentCoder | None) -> list[int] | None:
+    widths = None if coder is None else coder.fixed_widths
+    return None if widths is None else list(widths)
 
 
-def _fit_and_allocate(
-    x: mx.array, cfg: KVCacheConfig, policy: BitAllocationPolicy, groups: int
-) -> tuple[GroupProjection, tuple[Segment, ...]]:
-    """Fit ``x``'s projection, let ``policy`` allocate widths, and drop trailing 0-bit channels.
-
-    A policy that ``chooses_rank`` (water-filling) sees the full spectrum (or ``palu_rank``
-    channels). If it gives every channel 0 bits, channel 0 keeps 1 bit so the coder has a row.
-    """
-    if getattr(policy, "chooses_rank", False):
-        rank = cfg.palu_rank if cfg.palu_rank is not None else x.shape[-1]
-        projection = fit_group_projection(x, groups, rank)
-    else:
-        projection = fit_group_projection(x, groups, cfg.palu_rank, cfg.energy_threshold)
-    segments = tuple(s for s in policy.allocate(np.array(projection.singular_values)) if s.bits > 0)
-    if not segments:
-        segments = (Segment(0, 1, 1),)
-    keep = segments[-1].stop
-    gaps = any(a.stop != b.start for a, b in zip(segments[:-1], segments[1:], strict=True))
-    if segments[0].start != 0 or gaps:
-        raise KVConfigError(f"policy {policy!r} gave 0 bits to a channel before a coded one: {segments!r}")
-    if keep < projection.rank:
-        projection = GroupProjection(
-            basis=mx.contiguous(projection.basis[:, :, :keep]),
-            mean=projection.mean,
-            singular_values=mx.contiguous(projection.singular_values[:, :keep]),
-        )
-    return projection, segments
-
-
-def _projection_dtype(coder: MixedBitCoder, dtype: mx.Dtype) -> mx.Dtype:
-    return compact_dtype(dtype) if coder.quantizes else dtype
-
-
-class _FixedFields:
-    """A :class:`FixedQuantCoder` behind :class:`MixedBitCoder`'s field interface (one packed field)."""
-
-    quantizes = True
-
-    def __init__(self, coder: FixedQuantCoder):
-        self.coder = coder
-
-    @property
-    def rank(self) -> int:
-        return self.coder.rank
-
-    @property
-    def assigned_avg_bits(self) -> float:
-        return self.coder.bits_per_row / self.coder.rank
-
-    @property
-    def segments(self) -> tuple[Segment, ...]:
-        runs: list[Segment] = []
-        for i, b in enumerate(self.coder.widths):
-            if runs and runs[-1].bits == b:
-                runs[-1] = Segment(runs[-1].start, i + 1, b)
-            else:
-                runs.append(Segment(i, i + 1, b))
-        return tuple(runs)
-
-    def field_widths(self) -> dict[str, tuple[int, mx.Dtype]]:
-        return {"codes": (self.coder.bytes_per_row, mx.uint8)}
-
-    def encode(self, latents: mx.array) -> dict[str, mx.array]:
-        return {"codes": self.coder.encode(latents)}
-
-    def decode(self, coded: dict[str, mx.array]) -> mx.array:
-        return self.coder.decode(coded["codes"])
-
-
-def _fixed_mode(config: KVCacheConfig, policy: BitAllocationPolicy) -> bool:
-    return (
-        config.coder_bits is not None
-        and config.palu_quantize_values
-        and isinstance(policy, WaterFillingPolicy)
-    )
-
-
-def _coder_constants(coder) -> dict[str, mx.array]:
-    return {"steps": coder.coder.steps} if isinstance(coder, _FixedFields) else {}
-
-
-def _fixed_widths(coder) -> list[int] | None:
-    return list(coder.coder.widths) if isinstance(coder, _FixedFields) else None
-
-
-def _segments_to_list(coder: MixedBitCoder | None) -> list[list[int]] | None:
+def _segments_to_list(coder: LatentCoder | None) -> list[list[int]] | None:
     if coder is None:
         return None
     return [[s.start, s.stop, s.bits] for s in coder.segments]

@@ -10,10 +10,14 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import InitVar, asdict, dataclass, fields
 from typing import Any
 
 from kvspec import KVConfigError
+
+from .coders.hilo import HiLoSplit
+from .coders.water_filling import DEFAULT_PALU_BITS, WaterFilling
+from .mixed_bit import PACKABLE_BITS, UNQUANTIZED_BITS
 
 __all__ = [
     "KVCacheConfig",
@@ -26,18 +30,8 @@ __all__ = [
     "DEFAULT_RECENT_TOKENS",
 ]
 
-#: Bit widths the mixed-bit coder can pack (the same set ``mx.quantize`` accepts).
-PACKABLE_BITS: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 8)
-#: A "bit width" of 16 means: store those latent channels unquantized, in the input dtype.
-UNQUANTIZED_BITS = 16
 #: ``"palu"`` is the low-rank latent cache; ``"naive"`` the uniform group-quant baseline.
 METHODS: tuple[str, ...] = ("palu", "naive")
-#: code bits per element of a config that names neither ``palu_bits`` nor the hi/lo split: the
-#: smallest uncalibrated tier (``palu-2.5bit-scaled``: water-filling, per-token scales, the first
-#: tokens exact) whose KL to the uncompressed model is at most mlx-lm's ``QuantizedKVCache(bits=4)``'s
-#: on the real model, SmolLM2-135M-Instruct, at 2,048 tokens of context
-#: (``benchmarks/results/palu_real_model.json``; see docs/palu-mlx.md).
-DEFAULT_PALU_BITS = 2.5
 #: tokens at the start of a sequence a config holds exactly unless it says otherwise
 #: (``palu_sink_tokens``): real models' attention sinks sit on the first token or few
 DEFAULT_SINK_TOKENS = 4
@@ -134,6 +128,13 @@ class KVCacheConfig:
             (32); 0 keeps none.
         naive_bits, naive_group_size: bit width and group size of the ``"naive"`` baseline
             (uniform ``mx.quantize`` of the full K/V; group size 32, 64 or 128).
+        coder: (init only) the latent coder as an object, :class:`~palu_mlx.coders.WaterFilling`
+            or :class:`~palu_mlx.coders.HiLoSplit`, instead of the ``palu_*`` fields that choose
+            it: it writes its own fields (``WaterFilling``: ``palu_bits``, ``palu_token_scale``;
+            ``HiLoSplit``: ``palu_hi_bit``, ``palu_lo_bit``, ``palu_hi_fraction``), and the other
+            choosing fields (``palu_bits``, ``palu_energy_threshold``, ``palu_hi_bit``,
+            ``palu_lo_bit``, ``palu_hi_fraction``) must be left unset or agree with it. Either
+            way :attr:`coder_choice` reads the choice back as an object.
     """
 
     method: str = "palu"
@@ -156,8 +157,11 @@ class KVCacheConfig:
     palu_recent_tokens: int = DEFAULT_RECENT_TOKENS
     naive_bits: int = 2
     naive_group_size: int = 64
+    coder: InitVar[HiLoSplit | WaterFilling | None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, coder: HiLoSplit | WaterFilling | None) -> None:
+        if coder is not None:
+            self._take_coder(coder)
         if self.method not in METHODS:
             raise KVConfigError(f"method={self.method!r} is not supported; allowed: {', '.join(METHODS)}")
         if self.head_dim is not None and (not _is_int(self.head_dim) or self.head_dim < 1):
@@ -237,30 +241,42 @@ class KVCacheConfig:
         if self.naive_group_size not in (32, 64, 128) or not _is_int(self.naive_group_size):
             raise KVConfigError(f"naive_group_size={self.naive_group_size!r} must be 32, 64 or 128")
 
+    def _take_coder(self, coder: Any) -> None:
+        """Write ``coder``'s fields (``coder=`` given): each choosing field must be unset or agree."""
+        if isinstance(coder, WaterFilling):
+            owned = {"palu_bits": coder.bits, "palu_token_scale": coder.token_scale}
+        elif isinstance(coder, HiLoSplit):
+            owned = {
+                "palu_hi_bit": coder.hi_bit,
+                "palu_lo_bit": coder.lo_bit,
+                "palu_hi_fraction": coder.hi_fraction,
+            }
+        else:
+            raise KVConfigError(
+                f"coder={coder!r} must be None, palu_mlx.coders.WaterFilling or palu_mlx.coders.HiLoSplit"
+            )
+        for name in _CHOOSING:
+            value = getattr(self, name)
+            if value is not None and owned.get(name, _UNSET) != value:
+                raise KVConfigError(
+                    f"coder={coder!r} and {name}={value!r} both choose the coder; allowed: one of them "
+                    f"({name} unset, or equal to what the coder says)"
+                )
+        for name, value in owned.items():
+            object.__setattr__(self, name, value)
+
     @property
     def uses_split(self) -> bool:
-        """Whether the latents are coded by the reference's rank + hi/lo split.
-
-        True when ``palu_bits`` is None and any of ``palu_rank``, ``palu_energy_threshold``,
-        ``palu_hi_bit``, ``palu_lo_bit`` or ``palu_hi_fraction`` is set (the unset ones take
-        :data:`REFERENCE_SPLIT`'s values); otherwise water-filling at :attr:`coder_bits`.
-        """
-        split = (
-            self.palu_rank,
-            self.palu_energy_threshold,
-            self.palu_hi_bit,
-            self.palu_lo_bit,
-            self.palu_hi_fraction,
-        )
-        return self.palu_bits is None and any(v is not None for v in split)
+        """Whether the latents are coded by the reference's rank + hi/lo split (:attr:`coder_choice` is a
+        :class:`~palu_mlx.coders.HiLoSplit`)."""
+        return isinstance(self.coder_choice, HiLoSplit)
 
     @property
     def coder_bits(self) -> float | None:
-        """Code bits per element of the water-filling coder: ``palu_bits``, else
-        :data:`DEFAULT_PALU_BITS` unless the config asks for the hi/lo split (then None)."""
-        if self.palu_bits is not None:
-            return self.palu_bits
-        return None if self.uses_split else DEFAULT_PALU_BITS
+        """Code bits per element of the water-filling coder (:attr:`coder_choice`'s ``bits``); None for
+        the hi/lo split."""
+        coder = self.coder_choice
+        return coder.bits if isinstance(coder, WaterFilling) else None
 
     def _split(self, name: str) -> float:
         value = getattr(self, name)
@@ -315,3 +331,35 @@ class KVCacheConfig:
         if unknown:
             raise KVConfigError(f"unknown KVCacheConfig fields {unknown}; known: {sorted(known)}")
         return cls(**data)
+
+
+def _coder(config: KVCacheConfig) -> HiLoSplit | WaterFilling:
+    """The latent coder the config chooses, as an object: the one place its fields are read as a choice.
+
+    :class:`~palu_mlx.coders.HiLoSplit` when ``palu_bits`` is None and any of ``palu_rank``,
+    ``palu_energy_threshold``, ``palu_hi_bit``, ``palu_lo_bit`` or ``palu_hi_fraction`` is set
+    (unset widths take :data:`REFERENCE_SPLIT`'s); otherwise
+    :class:`~palu_mlx.coders.WaterFilling` at ``palu_bits`` (:data:`DEFAULT_PALU_BITS` when None)
+    with ``palu_token_scale``.
+    """
+    split = (
+        config.palu_rank,
+        config.palu_energy_threshold,
+        config.palu_hi_bit,
+        config.palu_lo_bit,
+        config.palu_hi_fraction,
+    )
+    if config.palu_bits is None and any(v is not None for v in split):
+        return HiLoSplit(config.hi_bit, config.lo_bit, config.hi_fraction)
+    bits = DEFAULT_PALU_BITS if config.palu_bits is None else config.palu_bits
+    return WaterFilling(bits, config.palu_token_scale)
+
+
+# A property set after the class is made: the dataclass decorator takes every annotated class
+# attribute for a field, and ``coder`` (the init-only argument) must not have one of this name,
+# or dataclasses.replace would pass the property's value back in as ``coder=``.
+KVCacheConfig.coder_choice = property(_coder)  # type: ignore[attr-defined]
+
+#: the fields that choose the coder (``coder=`` must not be contradicted by them)
+_CHOOSING = ("palu_bits", "palu_energy_threshold", "palu_hi_bit", "palu_lo_bit", "palu_hi_fraction")
+_UNSET = object()

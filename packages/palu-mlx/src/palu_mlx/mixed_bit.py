@@ -38,8 +38,6 @@ import mlx.core as mx
 import numpy as np
 from kvspec import KVConfigError, KVDataError, KVDtypeError, KVShapeError, KVValueError
 
-from .config import UNQUANTIZED_BITS
-
 __all__ = [
     "Segment",
     "BitAllocationPolicy",
@@ -48,6 +46,8 @@ __all__ = [
     "WaterFillingPolicy",
     "water_fill",
     "CODER_BITS",
+    "PACKABLE_BITS",
+    "UNQUANTIZED_BITS",
     "MixedBitCoder",
     "pack_codes",
     "unpack_codes",
@@ -71,6 +71,10 @@ def _is_real(value) -> bool:
     )
 
 
+#: Bit widths the mixed-bit coder packs that ``mx.quantize`` also accepts (a config's hi/lo widths).
+PACKABLE_BITS: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 8)
+#: A "bit width" of 16 means: store those latent channels unquantized, in the input dtype.
+UNQUANTIZED_BITS = 16
 #: widths a coder segment can have: 1..8 bits packed (7 as 4 codes per uint32), 16 = unquantized.
 #: A policy may also return 0 bits for trailing channels: the cache drops them (they decode to the mean).
 CODER_BITS: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8, UNQUANTIZED_BITS)
@@ -508,6 +512,17 @@ class MixedBitCoder:
             codes = _unpack(coded[f"seg{i}.codes"], seg.bits, seg.width).astype(mx.float32)
             parts.append(self._dequantize(codes, coded[f"seg{i}.scales"], coded[f"seg{i}.biases"], seg.width))
         return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
+
+    # -- the latent-coder interface the caches use (palu_mlx.coders.base.LatentCoder)
+    #: the fields of one token row (per-group scales and biases travel with the codes)
+    encode_fields = encode
+    decode_fields = decode
+    #: only fixed-quantizer coders have one width per channel and no per-group scales
+    fixed_widths = None
+
+    def constants(self) -> dict[str, mx.array]:
+        """Arrays held once beside the codes: none (scales and biases are per token)."""
+        return {}
 
     # -- affine group quantization along the channel axis
     def _grouped(self, x: mx.array, fill_edge: bool) -> mx.array:

@@ -1,5 +1,24 @@
-"""How palu codes latent channels into bytes."""
+"""How palu codes latent channels: the coder a config chooses and the per-tensor coders it fits.
 
+* :class:`WaterFilling` (``palu_bits``; the default): a bit budget, water-filled widths, fixed
+  Gaussian-step quantizers (:class:`FixedQuantCoder`), optionally a per-token scale;
+* :class:`HiLoSplit` (the reference's settings): a rank, the top channels at ``hi_bit`` and the rest
+  at ``lo_bit``, per-group scale and bias (:class:`~palu_mlx.mixed_bit.MixedBitCoder`);
+* :class:`LatentCoder`: what a cache asks of a per-tensor coder (:mod:`palu_mlx.coders.base`).
+"""
+
+from .base import LatentCoder
 from .fixed import GAUSSIAN_STEP, TOKEN_SCALE_BYTES, FixedQuantCoder, token_scales
+from .hilo import HiLoSplit
+from .water_filling import DEFAULT_PALU_BITS, WaterFilling
 
-__all__ = ["GAUSSIAN_STEP", "TOKEN_SCALE_BYTES", "FixedQuantCoder", "token_scales"]
+__all__ = [
+    "HiLoSplit",
+    "WaterFilling",
+    "LatentCoder",
+    "FixedQuantCoder",
+    "GAUSSIAN_STEP",
+    "TOKEN_SCALE_BYTES",
+    "DEFAULT_PALU_BITS",
+    "token_scales",
+]

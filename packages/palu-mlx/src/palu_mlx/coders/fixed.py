@@ -17,6 +17,8 @@ import mlx.core as mx
 import numpy as np
 from kvspec import KVConfigError
 
+from ..mixed_bit import Segment
+
 __all__ = ["GAUSSIAN_STEP", "TOKEN_SCALE_BYTES", "token_scales", "FixedQuantCoder"]
 
 #: MSE-optimal uniform quantizer step (in standard deviations) for a unit Gaussian, 2^b levels.
@@ -121,6 +123,47 @@ class FixedQuantCoder:
             mx.array(onehot_hi),
             mx.array([w >= 2 for w in self.widths]),
         )
+
+    # -- the latent-coder interface the caches use (palu_mlx.coders.base.LatentCoder)
+    #: every channel is quantized
+    quantizes = True
+
+    @property
+    def assigned_avg_bits(self) -> float:
+        """Mean code bits per latent channel (the per-token scale not counted)."""
+        return self.bits_per_row / self.rank
+
+    @property
+    def fixed_widths(self) -> tuple[int, ...]:
+        """The width of each latent channel (:attr:`widths`)."""
+        return self.widths
+
+    @property
+    def segments(self) -> tuple[Segment, ...]:
+        """The widths as runs of equal width (the layout a state records beside them)."""
+        runs: list[Segment] = []
+        for i, b in enumerate(self.widths):
+            if runs and runs[-1].bits == b:
+                runs[-1] = Segment(runs[-1].start, i + 1, b)
+            else:
+                runs.append(Segment(i, i + 1, b))
+        return tuple(runs)
+
+    def field_widths(self) -> dict[str, tuple[int, mx.Dtype]]:
+        """One field: ``codes``, :attr:`bytes_per_row` uint8 per token and head."""
+        return {"codes": (self.bytes_per_row, mx.uint8)}
+
+    def encode_fields(self, latents: mx.array) -> dict[str, mx.array]:
+        """:meth:`encode` as ``{"codes": rows}``."""
+        return {"codes": self.encode(latents)}
+
+    def decode_fields(self, fields: dict[str, mx.array]) -> mx.array:
+        """:meth:`decode` of ``fields["codes"]``."""
+        return self.decode(fields["codes"])
+
+    def constants(self) -> dict[str, mx.array]:
+        """Arrays held once beside the codes: the quantizer ``steps`` ``[H, r]``."""
+        return {"steps": self.steps}
 
     def encode(self, latents: mx.array) -> mx.array:
         """Latents ``[B, H, S, r]`` -> packed rows ``[B, H, S, bytes_per_row]`` uint8."""

@@ -1,0 +1,126 @@
+"""A bit budget: water-filled widths per latent channel, coded by fixed Gaussian-step quantizers.
+
+:class:`WaterFilling` is the coder choice (``KVCacheConfig(coder=WaterFilling(bits=2.5))``, or
+``palu_bits``; the default). Fitted at the prefill, each tensor gets a full-rank (or
+``palu_rank``) projection per head group; one reverse water-filling level across the layer's keys
+and values (:func:`~palu_mlx.mixed_bit.water_fill` on the head-averaged latent variances) gives
+each channel an integer width 0-8 for ``bits`` code bits per element; 0-bit channels are dropped;
+each head's channel gets a fixed quantizer whose step is set by its variance over the fit tokens
+(:class:`~palu_mlx.coders.fixed.FixedQuantCoder`), optionally with a per-token scale. With a
+calibration file the same choice sets the calibrated cache's budget
+(:mod:`palu_mlx.calibrated`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+from kvspec import KVConfigError
+
+from ..lowrank import GroupProjection, fit_group_projection, project
+from ..mixed_bit import WaterFillingPolicy, water_fill
+from .base import Fitted, compact_dtype
+from .fixed import GAUSSIAN_STEP, FixedQuantCoder
+from .hilo import fit_mixed_bit
+
+__all__ = ["WaterFilling", "DEFAULT_PALU_BITS"]
+
+#: code bits per element of a config that names neither ``palu_bits`` nor the hi/lo split: the
+#: smallest uncalibrated tier (``palu-2.5bit-scaled``: water-filling, per-token scales, the first
+#: tokens exact) whose KL to the uncompressed model is at most mlx-lm's ``QuantizedKVCache(bits=4)``'s
+#: on the real model, SmolLM2-135M-Instruct, at 2,048 tokens of context
+#: (``benchmarks/results/palu_real_model.json``; see docs/palu-mlx.md).
+DEFAULT_PALU_BITS = 2.5
+
+
+@dataclass(frozen=True)
+class WaterFilling:
+    """The bit-budget latent coder.
+
+    Attributes:
+        bits: code bits per original K/V element, a number in ``(0, 8]``.
+        token_scale: store one bfloat16 scale per token and head so that no channel of 2 bits or
+            more clips (:func:`~palu_mlx.coders.fixed.token_scales`); False: fixed ranges only.
+    """
+
+    bits: float = DEFAULT_PALU_BITS
+    token_scale: bool = True
+
+    def __post_init__(self) -> None:
+        b = self.bits
+        if (
+            not isinstance(b, (int, float))
+            or isinstance(b, bool)
+            or not math.isfinite(b)
+            or not 0.0 < b <= 8.0
+        ):
+            raise KVConfigError(f"WaterFilling bits={b!r} must be a number in (0, 8] (code bits per element)")
+        if not isinstance(self.token_scale, bool):
+            raise KVConfigError(f"WaterFilling token_scale={self.token_scale!r} must be True or False")
+
+    def policy(self) -> WaterFillingPolicy:
+        """The same budget as a mixed-bit allocation policy (water-filled segments, per-group scales)."""
+        return WaterFillingPolicy(self.bits)
+
+    def fit(
+        self,
+        keys: mx.array,
+        values: mx.array,
+        *,
+        groups: int,
+        rank: int | None,
+        energy_threshold: float,
+        group_size: int,
+        quantize_values: bool,
+        dtype: mx.Dtype,
+    ) -> tuple[Fitted, Fitted]:
+        """Keys' and values' projections and coders, fitted on ``keys`` / ``values`` ``[B, H, S, D]``
+        (``groups`` head groups; ``rank`` caps the full rank).
+
+        With ``quantize_values`` False the values stay unquantized latents (rank by
+        ``energy_threshold`` unless ``rank``), and a mixed-bit coder with water-filled segments
+        (:meth:`policy`, per-group scales of ``group_size`` channels) codes the keys.
+        """
+        if not quantize_values:
+            return fit_mixed_bit(
+                keys,
+                values,
+                self.policy(),
+                groups=groups,
+                rank=rank,
+                energy_threshold=energy_threshold,
+                group_size=group_size,
+                quantize_values=False,
+                dtype=dtype,
+            )
+        fitted = []
+        for x in (keys, values):
+            full = x.shape[-1] if rank is None else min(rank, x.shape[-1])
+            proj = fit_group_projection(x, groups, full)
+            latents = project(x, proj)
+            head_var = mx.mean(latents * latents, axis=(0, 2))  # [H, r]; latents are centred per group
+            fitted.append((proj, np.array(head_var, dtype=np.float64)))
+        dims = keys.shape[-1] + values.shape[-1]
+        widths = water_fill([v.mean(axis=0) for _, v in fitted], int(round(self.bits * dims)))
+        out = []
+        for (proj, head_var), w in zip(fitted, widths, strict=True):
+            # channels by mean variance, so the widths are non-increasing and 0-bit ones trail
+            order = np.argsort(-head_var.mean(axis=0), kind="stable")
+            w = w[order]
+            keep = max(1, int(np.count_nonzero(w)))
+            cols = mx.array(order[:keep].astype(np.int32))
+            widths_kept = tuple(max(1, int(b)) for b in w[:keep])
+            sigma = np.sqrt(np.maximum(head_var[:, order[:keep]], 1e-12))
+            steps = mx.array((sigma * np.array([GAUSSIAN_STEP[b] for b in widths_kept])).astype(np.float32))
+            proj = GroupProjection(
+                basis=mx.contiguous(mx.take(proj.basis, cols, axis=2)),
+                mean=proj.mean,
+                singular_values=mx.contiguous(mx.take(proj.singular_values, cols, axis=1)),
+            )
+            out.append(
+                (proj.astype(compact_dtype(dtype)), FixedQuantCoder(widths_kept, steps, self.token_scale))
+            )
+        return out[0], out[1]
