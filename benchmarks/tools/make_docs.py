@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from flashcodec_blocks import BLOCKS as FLASHCODEC_BLOCKS
 from kvbench.report import LEGEND, format_bytes, render_markdown
 from kvbench.results import read_json
 from palu_long_block import PALU_LONG_END, PALU_LONG_FILE, PALU_LONG_START, render_palu_long_block
@@ -28,6 +29,7 @@ DOC = ROOT / "docs" / "benchmarks.md"
 README = ROOT / "README.md"
 MODEL_DOC = ROOT / "docs" / "embedded-model.md"
 PALU_DOC = ROOT / "docs" / "palu-mlx.md"
+FLASHCODEC_DOC = ROOT / "docs" / "flashcodec.md"
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 MODEL_START, MODEL_END = "<!-- model:start -->", "<!-- model:end -->"
 
@@ -586,6 +588,10 @@ def main(argv: list[str] | None = None) -> int:
     long_file = args.results / PALU_LONG_FILE
     if long_file.is_file():
         put(PALU_DOC, render_palu_long_block(read_json(long_file)), PALU_LONG_START, PALU_LONG_END)
+    for block in FLASHCODEC_BLOCKS:  # the measured tables of docs/flashcodec.md
+        source = args.results / block.results_file
+        if source.is_file():
+            put(FLASHCODEC_DOC, block.text(read_json(source)), block.start, block.end)
     targets = list(pages.items())
     stale = []
     for path, text in targets:

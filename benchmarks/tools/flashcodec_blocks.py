@@ -1,0 +1,160 @@
+"""The measured tables of docs/flashcodec.md, rendered from the flashcodec results files.
+
+``make_docs.py`` puts what each renderer of :data:`BLOCKS` returns between that block's
+``<!-- name:start -->`` and ``<!-- name:end -->`` markers of docs/flashcodec.md; every figure comes
+from the results file the block names (``benchmarks/results/flashcodec_<name>.json``, written by
+``benchmarks/flashcodec/<name>.py``). A block whose results file is absent is left as it is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+__all__ = ["BLOCKS", "Block", "render_reconstruct", "render_vram", "render_attention", "render_e2e"]
+
+_MIB = 1024 * 1024
+
+
+def _mib(n: int, digits: int = 1) -> str:
+    return f"{n / _MIB:.{digits}f}"
+
+
+def _signal_line(signal: dict[str, Any]) -> str:
+    stats = signal["stats"]
+    var, energy = stats["var_delta_over_var_x"], stats["dct_energy_in_k2_r8"]
+    return (
+        f"`{signal['name']}` {list(signal['shape'])} {signal['dtype']}: Var(Δ)/Var(X) keys "
+        f"{var['keys']:.4f}, values {var['values']:.4f}; energy in k=2 keys {energy['keys']:.4f}, "
+        f"values {energy['values']:.4f}."
+    )
+
+
+def _psnr(side: dict[str, Any]) -> str:
+    return "exact" if side["exact"] else f"{side['psnr_db']:.2f}"
+
+
+def render_reconstruct(result: dict[str, Any]) -> list[str]:
+    """Per signal: its smoothness statistics and each tier's PSNR, cosine and measured storage."""
+    lines = [f"From `benchmarks/results/flashcodec_reconstruct.json` ({result['date'][:10]}):", ""]
+    for signal in result["signals"]:
+        lines += [
+            _signal_line(signal),
+            "",
+            "| tier | keys PSNR (dB) | keys cosine | values PSNR (dB) | values cosine | storage (nbytes / raw) |",
+            "|---|---|---|---|---|---|",
+        ]
+        for row in signal["tiers"]:
+            k, v = row["keys"], row["values"]
+            lines.append(
+                f"| `{row['tier']}` | {_psnr(k)} | {k['cosine']:.5f} | {_psnr(v)} | {v['cosine']:.5f} | "
+                f"{100 * row['storage']['ratio']:.1f}% |"
+            )
+        lines.append("")
+    return lines[:-1]
+
+
+def render_vram(result: dict[str, Any]) -> list[str]:
+    """Per (S, tier): bytes held / allocated / viewed after the fill, fill and step times, blocks
+    decoded per step, re-decode time; then the step against the smallest S."""
+    lines = [
+        f"From `benchmarks/results/flashcodec_vram.json` ({result['date'][:10]}):",
+        "",
+        "| S | tier | held (MiB) | held / raw | allocated (MiB) | view (MiB) | fill (ms) | "
+        "step min / median (ms) | blocks/step (max) | re-decode (ms) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        st = r["storage_after_fill"]
+        lines.append(
+            f"| {r['seq_len']} | `{r['tier']}` | {_mib(st['held_bytes'])} | {st['ratio']:.3f} | "
+            f"{_mib(st['allocated_bytes'])} | {_mib(st['view_bytes'])} | {r['fill_ms_min']:.0f} | "
+            f"{r['step_ms_min']:.3f} / {r['step_ms_median']:.3f} | {r['blocks_decoded_per_step_max']} | "
+            f"{r['redecode_ms_min']:.1f} |"
+        )
+    flat = result["flatness_vs_smallest_S"]
+    sizes = sorted({int(s) for by_s in flat.values() for s in by_s})
+    small, large = sizes[0], sizes[-1]
+    lines += [
+        "",
+        f"A step at S = {large} against S = {small} ({large // small}x the tokens), measured in the same run "
+        "(`flatness_vs_smallest_S`):",
+        "",
+        "| tier | fastest step | median step | re-decode |",
+        "|---|---|---|---|",
+    ]
+    for tier, by_s in flat.items():
+        r = by_s[str(large)]
+        lines.append(
+            f"| `{tier}` | {r['step_min_ratio']:.3f}x | {r['step_ratio']:.3f}x | {r['redecode_ratio']:.1f}x |"
+        )
+    return lines
+
+
+def render_attention(result: dict[str, Any]) -> list[str]:
+    """Per (S, tier): the materialized and the coefficient decode step's time, peak and error."""
+    lines = [
+        f"From `benchmarks/results/flashcodec_attention.json` ({result['date'][:10]}):",
+        "",
+        "| S | tier | materialized step (ms) | coefficient step (ms) | time coef / mat | materialized peak (MiB) "
+        "| coefficient peak (MiB) | peak mat / coef | rel. error vs fp64: materialized | coefficient |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["results"]:
+        mat, coef = r["materialized"], r["coefficient_torch"]
+        lines.append(
+            f"| {r['seq_len']} | `{r['tier']}` | {mat['step_ms_median']:.2f} | {coef['step_ms_median']:.2f} | "
+            f"{coef['time_ratio_vs_materialized']:.2f} | {_mib(mat['peak_bytes'])} | {_mib(coef['peak_bytes'])} | "
+            f"{coef['peak_ratio_materialized_over_this']:.1f} | {mat['max_rel_error_vs_fp64_truth']:.1e} | "
+            f"{coef['max_rel_error_vs_fp64_truth']:.1e} |"
+        )
+    return lines
+
+
+def render_e2e(result: dict[str, Any]) -> list[str]:
+    """Per configuration: decode speed, peaks, steady bytes and tokens against the baseline and,
+    for a ``-mf`` tier, against its materialized twin."""
+    lines = [
+        f"From `benchmarks/results/flashcodec_e2e.json` ({result['date'][:10]}):",
+        "",
+        "| configuration | decode tok/s | ms / token | peak (MiB) | decode peak (MiB) | steady (MiB) | "
+        "token match vs baseline | tokens = materialized twin | decode peak / twin's |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in result["results"].items():
+        match = r.get("token_match_vs_baseline")
+        twin = r.get("tokens_equal_materialized")
+        ratio = r.get("decode_peak_ratio_this_over_materialized")
+        lines.append(
+            f"| `{name}` | {r['decode_tokens_per_s']:.1f} | {r['decode_ms_per_token']:.1f} | "
+            f"{_mib(r['peak_bytes'], 2)} | {_mib(r['decode_peak_bytes'], 2)} | {_mib(r['steady_bytes'], 2)} | "
+            f"{'—' if match is None else f'{match:.3f}'} | {'—' if twin is None else ('yes' if twin else 'no')} | "
+            f"{'—' if ratio is None else f'{ratio:.2f}'} |"
+        )
+    return lines
+
+
+class Block(NamedTuple):
+    """One generated block of docs/flashcodec.md: its markers, its results file and its renderer."""
+
+    start: str
+    end: str
+    results_file: str
+    render: Callable[[dict[str, Any]], list[str]]
+
+    def text(self, result: dict[str, Any]) -> str:
+        """The block, markers included."""
+        return "\n".join([self.start, "", *self.render(result), "", self.end])
+
+
+def _block(name: str, render: Callable[[dict[str, Any]], list[str]]) -> Block:
+    return Block(f"<!-- fc-{name}:start -->", f"<!-- fc-{name}:end -->", f"flashcodec_{name}.json", render)
+
+
+#: every generated block of docs/flashcodec.md
+BLOCKS: tuple[Block, ...] = (
+    _block("reconstruct", render_reconstruct),
+    _block("vram", render_vram),
+    _block("attention", render_attention),
+    _block("e2e", render_e2e),
+)
