@@ -10,9 +10,10 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache
 from palu_helpers import make_tiny_qwen3
 from palu_mlx import KVCacheBuilder, KVCacheConfig, load_prompt_cache, save_prompt_cache
-from palu_mlx.calibrated import GAUSSIAN_STEP, CalibratedKVCache, FixedQuantCoder, allocate_widths
+from palu_mlx.calibrated import CalibratedKVCache, allocate_widths
 from palu_mlx.calibration import Calibration, calibrate, default_calibration_text
 from palu_mlx.cli import main as cli_main
+from palu_mlx.coders.fixed import GAUSSIAN_STEP, FixedQuantCoder
 
 HEAD_DIM = 32
 

@@ -17,8 +17,8 @@ from palu_mlx import (
     load_prompt_cache,
     save_prompt_cache,
 )
-from palu_mlx.calibrated import GAUSSIAN_STEP, TOKEN_SCALE_BYTES
 from palu_mlx.calibration import calibrate
+from palu_mlx.coders.fixed import GAUSSIAN_STEP, TOKEN_SCALE_BYTES
 from palu_mlx.rope import Rotary
 
 D = 32

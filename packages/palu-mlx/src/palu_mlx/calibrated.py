@@ -1,22 +1,22 @@
 """A palu cache layer driven by a calibration file: fixed projections and fixed quantizers.
 
-With a :class:`~palu_mlx.calibration.Calibration` nothing is fitted at run time and nothing is
-held exactly: from the first token, each KV head's keys (pre-RoPE where supported) and values
-are projected onto the head's calibrated basis, each latent channel is coded by a fixed uniform
-scalar quantizer, and the codes of one token and head are packed into a bitstream of whole
-bytes. There are no per-token scales: the side information is the calibration itself, a
-per-model constant reported apart from the per-sequence bytes (``constant_nbytes``), like the
-weights.
+With a :class:`~palu_mlx.calibration.Calibration` nothing is fitted at run time: from the first
+token, each KV head's keys (pre-RoPE where supported) and values are projected onto the head's
+calibrated basis, each latent channel is coded by a fixed uniform scalar quantizer, and the codes
+of one token and head are packed into a bitstream of whole bytes (behind one bfloat16 scale per
+token and head with ``palu_token_scale``). The first ``palu_sink_tokens`` and newest
+``palu_recent_tokens`` tokens are also held exactly (:mod:`palu_mlx.sinks`). The calibration
+itself is a per-model constant, reported apart from the per-sequence bytes (``constant_nbytes``),
+like the weights.
 
 **Widths.** One reverse water-filling level across every layer, keys and values
 (:func:`~palu_mlx.mixed_bit.water_fill` over the head-averaged latent variances) gives each
 channel an integer width 0-8 for a budget of ``palu_bits`` code bits per original element;
 0-bit channels are dropped, so each tensor's rank follows from the budget.
 
-**Quantizer.** A channel of variance ``σ²`` coded at ``b`` bits is a midrise uniform quantizer
-with ``2^b`` levels and step ``Δ_b σ``, where ``Δ_b`` is the step that minimises the
-mean-squared error of a unit Gaussian (Max, 1960); codes outside the range clip to the end
-levels.
+**Quantizer.** :class:`~palu_mlx.coders.fixed.FixedQuantCoder`: per channel a midrise uniform
+quantizer of ``2^b`` levels whose step is the Gaussian-optimal one times the channel's calibrated
+standard deviation, optionally stretched per token (``palu_token_scale``).
 """
 
 from __future__ import annotations

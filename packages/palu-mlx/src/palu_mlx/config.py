@@ -85,8 +85,8 @@ class KVCacheConfig:
             (a positive integer; a segment whose width is not a multiple of it ends in a
             smaller group).
         palu_bits: target average code bits per original K/V element (a number in ``(0, 8]``).
-            When set, :class:`~palu_mlx.mixed_bit.WaterFillingPolicy` replaces the rank, the
-            energy threshold and the hi/lo split: projections are fitted at full rank (or
+            When set, the coder is :class:`~palu_mlx.coders.WaterFilling` and replaces the rank,
+            the energy threshold and the hi/lo split: projections are fitted at full rank (or
             ``palu_rank``) and each latent channel gets an integer width 0-8 from its variance
             by reverse water-filling; 0 drops the channel. ``None`` (default): water-filling at
             :data:`DEFAULT_PALU_BITS`, unless any of ``palu_rank``, ``palu_energy_threshold``,
@@ -114,7 +114,7 @@ class KVCacheConfig:
         palu_token_scale: the bit-budget coder (``palu_bits``, fitted at the prefill or
             calibrated) stores one bfloat16 scale per token and head beside the codes, chosen so that
             no latent channel of 2 bits or more clips (see
-            :class:`~palu_mlx.calibrated.FixedQuantCoder`); 16 bits per token, head and tensor on
+            :class:`~palu_mlx.coders.fixed.FixedQuantCoder`); 16 bits per token, head and tensor on
             top of the budget. True by default; False: fixed ranges from the fit tokens'
             variance, no side information per token (the tiers measured before it existed).
         palu_sink_tokens: the first this many tokens of a sequence are also kept exactly (input
