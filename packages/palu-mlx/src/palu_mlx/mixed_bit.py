@@ -2,10 +2,12 @@
 
 Latent channels arrive ordered by singular value (channel 0 carries the most
 energy). A :class:`BitAllocationPolicy` cuts them into contiguous
-:class:`Segment`\\ s, each with one bit width; the seed policy,
-:class:`FixedSplitPolicy`, gives the top ``hi_fraction`` of channels
-``hi_bit`` and the rest ``lo_bit``. A later policy (e.g. reverse water-filling
-over the singular values) only has to return another segment list.
+:class:`Segment`\\ s, each with one bit width: :class:`FixedSplitPolicy` gives the top
+``hi_fraction`` of channels ``hi_bit`` and the rest ``lo_bit`` (the reference's split),
+:class:`WaterFillingPolicy` spreads a bit budget by reverse water-filling over the singular
+values (:func:`water_fill`), :class:`UniformPolicy` gives every channel one width. Which coder a
+config uses is :mod:`palu_mlx.coders`' business; :class:`MixedBitCoder` is the one these
+segments drive.
 
 Storage of a segment of ``n`` channels at ``b`` bits, per token and head:
 
