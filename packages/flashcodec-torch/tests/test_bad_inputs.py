@@ -495,7 +495,7 @@ CATALOGUE = {
         lambda c: filled(),
         lambda o, c: CodecKVCache.from_state(o.state, with_meta(o, format="flashcodec-cache-9")),
         KVConfigError,
-        "meta_state format must be one of",
+        "meta_state format must be .flashcodec-cache-3.; got .flashcodec-cache-9.",
     ),
     "from-state-repeated-key": (
         lambda c: filled(),

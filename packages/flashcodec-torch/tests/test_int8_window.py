@@ -88,7 +88,7 @@ def test_state_round_trip_and_its_checks():
         for m in meta
         if not m.startswith("dtype=")
     )
-    with pytest.raises(KVDataError, match="must record the cache's dtype"):
+    with pytest.raises(KVConfigError, match="meta_state format must be"):
         CodecKVCache.from_state(state, older)
     bad = list(state)
     bad[4] = -bad[4].abs() - 1

@@ -18,7 +18,7 @@ import torch
 from conftest import CODECS, random_walk
 from flashcodec import CodecKVCache, JPEGCodec, PNGCodec
 from flashcodec.stream import CodecStream
-from kvspec import KVDtypeError
+from kvspec import KVConfigError, KVDataError, KVDtypeError
 from snapshots import snapshot
 
 
@@ -181,19 +181,19 @@ def test_transformers_cache_copies():
 
 
 @pytest.mark.parametrize("version,dropped", [(1, ("offset=", "dtype=")), (2, ("dtype=",))])
-def test_older_meta_state_formats_still_load(version, dropped):
+def test_only_the_current_meta_state_format_loads(version, dropped):
+    # formats 1 and 2 were never released: no reader is kept for them
     cache = _cache("jpeg-k2-int8")
     old = tuple(
         f"format=flashcodec-cache-{version}" if m.startswith("format=") else m
         for m in cache.meta_state
         if not m.startswith(dropped)
     )
-    again = CodecKVCache.from_state(cache.state, old)
-    assert again.offset == cache.offset
-    assert torch.equal(again.read()[0], cache.read()[0])
+    with pytest.raises(KVConfigError, match="meta_state format must be 'flashcodec-cache-3'"):
+        CodecKVCache.from_state(cache.state, old)
 
 
-def test_calibration_files_round_trip_and_older_files_load(tmp_path):
+def test_calibration_files_round_trip_and_files_without_the_format_are_refused(tmp_path):
     pytest.importorskip("transformers")
     import json
 
@@ -212,9 +212,10 @@ def test_calibration_files_round_trip_and_older_files_load(tmp_path):
     cal.save(path)
     assert "sha256" in json.loads(path.read_text())
     assert Calibration.load(path) == cal
-    older = tmp_path / "older.json"
-    older.write_text(json.dumps(cal.to_dict()))  # the layout before checksums
-    assert Calibration.load(older) == cal
+    bare = tmp_path / "bare.json"
+    bare.write_text(json.dumps(cal.to_dict()))  # no format, no checksum: not a file save writes
+    with pytest.raises(KVDataError, match="is not a 'flashcodec-calibration-file-1' file"):
+        Calibration.load(bare)
 
 
 @pytest.mark.parametrize(

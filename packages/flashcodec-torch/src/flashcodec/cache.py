@@ -39,11 +39,9 @@ __all__ = ["CodecKVCache", "SUPPORTED_DTYPES"]
 #: input dtypes a cache accepts
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _DTYPE_BY_NAME = {str(dt).split(".")[-1]: dt for dt in SUPPORTED_DTYPES}
-#: meta_state format: version 2 records the offset, which from_state checks against the arrays;
-#: version 3 also the dtype (an int8 tail does not carry it: ``window_bits=8``)
+#: meta_state format: the codec, the offset (from_state checks it against the arrays) and the
+#: dtype (an int8 tail does not carry it: ``window_bits=8``)
 _META_VERSION = "flashcodec-cache-3"
-#: the earlier formats (no dtype; version 1 no offset either), still read
-_META_VERSIONS = ("flashcodec-cache-1", "flashcodec-cache-2", _META_VERSION)
 
 
 class CodecKVCache:
@@ -429,7 +427,9 @@ class CodecKVCache:
             return cache
         n_parts = len(cache.codec.stream_state_specs(1))  # the keys' arrays, then the values'
         k_arrays, v_arrays = arrays[:n_parts], arrays[n_parts:]
-        dtype = dtype or k_arrays[-1].dtype  # formats 1 and 2: the raw tail's dtype (checked above)
+        dtype = (
+            dtype or k_arrays[-1].dtype
+        )  # an empty cache's meta records none: the raw tail's (checked above)
         common = dict(dtype=dtype, initial_blocks=cache.initial_blocks)
         cache.keys = CodecStream.from_state(cache.codec, k_arrays, **common)
         cache.values = CodecStream.from_state(cache.codec.value_codec, v_arrays, **common)
@@ -468,22 +468,19 @@ def _parse_meta(meta_state: Sequence[str]) -> tuple[dict, int | None, torch.dtyp
     if len(items) != len(pairs):
         raise KVConfigError(f"meta_state names a key twice; got {meta_state!r:.200}")
     version = items.pop("format", None)
-    if version not in _META_VERSIONS:
-        raise KVConfigError(f"meta_state format must be one of {_META_VERSIONS}; got {version!r}")
+    if version != _META_VERSION:
+        raise KVConfigError(f"meta_state format must be {_META_VERSION!r}; got {version!r}")
     try:
         flags = {"True": True, "False": False}
         if items.get("check_finite") not in flags:
             raise KVConfigError(f"check_finite must be True or False; got {items.get('check_finite')!r}")
         check_finite = flags[items.pop("check_finite")]
         initial_blocks = check_int("initial_blocks", _literal(items.pop("initial_blocks")), low=1)
-        offset = dtype = None
-        if version != _META_VERSIONS[0]:
-            offset = check_int("offset", _literal(items.pop("offset")), low=0)
-        if version == _META_VERSION:
-            name = items.pop("dtype")
-            if name != "None" and name not in _DTYPE_BY_NAME:
-                raise KVConfigError(f"dtype must be None or one of {tuple(_DTYPE_BY_NAME)}; got {name!r}")
-            dtype = _DTYPE_BY_NAME.get(name)
+        offset = check_int("offset", _literal(items.pop("offset")), low=0)
+        name = items.pop("dtype")
+        if name != "None" and name not in _DTYPE_BY_NAME:
+            raise KVConfigError(f"dtype must be None or one of {tuple(_DTYPE_BY_NAME)}; got {name!r}")
+        dtype = _DTYPE_BY_NAME.get(name)
         mode = items.pop("mode")
         codec = make_codec(mode, **{k: _literal(v) for k, v in items.items()})
     except KeyError as err:

@@ -52,7 +52,7 @@ def check_state_layout(
     if dtype is None and codec.window_bits is not None:
         raise KVDataError(
             f"meta_state must record the cache's dtype for {codec!r} (its tail is stored in int8); "
-            "this meta_state has none (an older format or an empty cache's?)"
+            "this meta_state has none (an empty cache's?)"
         )
     _check_stream(codec, k_arrays, "keys", supported_dtypes, check_finite, dtype)  # type: ignore[arg-type]
     _check_stream(value_codec, v_arrays, "values", supported_dtypes, check_finite, dtype)  # type: ignore[arg-type]

@@ -165,7 +165,7 @@ class Calibration:
 
     @classmethod
     def load(cls, path: str | Path) -> Calibration:
-        """Read a file written by :meth:`save` (or a bare :meth:`to_dict` JSON, the earlier format).
+        """Read a file written by :meth:`save`.
 
         ``KVDataError`` naming the file when it cannot be read, is not JSON, fails its checksum
         (edited or damaged since it was saved) or does not hold a calibration.
@@ -174,15 +174,18 @@ class Calibration:
             doc = json.loads(Path(path).read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, ValueError) as err:  # JSONDecodeError is a ValueError
             raise KVDataError(f"calibration file {str(path)!r} cannot be read as JSON: {err}") from err
-        if isinstance(doc, dict) and doc.get("format") == _FILE_FORMAT:
-            data = doc.get("calibration")
-            if not isinstance(data, dict) or doc.get("sha256") != _digest(data):
-                raise KVDataError(
-                    f"calibration file {str(path)!r} fails its sha256 check: it was changed or damaged "
-                    "after Calibration.save wrote it"
-                )
-        else:
-            data = doc  # the earlier format: to_dict() itself, no checksum
+        if not isinstance(doc, dict) or doc.get("format") != _FILE_FORMAT:
+            got = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
+            raise KVDataError(
+                f"calibration file {str(path)!r} is not a {_FILE_FORMAT!r} file (Calibration.save writes "
+                f"them); got format {got!r}"
+            )
+        data = doc.get("calibration")
+        if not isinstance(data, dict) or doc.get("sha256") != _digest(data):
+            raise KVDataError(
+                f"calibration file {str(path)!r} fails its sha256 check: it was changed or damaged "
+                "after Calibration.save wrote it"
+            )
         try:
             return cls.from_dict(data)
         except KVConfigError as err:
