@@ -5,10 +5,9 @@ fixed-size recurrent state, no growing K/V) with ``full_attention`` layers (an o
 cache). A KV-cache codec must compress only the latter and leave the former alone, so tests need a
 model with both. Nothing is downloaded: the weights are random, seeded.
 
-Depends on torch and transformers only (it is imported from the ``torch`` environment too), and
-is importable by path::
+Depends on torch and transformers only. pytest puts this tests folder on ``sys.path``, so a test
+imports it by name::
 
-    sys.path.insert(0, "benchmarks")
     from hybrid_fixture import make_tiny_hybrid_model
     model = make_tiny_hybrid_model()          # transformers Qwen3_5ForCausalLM, eval mode, float32
 """

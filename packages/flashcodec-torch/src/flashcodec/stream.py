@@ -16,15 +16,27 @@ A stream with batch ``B``, heads ``H``, head dimension ``D``, input dtype ``dt``
   written once, in place, and never rewritten (``crop`` only lowers ``n_blocks``; later appends
   reuse the freed slots).
 
-  ==========================  =====================================  ====================
-  codec                       parts (per block shape)                dtype
-  ==========================  =====================================  ====================
-  jpeg                        ``coeffs [K, D]``                      ``dt``
-  jpeg, ``quant_bits=8``      ``coeffs [K, D]``, ``scales [K, 1]``   int8, fp32
-  png                         ``anchors [D]``, ``deltas [r-1, D]``   ``dt``, delta dtype
-  ==========================  =====================================  ====================
+  The parts are the codec's ``part_specs(D)``; ``D/2`` is two int4 codes a byte (uint8):
 
-  The png delta dtype is float64 by default (float32 on request): see ``codecs/png.py``.
+  ==========================  ===================================================  ======================
+  codec                       parts (per block shape)                              dtype
+  ==========================  ===================================================  ======================
+  jpeg                        ``coeffs [K, D]``                                    ``dt``
+  jpeg, ``quant_bits=8``      ``coeffs [K, D]``, ``scales [K, 1]``                 int8, fp32
+  jpeg, ``quant_bits=4``      ``coeffs [K, D/2]``, ``scales [K, 1]``               uint8, fp32
+  jpeg-mixed                  ``coeffs8 [K8, D]``, ``coeffs4 [K4, D/2]``,          int8, uint8, fp32
+                              ``scales [K8 + K4, 1]``
+  jpeg-int4z                  ``coeffs [K, D/2]``, ``scales``, ``zeros [K, 1]``    uint8, fp16, fp16
+  chan-int4                   ``codes [r, D/2]``, ``scales``, ``zeros [1, D]``     uint8, fp16, fp16
+  kivi, keys                  ``codes [r, D or D/2]``, ``scales``, ``zeros         int8 or uint8, fp16,
+                              [1, D]``                                             fp16
+  kivi, values                ``codes [r, D or D/2]``, ``scales``, ``zeros         int8 or uint8, fp16,
+                              [r, 1]``                                             fp16
+  png                         ``anchors [D]``, ``deltas [r-1, D]``                 ``dt``, delta dtype
+  ==========================  ===================================================  ======================
+
+  The png delta dtype is float64 by default (float32 on request): see ``codecs/png.py``. Other
+  registered codecs (``flashcodec.codecs.CODECS``) describe theirs the same way.
   ``stored_rows(dtype)`` gives the dense rows ``[B, H, n_blocks, R, D]`` and
   ``codec.synthesis_matrix()`` the ``A [r, R]`` with ``block = A @ rows``
   (jpeg: ``A = M^T``, rows = coefficients, dequantized; png: ``A`` = lower-triangular ones,
