@@ -11,7 +11,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-__all__ = ["BLOCKS", "Block", "render_reconstruct", "render_vram", "render_attention", "render_e2e"]
+__all__ = [
+    "BLOCKS",
+    "Block",
+    "render_reconstruct",
+    "render_vram",
+    "render_attention",
+    "render_e2e",
+    "render_real_tiers",
+    "render_step_raw",
+]
 
 _MIB = 1024 * 1024
 
@@ -134,6 +143,50 @@ def render_e2e(result: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _compare_row(row: dict[str, Any]) -> str:
+    return f"{row['kl_mean']:.2e} | {100 * row['top1_agreement']:.1f}% | {row['ppl_delta']:+.3f}"
+
+
+def render_real_tiers(result: dict[str, Any]) -> list[str]:
+    """The kivi / chan64 tiers beside hqq on the real model: bytes, quality and decode speed against
+    hqq 4-bit (``summary_long``, every figure from one run), fewest bytes first."""
+    rows = sorted(
+        (r for r in result["summary_long"] if r["name"] != "baseline"),
+        key=lambda r: (round(r["resident_ratio_decode_mean"], 3), r["kl_mean"]),
+    )
+    lines = [
+        f"From `benchmarks/results/flashcodec_real_tiers.json` ({result['stamp']['date'][:10]}):",
+        "",
+        "| cache | bytes x raw | KL | top-1 | Δ ppl | bytes x hqq-q4 | KL x hqq-q4 | decode x hqq-q4 |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| `{r['name']}` | {r['resident_ratio_decode_mean']:.3f} | {_compare_row(r)} | "
+            f"{r['bytes_vs_hqq_q4']:.3f} | {r['kl_vs_hqq_q4']:.2f} | {r['decode_vs_hqq_q4']:.2f} |"
+        )
+    return lines
+
+
+def render_step_raw(result: dict[str, Any]) -> list[str]:
+    """Each tier with its multi-token step's own tokens raw and as stored (``+coded-step``), beside
+    hqq 4-bit: quality and prefill time against the baseline (the last run)."""
+    run = result["runs"][-1]
+    lines = [
+        f"From `benchmarks/results/flashcodec_step_raw.json` ({result['stamp']['date'][:10]}, run "
+        f"`{run['name']}`):",
+        "",
+        "| cache | KL | top-1 | Δ ppl | prefill time vs baseline |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for r in run["rows"]:
+        if r["name"] == "baseline":
+            continue
+        label = f"`{r['name']}`" + (" (raw step)" if r["kind"] == "tier" and "+" not in r["name"] else "")
+        lines.append(f"| {label} | {_compare_row(r)} | {r['prefill_time_ratio']:.2f} |")
+    return lines
+
+
 class Block(NamedTuple):
     """One generated block of docs/flashcodec.md: its markers, its results file and its renderer."""
 
@@ -157,4 +210,6 @@ BLOCKS: tuple[Block, ...] = (
     _block("vram", render_vram),
     _block("attention", render_attention),
     _block("e2e", render_e2e),
+    _block("real_tiers", render_real_tiers),
+    _block("step_raw", render_step_raw),
 )
