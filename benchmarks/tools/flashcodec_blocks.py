@@ -20,6 +20,8 @@ __all__ = [
     "render_e2e",
     "render_real_tiers",
     "render_step_raw",
+    "render_lossless",
+    "render_kv_recipes",
 ]
 
 _MIB = 1024 * 1024
@@ -187,6 +189,55 @@ def render_step_raw(result: dict[str, Any]) -> list[str]:
     return lines
 
 
+def render_lossless(result: dict[str, Any]) -> list[str]:
+    """The exponent coder on the real model's K/V per dtype (group 64), then per group size:
+    bytes over the uncompressed cache's, exceptions, exactness, speed."""
+    labels = {"bfloat16": "bf16 (the model's)", "float16": "fp16 (the model run in fp16)"}
+    lines = [
+        f"From `benchmarks/results/flashcodec_lossless.json` ({result['environment']['date'][:10]}):",
+        "",
+        "| K/V dtype | exponent coder in memory (group 64) | saved, zlib 6 (zlib 1) | exceptions (of elements) "
+        "| bit-exact | `png-keep1` held | zlib 6 on the raw bytes |",
+        "|---|---:|---:|---:|---|---:|---:|",
+    ]
+    for dtype, r in result["results"].items():
+        c = r["exponent_coder"]["64"]
+        lines.append(
+            f"| {labels.get(dtype, dtype)} | {c['memory_ratio']:.3f} | {c['saved_ratio_zlib6']:.3f} "
+            f"({c['saved_ratio_zlib1']:.3f}) | {c['exception_rate']:.1e} | {'yes' if c['bit_exact'] else 'no'} | "
+            f"{r['png_keep1']['held_ratio']:.3f} | {r['zlib6_raw_bytes']['ratio']:.3f} |"
+        )
+    lines += [
+        "",
+        "| K/V dtype | group (tokens) | in memory | encode (MB/s) | decode (MB/s) | decoding the whole cache, "
+        "in decode steps of the model | zlib 6 alone: encode (s) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for dtype, r in result["results"].items():
+        for group, c in r["exponent_coder"].items():
+            lines.append(
+                f"| {dtype} | {group} | {c['memory_ratio']:.3f} | {c['encode_mb_per_s']:.0f} | "
+                f"{c['decode_mb_per_s']:.0f} | {c['decode_whole_cache_in_steps']:.2f} | "
+                f"{r['zlib6_raw_bytes']['encode_seconds']:.1f} |"
+            )
+    return lines
+
+
+def render_kv_recipes(result: dict[str, Any]) -> list[str]:
+    """Each quantization recipe on the real model's K/V: bits an element, KL, top-1 agreement."""
+    lines = [
+        f"From `benchmarks/results/flashcodec_kv_recipes.json` ({result['stamp']['date'][:10]}):",
+        "",
+        "| recipe | bits an element | KL | top-1 |",
+        "|---|---:|---:|---:|",
+    ]
+    for r in result["rows"]:
+        lines.append(
+            f"| {r['name']} | {r['bits_per_element']:.2f} | {r['kl_mean']:.2e} | {100 * r['top1_agreement']:.1f}% |"
+        )
+    return lines
+
+
 class Block(NamedTuple):
     """One generated block of docs/flashcodec.md: its markers, its results file and its renderer."""
 
@@ -212,4 +263,6 @@ BLOCKS: tuple[Block, ...] = (
     _block("e2e", render_e2e),
     _block("real_tiers", render_real_tiers),
     _block("step_raw", render_step_raw),
+    _block("lossless", render_lossless),
+    _block("kv_recipes", render_kv_recipes),
 )
