@@ -2,8 +2,9 @@
 
 Candidates are :class:`flashcodec.codecs.RotatedKIVICodec` configurations (``kivi64r-*``: keys and
 values rotated; ``kivi64rk-*``: keys only; ``kivi64rg-*``: rotated, levels fitted to a Gaussian
-instead of min-max), each named like the kivi tiers (``k<key bits>v<value bits>``, 64-token blocks,
-the newest 64-127 tokens int8, the first key exact). They are added to the tier registry of this
+instead of min-max; ``rkg``: both), each named like the kivi tiers (``kivi<block>...-k<key
+bits>v<value bits>-w<window>i8``: ``kivi64r-k3v2-w64i8`` has 64-token blocks and the newest 64-127
+tokens int8; the first key exact). They are added to the tier registry of this
 process only (:func:`register`), beside the registered ``kivi64-*`` tiers they would replace.
 
 Two protocols:
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import tempfile
 import time
@@ -38,32 +40,40 @@ from flashcodec.codecs.rotated import RotatedKIVICodec
 from kvbench.results import results_path, write_json
 from real_tiers import COMPARE_ARGS, summarize
 
+_NAME = re.compile(r"kivi(?P<r>\d+)(?P<family>r|rk|rg|rkg)?-k(?P<k>\d)v(?P<v>\d)-w(?P<w>\d+)i8")
+
 
 def _codec(name: str) -> BlockCodec:
-    """``kivi64[r|rk|rg]-k<K>v<V>-w64i8`` -> its codec (registered ``kivi64-*`` names as they are)."""
-    family, bits, window = name.split("-")
-    if window != "w64i8" or not bits.startswith("k") or "v" not in bits:
-        raise ValueError(f"not a candidate name: {name!r}")
-    key_bits, value_bits = (int(b) for b in bits[1:].split("v"))
-    if family == "kivi64":
-        return KIVICodec(64, key_bits, value_bits)
+    """``kivi<r>[r|rk|rg|rkg]-k<K>v<V>-w<W>i8`` -> its codec: ``r``-token blocks, ``W`` newest tokens
+    int8 (KIVICodec without a family, as the registered ``kivi64-*`` tiers)."""
+    match = _NAME.fullmatch(name)
+    if match is None:
+        raise ValueError(f"not a candidate name: {name!r} (kivi<r>[r|rk|rg|rkg]-k<K>v<V>-w<W>i8)")
+    r, w, k, v = (int(match[g]) for g in ("r", "w", "k", "v"))
+    family = match["family"]
+    if family is None:
+        return KIVICodec(r, k, v, raw_window=w)
     options = {
-        "kivi64r": {},
-        "kivi64rk": {"rotate_values": False},
-        "kivi64rg": {"range_fit": "gauss"},
-        "kivi64rkg": {"rotate_values": False, "range_fit": "gauss"},
+        "r": {},
+        "rk": {"rotate_values": False},
+        "rg": {"range_fit": "gauss"},
+        "rkg": {"rotate_values": False, "range_fit": "gauss"},
     }[family]
-    return RotatedKIVICodec(64, key_bits, value_bits, **options)
+    return RotatedKIVICodec(r, k, v, raw_window=w, **options)
 
 
 def _describe(name: str, codec: BlockCodec) -> str:
-    if not isinstance(codec, RotatedKIVICodec):
+    if name in tiers_module.TIERS:
         return tiers_module.TIERS[name].description
+    r, w = codec.block_size, codec.raw_window
+    window = f"newest {w}-{w + r - 1} tokens int8" if w else f"the incomplete block's 0-{r - 1} tokens int8"
+    if not isinstance(codec, RotatedKIVICodec):
+        return f"int{codec.key_bits} keys per ({r}-token block, channel), int{codec.value_bits} values per token; {window}"
     sides = "keys and values" if codec.rotate_values else "keys"
     fit = "levels fitted to a Gaussian" if codec.range_fit == "gauss" else "min-max levels"
     return (
-        f"{sides} Hadamard-rotated, then int{codec.key_bits} keys per (64-token block, channel), "
-        f"int{codec.value_bits} values per token, {fit}; first key exact; newest 64-127 tokens int8"
+        f"{sides} Hadamard-rotated, then int{codec.key_bits} keys per ({r}-token block, channel), "
+        f"int{codec.value_bits} values per token, {fit}; first key exact; {window}"
     )
 
 
@@ -85,13 +95,25 @@ def register(name: str) -> None:
         )
 
 
-#: the kvbench run: the registered references, then rotated 4-, 8- and sub-4-bit candidates
-COMPARE_TIERS = (
-    "kivi64-k4v4-w64i8-mf,kivi64r-k4v4-w64i8-mf,kivi64rk-k4v4-w64i8-mf,"
-    "kivi64-k8v8-w64i8-mf,kivi64r-k8v8-w64i8-mf,"
-    "kivi64r-k3v3-w64i8-mf,kivi64r-k4v2-w64i8-mf,kivi64rg-k3v2-w64i8-mf,kivi64rg-k2v2-w64i8-mf"
+#: the kvbench run: the registered references, then rotated 4- and 8-bit candidates, then the
+#: sub-4-bit ones the quick ranking kept (2-bit keys lose whatever the values get; Gaussian-fitted
+#: levels help only at 2 bits; the smallest is 128-token blocks and no window beyond the block)
+COMPARE_TIERS = ",".join(
+    f"{name}-mf"
+    for name in (
+        "kivi64-k4v4-w64i8",
+        "kivi64r-k4v4-w64i8",
+        "kivi64rk-k4v4-w64i8",
+        "kivi64-k8v8-w64i8",
+        "kivi64r-k8v8-w64i8",
+        "kivi64r-k3v3-w64i8",
+        "kivi64r-k4v2-w64i8",
+        "kivi64r-k3v2-w64i8",
+        "kivi64rg-k2v2-w64i8",
+        "kivi128r-k3v2-w0i8",
+    )
 )
-#: the quick ranking: every family at every width worth a look
+#: the quick ranking: each family at every width worth a look, then smaller windows and larger blocks
 QUICK_TIERS = ",".join(
     [
         "kivi64-k4v4-w64i8",
@@ -99,13 +121,19 @@ QUICK_TIERS = ",".join(
         *(
             f"kivi64{f}-k{k}v{v}-w64i8"
             for f in ("r", "rk")
-            for k, v in ((8, 8), (4, 4), (3, 3), (4, 2), (3, 2), (2, 2))
+            for k, v in ((8, 8), (4, 4), (3, 4), (3, 3), (4, 2), (3, 2), (2, 4), (2, 3), (2, 2))
         ),
         *(
             f"kivi64{f}-k{k}v{v}-w64i8"
             for f in ("rg", "rkg")
-            for k, v in ((4, 4), (3, 3), (4, 2), (3, 2), (2, 2))
+            for k, v in ((4, 4), (3, 3), (4, 2), (3, 2), (2, 3), (2, 2))
         ),
+        "kivi64r-k3v3-w0i8",
+        "kivi64r-k3v2-w32i8",
+        "kivi64r-k3v2-w0i8",
+        "kivi32r-k3v2-w32i8",
+        "kivi128r-k3v2-w0i8",
+        "kivi128rg-k3v2-w0i8",
     ]
 )
 
