@@ -22,6 +22,7 @@ __all__ = [
     "render_step_raw",
     "render_lossless",
     "render_kv_recipes",
+    "render_int4_study",
 ]
 
 _MIB = 1024 * 1024
@@ -238,6 +239,45 @@ def render_kv_recipes(result: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _bits(row: dict[str, Any]) -> str:
+    k, v = row["key_bits"], row["value_bits"]
+    return f"{k:g}" if k == v else f"{k:g} / {v:g}"
+
+
+def render_int4_study(result: dict[str, Any]) -> list[str]:
+    """The factors behind int4 against hqq 4-bit (each variant's bits, KL, top-1), then the reduced
+    compare's runs (held and resident bytes over bf16, KL, Δ perplexity)."""
+    factors = result["factors"]
+    lines = [
+        f"From `benchmarks/results/flashcodec_int4_study.json` ({result['stamp']['date'][:10]}); "
+        "quantizers: "
+        + "; ".join(f"`{name}` {q['what']}" for name, q in factors["quantizers"].items())
+        + ".",
+        "",
+        "| variant | bits (keys / values) | raw window (tokens, at most) | KL | top-1 |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for r in factors["rows"]:
+        raw = r.get("recent_raw_tokens", r.get("peer_kwargs", {}).get("residual_length", 128))
+        lines.append(
+            f"| {r['name']} | {_bits(r)} | {raw} | {r['kl_mean']:.2e} | {100 * r['top1_agreement']:.1f}% |"
+        )
+    for name, rows in result["compare"]["runs"].items():
+        lines += [
+            "",
+            f"The compare's `{name}` run:",
+            "",
+            "| cache | held x bf16 | resident x bf16 | KL | top-1 | Δ ppl |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
+        for r in rows:
+            if r["name"] != "baseline":
+                lines.append(
+                    f"| `{r['name']}` | {r['kv_ratio']:.3f} | {r['resident_ratio']:.3f} | {_compare_row(r)} |"
+                )
+    return lines
+
+
 class Block(NamedTuple):
     """One generated block of docs/flashcodec.md: its markers, its results file and its renderer."""
 
@@ -265,4 +305,5 @@ BLOCKS: tuple[Block, ...] = (
     _block("step_raw", render_step_raw),
     _block("lossless", render_lossless),
     _block("kv_recipes", render_kv_recipes),
+    _block("int4_study", render_int4_study),
 )
