@@ -10,7 +10,7 @@ agreement, and decode tokens/s as a ratio to ``hf-hqq-q4`` in the same run.
     OMP_NUM_THREADS=1 hatch run bench:python benchmarks/flashcodec/real_tiers.py
     # writes benchmarks/results/flashcodec_real_tiers.json; --tiers to run other tiers
 
-The targets it checks (the real-model issue's, against hqq 4-bit / 8-bit in the same run):
+The figures it adds per row (against hqq 4-bit, in the same run):
 ``kl_vs_hqq_q4`` and ``bytes_vs_hqq_q4`` per row, ``decode_vs_hqq_q4`` for speed.
 """
 
