@@ -23,6 +23,8 @@ __all__ = [
     "render_lossless",
     "render_kv_recipes",
     "render_int4_study",
+    "render_window_compare",
+    "render_copy_positions",
 ]
 
 _MIB = 1024 * 1024
@@ -278,6 +280,62 @@ def render_int4_study(result: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _ci(value: float, ci: list[float], digits: int = 3) -> str:
+    return f"{value:+.{digits}f} [{ci[0]:+.{digits}f}, {ci[1]:+.{digits}f}]"
+
+
+def render_window_compare(result: dict[str, Any]) -> list[str]:
+    """Each run of the window compare: bytes averaged over decoding, KL, top-1, Δ perplexity with
+    its paired 95% interval, against the baseline and against hqq-q4, and decode speed."""
+    lines = [f"From `benchmarks/results/flashcodec_window_compare.json` ({result['stamp']['date'][:10]}):"]
+    for run in result["runs"]:
+        st = run["settings"]
+        lines += [
+            "",
+            f"Run `{run['name']}`: {st['windows']} windows of {st['context_tokens']:,} tokens of context, "
+            f"{st['scored_tokens']:,} scored each.",
+            "",
+            "| cache | held x decoding | resident x decoding | KL | top-1 | Δ ppl [95%] | vs hqq-q4 [95%] "
+            "| decode x baseline |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in run["rows"]:
+            if r["name"] == "baseline":
+                continue
+            peer = (r.get("ppl_vs_peers") or {}).get("hf-hqq-q4")
+            vs = "—" if peer is None else _ci(peer["ppl_delta"], peer["ci95"])
+            lines.append(
+                f"| `{r['name']}` | {r['kv_ratio_decode_mean']:.3f} | {r['resident_ratio_decode_mean']:.3f} | "
+                f"{r['kl_mean']:.2e} | {100 * r['top1_agreement']:.1f}% | {_ci(r['ppl_delta'], r['ppl_delta_ci95'])} | "
+                f"{vs} | {r['decode_speed_ratio']:.2f} |"
+            )
+    return lines
+
+
+def render_copy_positions(result: dict[str, Any]) -> list[str]:
+    """Δ NLL (nats) on positions that copy a bigram from the context and on the rest, against the
+    baseline and against hqq-q4, with paired 95% intervals."""
+    st = result["settings"]
+    lines = [
+        f"From `benchmarks/results/flashcodec_copy_positions.json` ({result['stamp']['date'][:10]}): "
+        f"{st['windows']} windows, {100 * st['copy_share']:.0f}% of the scored positions copy.",
+        "",
+        "| cache | KL | Δ NLL, copy | Δ NLL, other | vs hqq, copy | vs hqq, other |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, c in result["caches"].items():
+        copy, other = c["copy"], c["other"]
+        vs = [
+            "—" if "dnll_vs_peer" not in part else _ci(part["dnll_vs_peer"], part["dnll_vs_peer_ci95"], 5)
+            for part in (copy, other)
+        ]
+        lines.append(
+            f"| `{name}` | {c['all']['kl_mean']:.2e} | {_ci(copy['dnll'], copy['dnll_ci95'], 5)} | "
+            f"{_ci(other['dnll'], other['dnll_ci95'], 5)} | {vs[0]} | {vs[1]} |"
+        )
+    return lines
+
+
 class Block(NamedTuple):
     """One generated block of docs/flashcodec.md: its markers, its results file and its renderer."""
 
@@ -306,4 +364,6 @@ BLOCKS: tuple[Block, ...] = (
     _block("lossless", render_lossless),
     _block("kv_recipes", render_kv_recipes),
     _block("int4_study", render_int4_study),
+    _block("window_compare", render_window_compare),
+    _block("copy_positions", render_copy_positions),
 )
