@@ -126,3 +126,17 @@ def test_the_test_codecs_are_the_registry_codecs_plus_top_m_and_mixed_bits():
     assert {n: c for n, c in CODECS.items() if n not in ("png-keep0.5", "jpeg-mixed-84")} == {
         n: t.codec for n, t in TIERS.items()
     }
+
+
+def test_compare_moves_the_selected_tiers_along_the_attention_axis():
+    pytest.importorskip("kvbench")
+    from flashcodec.compare import on_attention_axis
+    from kvbench.results import CompareError
+
+    names = ["png-keep1", "jpeg-k2-int8-mf", "jpeg-k2-int8"]
+    assert on_attention_axis(names, "as-named") == names
+    assert on_attention_axis(names, "codes") == ["png-keep1-mf", "jpeg-k2-int8-mf"]
+    assert on_attention_axis(names, "materialized") == ["png-keep1", "jpeg-k2-int8"]
+    assert all(tier(n).materialization_free for n in on_attention_axis(names, "codes"))
+    with pytest.raises(CompareError, match="--attention must be one of"):
+        on_attention_axis(names, "both")

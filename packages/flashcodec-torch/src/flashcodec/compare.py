@@ -3,6 +3,7 @@
     flashcodec compare                                  # the repository's embedded model, all tiers
     python -m flashcodec.compare --model Qwen/Qwen3-0.6B --device cuda --text notes.txt
     flashcodec compare --tiers jpeg-k8-int8 --peers none --json out.json --plot out.png
+    flashcodec compare --tiers png-keep1,jpeg-k2 --attention codes   # png-keep1-mf, jpeg-k2-mf
 
 Needs the ``compare`` extra (``pip install "flashcodec-kv[compare]"``: kvbench and transformers).
 Candidates:
@@ -43,10 +44,20 @@ from kvbench.protocol import Candidate, KVBytes
 from kvbench.results import CompareError, weights_digest
 from kvspec import KVSpecError
 
+from .tiers import MF_SUFFIX, tier_names
 from .tiers import tier as tier_named
-from .tiers import tier_names
 
-__all__ = ["PEERS", "load_model", "TorchRunner", "RSSPeak", "build_candidates", "FlashCodecHarness", "main"]
+__all__ = [
+    "PEERS",
+    "ATTENTION_CHOICES",
+    "load_model",
+    "TorchRunner",
+    "RSSPeak",
+    "build_candidates",
+    "on_attention_axis",
+    "FlashCodecHarness",
+    "main",
+]
 
 #: peer name -> (QuantizedCache backend, nbits or None)
 PEERS: dict[str, tuple[str, int | None]] = {
@@ -391,12 +402,29 @@ def _codec_attention(model: Any) -> tuple[Any, Any]:
     return patched, details
 
 
+#: ``--attention``: the selected tiers as named, or all of them on one side of the attention axis
+ATTENTION_CHOICES = ("as-named", "materialized", "codes")
+
+
+def on_attention_axis(tiers: Sequence[str], attention: str) -> list[str]:
+    """``tiers`` moved along the attention axis: ``"codes"`` names each with its ``-mf`` suffix
+    (attention on the stored codes), ``"materialized"`` without it, ``"as-named"`` leaves them;
+    order kept, repeats dropped. Any tier takes the suffix (:func:`flashcodec.tiers.tier`)."""
+    if attention not in ATTENTION_CHOICES:
+        raise CompareError(f"--attention must be one of {ATTENTION_CHOICES}; got {attention!r}")
+    base = [name.removesuffix(MF_SUFFIX) for name in tiers]
+    moved = {"as-named": list(tiers), "materialized": base, "codes": [n + MF_SUFFIX for n in base]}
+    return list(dict.fromkeys(moved[attention]))
+
+
 # --------------------------------------------------------------------------- command line
 class FlashCodecHarness:
     """flashcodec's part of ``kvbench.cli.run_compare``: transformers models, flashcodec tiers,
     transformers' QuantizedCache peers."""
 
     tool = "flashcodec compare"
+    #: ``--attention`` of the last :meth:`load` (the demo, which loads its own way, keeps the names)
+    attention = "as-named"
     packages = (
         "flashcodec-kv", "kvbench", "kvcache-spec", "torch", "transformers", "numpy", "hqq", "optimum-quanto",
     )  # fmt: skip
@@ -415,8 +443,16 @@ class FlashCodecHarness:
         parser.add_argument(
             "--device", default=None, help="cpu or cuda[:N] (default: cuda when available, else cpu)"
         )
+        parser.add_argument(
+            "--attention",
+            choices=ATTENTION_CHOICES,
+            default="as-named",
+            help="codes: run every selected tier with materialization-free attention (its -mf name); "
+            "materialized: every one with the reconstructed view; as-named (default): as --tiers names them",
+        )
 
     def load(self, args: argparse.Namespace) -> Loaded:
+        self.attention = getattr(args, "attention", self.attention)
         args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         model, tokenizer, info = load_model(args.model, args.device, args.dtype)
         info["torch_threads"] = torch.get_num_threads()
@@ -432,7 +468,7 @@ class FlashCodecHarness:
         )
 
     def candidates(self, loaded: Loaded, tiers: Sequence[str], peers: Sequence[str]):
-        return build_candidates(loaded.handle, tiers, peers)
+        return build_candidates(loaded.handle, on_attention_axis(tiers, self.attention), peers)
 
     def noise_floor(self, loaded: Loaded) -> Candidate:
         return noise_floor_candidate(loaded.handle)
