@@ -2,7 +2,7 @@
 
 Candidates are :class:`flashcodec.codecs.RotatedKIVICodec` configurations (``kivi64r-*``: keys and
 values rotated; ``kivi64rk-*``: keys only; ``kivi64rg-*``: rotated, levels fitted to a Gaussian
-instead of min-max; ``rkg``: both), each named like the kivi tiers (``kivi<block>...-k<key
+instead of min-max; ``rkg``: both; ``u``: no rotation, for 2 and 3 bits without one), each named like the kivi tiers (``kivi<block>...-k<key
 bits>v<value bits>-w<window>i8``: ``kivi64r-k3v2-w64i8`` has 64-token blocks and the newest 64-127
 tokens int8; the first key exact). They are added to the tier registry of this
 process only (:func:`register`), beside the registered ``kivi64-*`` tiers they would replace.
@@ -40,15 +40,15 @@ from flashcodec.codecs.rotated import RotatedKIVICodec
 from kvbench.results import results_path, write_json
 from real_tiers import COMPARE_ARGS, summarize
 
-_NAME = re.compile(r"kivi(?P<r>\d+)(?P<family>r|rk|rg|rkg)?-k(?P<k>\d)v(?P<v>\d)-w(?P<w>\d+)i8")
+_NAME = re.compile(r"kivi(?P<r>\d+)(?P<family>r|rk|rg|rkg|u)?-k(?P<k>\d)v(?P<v>\d)-w(?P<w>\d+)i8")
 
 
 def _codec(name: str) -> BlockCodec:
-    """``kivi<r>[r|rk|rg|rkg]-k<K>v<V>-w<W>i8`` -> its codec: ``r``-token blocks, ``W`` newest tokens
+    """``kivi<r>[r|rk|rg|rkg|u]-k<K>v<V>-w<W>i8`` -> its codec: ``r``-token blocks, ``W`` newest tokens
     int8 (KIVICodec without a family, as the registered ``kivi64-*`` tiers)."""
     match = _NAME.fullmatch(name)
     if match is None:
-        raise ValueError(f"not a candidate name: {name!r} (kivi<r>[r|rk|rg|rkg]-k<K>v<V>-w<W>i8)")
+        raise ValueError(f"not a candidate name: {name!r} (kivi<r>[r|rk|rg|rkg|u]-k<K>v<V>-w<W>i8)")
     r, w, k, v = (int(match[g]) for g in ("r", "w", "k", "v"))
     family = match["family"]
     if family is None:
@@ -58,6 +58,7 @@ def _codec(name: str) -> BlockCodec:
         "rk": {"rotate_values": False},
         "rg": {"range_fit": "gauss"},
         "rkg": {"rotate_values": False, "range_fit": "gauss"},
+        "u": {"rotate_keys": False, "rotate_values": False},
     }[family]
     return RotatedKIVICodec(r, k, v, raw_window=w, **options)
 
@@ -69,6 +70,11 @@ def _describe(name: str, codec: BlockCodec) -> str:
     window = f"newest {w}-{w + r - 1} tokens int8" if w else f"the incomplete block's 0-{r - 1} tokens int8"
     if not isinstance(codec, RotatedKIVICodec):
         return f"int{codec.key_bits} keys per ({r}-token block, channel), int{codec.value_bits} values per token; {window}"
+    if not codec.rotate_keys and not codec.rotate_values:
+        return (
+            f"int{codec.key_bits} keys per ({r}-token block, channel), int{codec.value_bits} values per token, "
+            f"no rotation; first key exact; {window}"
+        )
     sides = "keys and values" if codec.rotate_values else "keys"
     fit = "levels fitted to a Gaussian" if codec.range_fit == "gauss" else "min-max levels"
     return (
@@ -97,18 +103,19 @@ def register(name: str) -> None:
 
 #: the kvbench run: the registered references, then rotated 4- and 8-bit candidates, then the
 #: sub-4-bit ones the quick ranking kept (2-bit keys lose whatever the values get; Gaussian-fitted
-#: levels help only at 2 bits; the smallest is 128-token blocks and no window beyond the block)
+#: levels help only at 2 bits; the smallest is 128-token blocks and no window beyond the block) and
+#: 3-bit codes without the rotation at the same bytes
 COMPARE_TIERS = ",".join(
     f"{name}-mf"
     for name in (
         "kivi64-k4v4-w64i8",
         "kivi64r-k4v4-w64i8",
-        "kivi64rk-k4v4-w64i8",
         "kivi64-k8v8-w64i8",
         "kivi64r-k8v8-w64i8",
         "kivi64r-k3v3-w64i8",
         "kivi64r-k4v2-w64i8",
         "kivi64r-k3v2-w64i8",
+        "kivi64u-k3v2-w64i8",
         "kivi64rg-k2v2-w64i8",
         "kivi128r-k3v2-w0i8",
     )
@@ -134,6 +141,7 @@ QUICK_TIERS = ",".join(
         "kivi32r-k3v2-w32i8",
         "kivi128r-k3v2-w0i8",
         "kivi128rg-k3v2-w0i8",
+        *(f"kivi64u-k{k}v{v}-w64i8" for k, v in ((3, 3), (3, 2), (2, 2))),
     ]
 )
 
