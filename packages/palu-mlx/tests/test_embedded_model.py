@@ -8,7 +8,8 @@ import math
 
 import mlx.core as mx
 import mlx_lm
-import palu_mlx.coders.hilo as fitting_module
+import palu_mlx.coders.hilo as hilo_module
+import palu_mlx.coders.water_filling as water_filling_module
 import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache
@@ -89,10 +90,11 @@ def test_prompt_longer_than_one_prefill_chunk(embedded, monkeypatch):
     model, tokenizer = embedded
     head_dim = model.args.head_dim
     fits = []
-    real_fit = fitting_module.fit_group_projection
-    monkeypatch.setattr(
-        fitting_module, "fit_group_projection", lambda x, *a: fits.append(x.shape[2]) or real_fit(x, *a)
-    )
+    real_fit = hilo_module.fit_group_projection
+    for module in (hilo_module, water_filling_module):  # the split's fit, then the bit budget's
+        monkeypatch.setattr(
+            module, "fit_group_projection", lambda x, *a: fits.append(x.shape[2]) or real_fit(x, *a)
+        )
     prompt = prompt_ids(tokenizer, 300)
     full = KVCacheConfig(head_dim=head_dim, palu_rank=head_dim, palu_hi_bit=16, palu_lo_bit=16)
     baseline = greedy(model, prompt, 16, [KVCache() for _ in model.layers], prefill_step_size=128)
