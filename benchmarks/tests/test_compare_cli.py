@@ -148,6 +148,23 @@ def test_reading_names_the_paired_perplexity_verdict():
     assert "beats `peer`" in line and "Perplexity" not in line
 
 
+def test_the_readme_block_quotes_the_last_main_job_time():
+    from make_docs import render_readme_block
+
+    timing = {
+        "stamp": {"date": "2026-12-02T03:52:00+00:00", "machine": {"cpu_count": 2, "machine": "x86_64"}},
+        "load_average_at_start": [0.8, 1.1, 1.4],
+        "steps_s": {"model and calibration": 3.0, "palu-mlx": 600.0, "flashcodec": 240.0},
+        "total_s": 843.0,
+    }
+    block = render_readme_block({}, timing)
+    assert (
+        "took **14.1 min** (model and calibration 0.1, palu-mlx 10.0, flashcodec 4.0 min) on 2 cores "
+        "(x86_64), load average 0.8 when it started, 2026-12-02." in block
+    )
+    assert "hatch run demo" not in render_readme_block({})
+
+
 def test_docs_match_the_committed_results():
     from make_docs import main as make_docs
 

@@ -44,6 +44,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
 FULL_DIR = RESULTS / "full"
+#: how long the last default run took, and on what machine (README's results block quotes it)
+TIMING = RESULTS / "main_job.json"
 
 #: the model every figure is measured on
 MODEL = "smollm2-135m"
@@ -91,7 +93,7 @@ def _sizes(**changes: str) -> dict[str, str]:
 #: the demo's sizes, both packages: one short and one long window, fewer scored and timed tokens
 _DEMO_CUT = dict(
     windows="1", scored_tokens="64", prompt_count="1", new_tokens="8", long_windows="1",
-    long_scored_tokens="128", speed_rounds="1", speed_steps="8",
+    long_scored_tokens="128", speed_rounds="2", speed_steps="16",
 )  # fmt: skip
 DEMO = {
     # MLX on this class of CPU: 1,152-token windows (1,024 context + 128 scored); --full runs 2,048
@@ -224,6 +226,26 @@ def merge_parts(parts: list[dict]) -> dict:
     return merged
 
 
+def write_timing(steps: dict[str, float], load_at_start: list[float] | None) -> None:
+    """How long the default run's steps took, with the machine's size and load at start and end."""
+    from kvbench.results import environment_stamp, write_json
+
+    write_json(
+        TIMING,
+        {
+            "schema": "main-job-timing/1",
+            "stamp": environment_stamp(["palu-mlx", "flashcodec-kv", "kvbench", "mlx", "torch"]),
+            "demo_cut": {
+                name: {"tiers": tiers, "peers": peers, "sizes": sizes}
+                for name, (tiers, peers, sizes) in DEMO.items()
+            },
+            "load_average_at_start": load_at_start,
+            "steps_s": {name: round(seconds, 1) for name, seconds in steps.items()},
+            "total_s": round(sum(steps.values()), 1),
+        },
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description="Run both comparisons on the real model and regenerate the docs."
@@ -236,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", choices=[job[0] for job in JOBS], help="run one comparison only")
     args, extra = parser.parse_known_args(argv)
     started = time.perf_counter()
+    load_at_start = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     model = QUICK_MODEL if args.quick else MODEL
     say(f"model {model}")
     model_dir = ensure_model(model)
@@ -244,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     calibration = ensure_calibration(model_dir) if palu_runs and not args.quick else None
     out_dir = Path(tempfile.mkdtemp(prefix="kv-main-job-")) if args.quick else RESULTS
     written: list[Path] = []
+    steps: dict[str, float] = {"model and calibration": time.perf_counter() - started}
     for name, module, stem in JOBS:
         if args.only and name != args.only:
             continue
@@ -265,14 +289,19 @@ def main(argv: list[str] | None = None) -> int:
             )
         say(f"{name}: python -m {module}")
         out = out_dir / f"{stem}.json"
+        step_started = time.perf_counter()
         code = run_compare(name, module, out, job_args + selection, sizes)
         if code != 0:
             print(f"main job: {module} failed with exit code {code}", file=sys.stderr)
             return code
+        steps[name] = time.perf_counter() - step_started
         written += [out, out.with_suffix(".png")]
     if not args.quick and not args.full:
         from make_docs import main as make_docs
 
+        if args.only is None:  # README quotes the time of a whole default run only
+            write_timing(steps, load_at_start)
+            written.append(TIMING)
         say("docs: benchmarks/tools/make_docs.py")
         make_docs([])
         written += [ROOT / "docs" / "benchmarks.md", ROOT / "README.md"]

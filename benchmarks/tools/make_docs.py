@@ -396,9 +396,28 @@ README_COLUMNS = [
 ]
 
 
-def render_readme_block(results: dict[str, dict[str, Any]]) -> str:
-    """The headline tables for README.md (between the results markers): the long-context run."""
+#: how long the last default main job took (written by benchmarks/tools/main_job.py)
+TIMING_FILE = "main_job.json"
+
+
+def render_timing(timing: dict[str, Any]) -> str:
+    """One sentence: the last default ``hatch run demo``'s wall time, its steps, and the machine."""
+    machine = timing["stamp"]["machine"]
+    steps = ", ".join(f"{name} {seconds / 60:.1f}" for name, seconds in timing["steps_s"].items())
+    load = timing.get("load_average_at_start")
+    busy = f", load average {load[0]:.1f} when it started" if load else ""
+    return (
+        f"The last default `hatch run demo` took **{timing['total_s'] / 60:.1f} min** ({steps} min) on "
+        f"{machine['cpu_count']} cores ({machine['machine']}){busy}, {timing['stamp']['date'][:10]}."
+    )
+
+
+def render_readme_block(results: dict[str, dict[str, Any]], timing: dict[str, Any] | None = None) -> str:
+    """The headline tables for README.md (between the results markers): the long-context run, and
+    the last default main job's time when ``timing`` is given."""
     lines = [START, ""]
+    if timing is not None:
+        lines += [render_timing(timing), ""]
     for stem, title, _ in SECTIONS:
         if stem not in results:
             continue
@@ -578,7 +597,9 @@ def main(argv: list[str] | None = None) -> int:
             if updated is not None:
                 pages[path] = updated
 
-    put(README, render_readme_block(results), START, END)
+    timing_file = args.results / TIMING_FILE
+    timing = read_json(timing_file) if timing_file.is_file() else None
+    put(README, render_readme_block(results, timing), START, END)
     model_inputs = _model_inputs(args.results)
     if model_inputs is not None:
         put(MODEL_DOC, render_model_block(*model_inputs), MODEL_START, MODEL_END)

@@ -9,18 +9,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
-import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-START_TIMEOUT_S = 300  # both models load and warm up before the page is served; CI's 2 cores are slow
+from demo.tests.browser import browser_page, chromium, served_app
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -45,10 +38,17 @@ def chromium_path() -> str | None:
     return shutil.which("chromium") or shutil.which("chromium-browser")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    """The default model's directory when it is already converted here (tests never fetch it:
+    on CI the benchmarks' tests convert it from its registry wheel before the app's tests run)."""
+    from kvbench.model_store import kvbench_home
+    from kvbench.models import DEFAULT_MODEL
+
+    path = kvbench_home() / "models" / DEFAULT_MODEL
+    if not (path / "config.json").is_file():
+        pytest.skip(f"{DEFAULT_MODEL} is not converted on this machine (kvbench makes it on first use)")
+    return path
 
 
 @pytest.fixture(scope="session")
@@ -72,57 +72,21 @@ def browser_executable() -> str:
 
 @pytest.fixture(scope="session")
 def app_url(tmp_path_factory: pytest.TempPathFactory, browser_executable: str):
-    """``hatch run chat``'s app, served on a free port for the session: its URL."""
-    port = free_port()
-    log_path = tmp_path_factory.mktemp("app") / "app.log"
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(
-            # the embedded model: quick to load and run, and what the browser test's checks were
-            # measured on (the default model's conversation is tested in test_models.py)
-            [sys.executable, "-m", "demo", "--model", "tiny-qwen3", "--port", str(port)],
-            cwd=ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    url = f"http://127.0.0.1:{port}/"
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            if process.poll() is not None:
-                pytest.fail(f"the app exited with {process.returncode}:\n{log_path.read_text()[-4000:]}")
-            try:
-                with urllib.request.urlopen(url, timeout=5) as response:
-                    if response.status == 200:
-                        break
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(
-                    f"the app did not serve within {START_TIMEOUT_S} s:\n{log_path.read_text()[-4000:]}"
-                )
-            time.sleep(1)
+    """The app on the embedded model: quick to load and run, and what the browser test's checks
+    were measured on (the default model's conversation has its own test)."""
+    with served_app("tiny-qwen3", tmp_path_factory.mktemp("app")) as url:
         yield url
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 @pytest.fixture(scope="session")
-def page(app_url: str, browser_executable: str):
-    """A Chromium page on the app (1280 px wide, as the docs' screenshots)."""
-    from playwright.sync_api import sync_playwright
+def browser(browser_executable: str):
+    """The system's Chromium, shared by every browser test of the session."""
+    with chromium(browser_executable) as launched:
+        yield launched
 
-    with sync_playwright() as playwright:
-        # --no-sandbox: CI runs as root, where Chromium's sandbox refuses to start
-        browser = playwright.chromium.launch(executable_path=browser_executable, args=["--no-sandbox"])
-        try:
-            page = browser.new_page(viewport={"width": 1280, "height": 900})
-            page.set_default_timeout(60_000)
-            page.goto(app_url)
-            yield page
-        finally:
-            browser.close()
+
+@pytest.fixture(scope="session")
+def page(app_url: str, browser):
+    """A Chromium page on the embedded model's app."""
+    with browser_page(browser, app_url) as page:
+        yield page

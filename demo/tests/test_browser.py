@@ -3,13 +3,12 @@ streamed, the stats table filled with measured numbers, the lossless tier's repl
 native one, a second turn that prefills the first, a bad model path and an empty prompt answered
 with a message, and the comparison tab's bars.
 
-The screenshots it saves are the ones docs/demo.md shows (``hatch run app:screenshots``
-refreshes them).
+It saves the error and comparison screenshots docs/demo.md shows (``hatch run app:screenshots``
+refreshes them); the chat screenshots come from the default model (test_browser_default_model.py).
 """
 
 from __future__ import annotations
 
-import io
 import json
 import re
 from pathlib import Path
@@ -18,71 +17,24 @@ import pytest
 from kvbench.models import embedded_model_path
 
 from demo.formatting import COMPARISON_HEADERS, STATS_HEADERS
+from demo.tests.browser import (
+    MEASURED,
+    NUMBER,
+    context_tokens,
+    open_tab,
+    pick_cache,
+    reply,
+    save,
+    send,
+    set_number,
+    table,
+    wait_status,
+)
 
 pytestmark = pytest.mark.slow
 
 PROMPT = "The history of the Python language"
 NEW_TOKENS = 12
-TURN_TIMEOUT_MS = 300_000  # one turn: two sides of 12 tokens on CI's 2 cores, with headroom
-NUMBER = re.compile(r"\d+(\.\d+)?")
-# columns of the stats table whose every cell must hold a measured number
-MEASURED = ("KV held", "KV resident", "peak memory", "steady memory", "prefill", "per token (median)")
-
-
-def save(png: bytes, path: Path) -> None:
-    """A screenshot as a 64-colour PNG (a few times smaller; the UI has few colours), for the docs."""
-    from PIL import Image
-
-    Image.open(io.BytesIO(png)).convert("RGB").quantize(colors=64).save(path, optimize=True)
-
-
-def open_tab(page, name: str) -> None:
-    page.get_by_role("tab", name=name, exact=True).click()
-
-
-def pick_cache(page, key: str, name: str) -> None:
-    page.locator(f"#{key}-cache input").click()
-    page.get_by_role("option", name=name, exact=True).click()
-    assert page.locator(f"#{key}-cache input").input_value() == name
-
-
-def set_number(page, elem_id: str, value: int) -> None:
-    box = page.locator(f"#{elem_id} input[type=number]")
-    box.fill(str(value))
-    box.press("Enter")
-
-
-def send(page, key: str, text: str) -> None:
-    page.locator(f"#{key}-message textarea").fill(text)
-    page.locator(f"#{key}-send").click()
-
-
-def wait_status(page, key: str, text: str, timeout: int = TURN_TIMEOUT_MS) -> str:
-    status = page.locator(f"#{key}-status")
-    status.get_by_text(text).wait_for(timeout=timeout)
-    return status.inner_text()
-
-
-def reply(page, key: str, side: str) -> str:
-    return page.locator(f"#{key}-{side} [data-testid=bot]").last.inner_text().strip()
-
-
-def table(page, elem_id: str, headers: list[str]) -> list[dict[str, str]]:
-    rows = []
-    r = 0
-    while page.locator(f"#{elem_id} [data-testid=cell-{r}-0]").count():
-        cells = [
-            page.locator(f"#{elem_id} [data-testid=cell-{r}-{c}]").inner_text().strip()
-            for c in range(len(headers))
-        ]
-        rows.append(dict(zip(headers, cells, strict=True)))
-        r += 1
-    return rows
-
-
-def context_tokens(row: dict[str, str]) -> int:
-    """The prefilled tokens of a stats row ("context + new tokens": "37 + 12")."""
-    return int(row["context + new tokens"].split("+")[0].strip().replace(",", ""))
 
 
 def check_turn(page, key: str, cache: str) -> tuple[str, str, list[dict[str, str]]]:
@@ -99,7 +51,7 @@ def check_turn(page, key: str, cache: str) -> tuple[str, str, list[dict[str, str
     return native, compressed, rows
 
 
-def test_flashcodec_chat_lossless_tier_matches_native(page, screenshot_dir: Path):
+def test_flashcodec_chat_lossless_tier_matches_native(page):
     open_tab(page, "flashcodec (transformers)")
     pick_cache(page, "flashcodec", "png-keep1")
     set_number(page, "flashcodec-new-tokens", NEW_TOKENS)
@@ -109,7 +61,6 @@ def test_flashcodec_chat_lossless_tier_matches_native(page, screenshot_dir: Path
     # cache's bit for bit (checked: max |difference| 0.0 over 32 greedy steps), so the text is equal
     assert compressed == native
     assert rows[1]["token match"] == f"{NEW_TOKENS}/{NEW_TOKENS} (100.0%)"
-    save(page.screenshot(full_page=True), screenshot_dir / "demo-flashcodec.png")
 
     # a second turn: each side's prompt holds the first turn (message and reply) and the new one
     send(page, "flashcodec", "And after that?")
@@ -141,7 +92,6 @@ def test_palu_chat_and_user_errors(page, screenshot_dir: Path):
     set_number(page, "palu-new-tokens", NEW_TOKENS)
     send(page, "palu", PROMPT)
     check_turn(page, "palu", "full-rank-fp16")
-    save(page.screenshot(full_page=True), screenshot_dir / "demo-palu.png")
 
     # a model path that does not exist: a readable message in the page
     missing = "/nonexistent/model-dir"

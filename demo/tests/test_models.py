@@ -110,22 +110,10 @@ def test_a_model_with_a_chat_template_gets_the_conversation_through_it(palu):
         hf_tokenizer.chat_template = None
 
 
-def default_model_dir():
-    """The default model's directory when it is already converted here (tests never fetch it)."""
-    from kvbench.model_store import kvbench_home
-    from kvbench.models import DEFAULT_MODEL
-
-    path = kvbench_home() / "models" / DEFAULT_MODEL
-    if not (path / "config.json").is_file():
-        pytest.skip(f"{DEFAULT_MODEL} is not converted on this machine (kvbench makes it on first use)")
-    return path
-
-
 @pytest.mark.parametrize("package", ["flashcodec", "palu"])
-def test_the_default_model_holds_a_conversation(package):
+def test_the_default_model_holds_a_conversation(package, default_model_dir):
     """SmolLM2-135M-Instruct through its chat template: it answers, stops at its end-of-turn
     token, and the follow-up question only makes sense with the first turn in the prompt."""
-    default_model_dir()
     if package == "palu":
         from demo.palu_backend import PaluBackend
 
