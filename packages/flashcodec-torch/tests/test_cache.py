@@ -117,6 +117,10 @@ def test_storage_is_measured_and_split(tier):
         # keys: fp16 scale and zero per channel; values: per token (mean of the two streams)
         "kivi64-k4v4": (64 * d // 2 + d * 4 + 64 * d // 2 + 64 * 4) // 2,
         "kivi64-k8v8": (64 * d + d * 4 + 64 * d + 64 * 4) // 2,
+        # rotated: the same layout; 3-bit codes take 3 bytes per 8, 2-bit ones a byte per 4
+        "kivi64r-k4v4": (64 * d // 2 + d * 4 + 64 * d // 2 + 64 * 4) // 2,
+        "kivi64r-k3v3": (64 * d * 3 // 8 + d * 4 + 64 * d * 3 // 8 + 64 * 4) // 2,
+        "kivi64r-k3v2": (64 * d * 3 // 8 + d * 4 + 64 * d // 4 + 64 * 4) // 2,
     }[tier.removesuffix("-w64").removesuffix("-w96i8").removesuffix("-w64i8")]
     assert st.used == 2 * b * h * blocks * per_block
 

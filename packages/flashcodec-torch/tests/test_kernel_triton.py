@@ -199,6 +199,8 @@ def test_cuda_kernel_matches_reference(case):
         "chan64-int4-w64i8",
         "kivi64-k4v4-w64i8",
         "kivi64-k8v8-w64i8",
+        "kivi64r-k4v4-w64i8",
+        "kivi64r-k3v2-w64i8",
         "png-keep1",
     ],
 )

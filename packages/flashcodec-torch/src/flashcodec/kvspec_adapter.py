@@ -60,6 +60,11 @@ _CASES: dict[str, tuple[Capabilities, float, dict[str, float]]] = {
     # 0.0065-0.0098 (int8) and 0.074-0.091 (int4; gaussian the worst: a token's values share one range)
     "kivi64-k8v8-w64i8": (_LOSSY, 0.015, {}),
     "kivi64-k4v4-w64i8": (_LOSSY, 0.12, {}),
+    # the same after a Hadamard rotation of the channels (it spreads outliers; reconstruction error
+    # stays about the same): measured 0.075-0.090 (int4), 0.16-0.20 (int3), 0.30-0.39 (int3 keys, int2 values)
+    "kivi64r-k4v4-w64i8": (_LOSSY, 0.12, {}),
+    "kivi64r-k3v3-w64i8": (_LOSSY, 0.25, {}),
+    "kivi64r-k3v2-w64i8": (_LOSSY, 0.5, {}),
     # truncation: the default (used for families not listed) is the uncorrelated-data level;
     # the embedded model's real K/V are only weakly correlated along the sequence (Var(delta)/Var(x)
     # 0.91 to 1.99, where 2 is uncorrelated; measured worst: k=4 0.71, k=2 0.86), so they sit there too

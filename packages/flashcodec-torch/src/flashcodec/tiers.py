@@ -24,7 +24,15 @@ from dataclasses import dataclass
 
 from kvspec import KVConfigError
 
-from .codecs import BlockCodec, ChannelInt4Codec, JPEGCodec, KIVICodec, PNGCodec, ZeroPointJPEGCodec
+from .codecs import (
+    BlockCodec,
+    ChannelInt4Codec,
+    JPEGCodec,
+    KIVICodec,
+    PNGCodec,
+    RotatedKIVICodec,
+    ZeroPointJPEGCodec,
+)
 
 __all__ = ["MF_SUFFIX", "Tier", "TIERS", "tier", "tier_names"]
 
@@ -152,6 +160,24 @@ TIERS: dict[str, Tier] = _registry(
         "int4 keys per (64-token block, channel), int4 values per token (KIVI), first key exact; "
         "newest 64-127 tokens int8",
         KIVICodec(64, key_bits=4, value_bits=4),
+        offer_mf=True,
+    ),
+    Tier(
+        "kivi64r-k4v4-w64i8",
+        "kivi64-k4v4-w64i8 after a seeded Hadamard rotation of each head's key and value channels",
+        RotatedKIVICodec(64, key_bits=4, value_bits=4),
+        offer_mf=True,
+    ),
+    Tier(
+        "kivi64r-k3v3-w64i8",
+        "kivi64r-k4v4-w64i8 with int3 keys and int3 values (eight codes in three bytes)",
+        RotatedKIVICodec(64, key_bits=3, value_bits=3),
+        offer_mf=True,
+    ),
+    Tier(
+        "kivi64r-k3v2-w64i8",
+        "kivi64r-k4v4-w64i8 with int3 keys and int2 values (packed)",
+        RotatedKIVICodec(64, key_bits=3, value_bits=2),
         offer_mf=True,
     ),
     Tier(
