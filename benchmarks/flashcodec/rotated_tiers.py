@@ -146,12 +146,14 @@ QUICK_TIERS = ",".join(
 )
 
 
-def run_compare(names: list[str], out: Path, model: str | None) -> None:
+def run_compare(names: list[str], out: Path, model: str | None, long_windows: int = 1) -> None:
     from flashcodec.compare import main as compare_main
 
     for name in names:
         register(name.removesuffix("-mf"))
-    cli = ["--tiers", ",".join(names), *COMPARE_ARGS]
+    args = list(COMPARE_ARGS)
+    args[args.index("--long-windows") + 1] = str(long_windows)
+    cli = ["--tiers", ",".join(names), *args]
     if model:
         cli = ["--model", model, *cli]
     path = Path(tempfile.mkdtemp()) / "compare.json"
@@ -160,7 +162,9 @@ def run_compare(names: list[str], out: Path, model: str | None) -> None:
     if code:
         raise SystemExit(f"flashcodec compare exited with {code}")
     result = json.loads(path.read_text())
-    result["command"] = "python benchmarks/flashcodec/rotated_tiers.py --tiers " + ",".join(names)
+    result["command"] = (
+        f"python benchmarks/flashcodec/rotated_tiers.py --tiers {','.join(names)} --long-windows {long_windows}"
+    )
     result["compare_args"] = cli
     result["candidates"] = {n: _describe(n.removesuffix("-mf"), _codec(n.removesuffix("-mf"))) for n in names}
     result["wall_s"] = time.perf_counter() - t0
@@ -256,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--windows", type=int, default=2, help="--quick: windows")
     parser.add_argument("--context", type=int, default=1792, help="--quick: context tokens")
     parser.add_argument("--scored", type=int, default=256, help="--quick: scored tokens")
+    parser.add_argument("--long-windows", type=int, default=1, help="kvbench: windows of the long run")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -270,7 +275,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         run_quick([n.removesuffix("-mf") for n in names], args)
     else:
-        run_compare(names, args.out or results_path("flashcodec_rotated_tiers.json"), args.model)
+        run_compare(
+            names, args.out or results_path("flashcodec_rotated_tiers.json"), args.model, args.long_windows
+        )
     return 0
 
 
