@@ -95,6 +95,12 @@ def _rotation(dim: int, seed: int) -> torch.Tensor:
     return (signs * h / math.sqrt(dim)).to(torch.float32)
 
 
+@lru_cache(maxsize=32)
+def _rotation_on(dim: int, seed: int, device: torch.device) -> torch.Tensor:
+    # one copy per device: the kernels ask for the rotation at every decode step of every layer
+    return _rotation(dim, seed).to(device)
+
+
 def check_power_of_two(mode: str, dim: int) -> None:
     """``KVShapeError`` unless ``dim`` (a head dimension) is a power of two."""
     if dim < 1 or dim & (dim - 1):
@@ -236,11 +242,12 @@ class _Rotated:
 
     def channel_rotation(self, dim: int, device: torch.device | str | None = None) -> torch.Tensor | None:
         """``M`` fp32 ``[dim, dim]`` (:func:`hadamard_rotation`) when this side rotates, else None:
-        the stored rows are ``x @ M`` of the tokens ``x``."""
+        the stored rows are ``x @ M`` of the tokens ``x``. One tensor per ``(dim, seed, device)``,
+        shared by every call: read it, never write into it (:func:`hadamard_rotation` gives a copy)."""
         if not self._rotates():
             return None
         check_power_of_two(self.mode, dim)
-        return hadamard_rotation(dim, self.seed, device)
+        return _rotation_on(int(dim), self.seed, torch.device("cpu" if device is None else device))
 
     def _rotate(self, x: torch.Tensor) -> torch.Tensor:
         """fp32 ``x @ M`` (or ``x`` in fp32 when this side does not rotate)."""
