@@ -17,19 +17,7 @@ from kvbench.models import DEFAULT_MODEL
 from demo.flashcodec_backend import FlashcodecBackend
 from demo.formatting import STATS_HEADERS
 from demo.palu_backend import PaluBackend
-from demo.tests.browser import (
-    browser_page,
-    context_tokens,
-    open_tab,
-    pick_cache,
-    reply,
-    save,
-    send,
-    served_app,
-    set_number,
-    table,
-    wait_status,
-)
+from demo.tests import browser as ui
 
 pytestmark = pytest.mark.slow
 
@@ -44,37 +32,37 @@ TABS = {
 @pytest.fixture(scope="module")
 def default_page(default_model_dir: Path, browser, tmp_path_factory: pytest.TempPathFactory):
     # by name, as ``hatch run chat`` opens it (the fixture only checks it is converted here)
-    with served_app(DEFAULT_MODEL, tmp_path_factory.mktemp("default-app")) as url:
-        with browser_page(browser, url) as page:
+    with ui.served_app(DEFAULT_MODEL, tmp_path_factory.mktemp("default-app")) as url:
+        with ui.browser_page(browser, url) as page:
             yield page
 
 
 def replies(page, key: str) -> tuple[str, str]:
-    return reply(page, key, "native"), reply(page, key, "compressed")
+    return ui.reply(page, key, "native"), ui.reply(page, key, "compressed")
 
 
 @pytest.mark.parametrize("key", list(TABS))
 def test_each_tab_holds_a_conversation_with_its_first_cache(default_page, key: str, screenshot_dir: Path):
     page = default_page
     title, cache, codes = TABS[key]
-    open_tab(page, title)
-    pick_cache(page, key, cache)
+    ui.open_tab(page, title)
+    ui.pick_cache(page, key, cache)
     if codes:
         page.locator(f"#{key}-mf input").check()
-    set_number(page, f"{key}-new-tokens", NEW_TOKENS)
+    ui.set_number(page, f"{key}-new-tokens", NEW_TOKENS)
 
-    send(page, key, "What is the capital of France?")
-    wait_status(page, key, "Turn 1:")
+    ui.send(page, key, "What is the capital of France?")
+    ui.wait_status(page, key, "Turn 1:")
     for side, text in zip(("native", "compressed"), replies(page, key), strict=True):
         assert "Paris" in text, f"{side} panel: {text!r}"
-    first = table(page, f"{key}-stats", STATS_HEADERS)
+    first = ui.table(page, f"{key}-stats", STATS_HEADERS)
     assert first[1]["cache"] == cache + ("-mf" if codes else "")
 
-    send(page, key, "And of Italy?")
-    wait_status(page, key, "Turn 2:")
+    ui.send(page, key, "And of Italy?")
+    ui.wait_status(page, key, "Turn 2:")
     for side, text in zip(("native", "compressed"), replies(page, key), strict=True):
         assert "Rome" in text, f"{side} panel: {text!r}"
-    second = table(page, f"{key}-stats", STATS_HEADERS)
-    assert context_tokens(second[0]) > context_tokens(first[0])  # the first turn is in the prompt
+    second = ui.table(page, f"{key}-stats", STATS_HEADERS)
+    assert ui.context_tokens(second[0]) > ui.context_tokens(first[0])  # the first turn is in the prompt
     assert page.locator(f"#{key}-compressed [data-testid=user]").count() == 2
-    save(page.screenshot(full_page=True), screenshot_dir / f"demo-{key}.png")
+    ui.save(page.screenshot(full_page=True), screenshot_dir / f"demo-{key}.png")
