@@ -19,7 +19,7 @@ from kvspec import KVConfigError, KVDataError, KVDtypeError, KVShapeError
 
 from .config import PACKABLE_BITS
 from .layer import SUPPORTED_DTYPES, CacheLayer, detached, write_rows
-from .state_checks import StateArrays, parse_meta_state, read_runtime
+from .state_checks import StateArrays, parse_meta_state, read_runtime, split_state, with_meta
 
 __all__ = ["NaiveQuantKVCache", "naive_roundtrip"]
 
@@ -109,16 +109,17 @@ class NaiveQuantKVCache(CacheLayer):
 
     @property
     def state(self) -> dict[str, mx.array]:
-        """``key.<field>`` and ``value.<field>`` (codes, scales, biases), cut to ``offset`` tokens.
+        """``key.<field>`` and ``value.<field>`` (codes, scales, biases), cut to ``offset`` tokens, and
+        ``meta_state`` (the :attr:`meta_state` and a checksum, as in :attr:`PaluKVCache.state`).
 
         Copies: writing into them (or into numpy views of them) cannot change the cache.
         """
-        if self._shape is None:
-            return {}
-        n = self.offset
-        out = {f"key.{k}": detached(v[..., :n, :]) for k, v in self._keys.items()}
-        out.update({f"value.{k}": detached(v[..., :n, :]) for k, v in self._values.items()})
-        return out
+        out: dict[str, mx.array] = {}
+        if self._shape is not None:
+            n = self.offset
+            out = {f"key.{k}": detached(v[..., :n, :]) for k, v in self._keys.items()}
+            out.update({f"value.{k}": detached(v[..., :n, :]) for k, v in self._values.items()})
+        return with_meta(type(self).__name__, out, self.meta_state)
 
     @property
     def meta_state(self) -> tuple[str, str]:
@@ -132,7 +133,7 @@ class NaiveQuantKVCache(CacheLayer):
 
     @classmethod
     def from_state(
-        cls, state: dict[str, mx.array], meta_state: tuple[str, str] | list[str]
+        cls, state: dict[str, mx.array], meta_state: tuple[str, str] | list[str] | None = None
     ) -> NaiveQuantKVCache:
         """Rebuild a cache from :attr:`state` and :attr:`meta_state`.
 
@@ -140,6 +141,7 @@ class NaiveQuantKVCache(CacheLayer):
         biases) before anything is built: a mismatch raises ``KVDataError`` naming it.
         """
         owner = f"{cls.__name__}.from_state"
+        state, meta_state = split_state(state, meta_state, cls.__name__, owner)
         settings, runtime = parse_meta_state(meta_state, owner)
         offset, shape, dtype = read_runtime(runtime, cls.__name__, owner)
         if set(settings) != {"quant_bits", "group_size", "check_finite"}:

@@ -113,6 +113,15 @@ class BatchedLayerCache:
             out += held() if held is not None else [a for a in c.state.values() if isinstance(a, mx.array)]
         return out
 
+    @classmethod
+    def from_state(cls, state: object, meta_state: object = None) -> BatchedLayerCache:
+        """Refused: a batch cache's ``state`` holds the rows' arrays for ``mx.eval``, not what rebuilds
+        them. Save each row's cache instead (``extract(i)``; mlx-lm's server keeps those)."""
+        raise KVConfigError(
+            "BatchedLayerCache cannot be rebuilt from a saved state: save the per-sequence caches "
+            "(extract(i) for each row) with save_prompt_cache, and merge them again after loading"
+        )
+
     def prepare(self, *, left_padding=None, lengths=None, right_padding=None) -> None:
         """Before a prompt chunk: ``right_padding`` pad tokens follow each row's ``lengths`` real ones
         (mlx-lm right-pads prompts of a batch); ``left_padding`` (only on an empty batch) precede them."""

@@ -11,12 +11,18 @@ For the architectures of :data:`palu_mlx.rope.PRE_ROPE_ARCHITECTURES` (and
 coded before RoPE; other architectures fall back to post-RoPE keys with a
 :class:`~palu_mlx.rope.PreRopeFallbackWarning`. No module of the model is changed either way.
 
-mlx-lm's ``load_prompt_cache`` only knows its own cache classes, so this module
-has its own :func:`save_prompt_cache` / :func:`load_prompt_cache`. The file is a
-``.safetensors`` with each layer's ``state`` arrays under ``"<layer>.<name>"`` and,
-in the metadata, each layer's class and ``meta_state``. Layers that are mlx-lm
-caches (e.g. a model mixing rotating and full attention) are stored through
-their own ``state`` / ``from_state`` the way mlx-lm does it.
+**Prompt-cache files.** mlx-lm's own ``save_prompt_cache`` / ``load_prompt_cache`` (and so
+``mlx_lm.generate --prompt-cache-file`` and ``mlx_lm.cache_prompt``) work with palu caches once
+palu_mlx is imported: every palu-mlx ``state`` carries its ``meta_state`` and a checksum
+(:mod:`palu_mlx.state_checks`), and importing this module registers the palu-mlx cache classes
+in ``mlx_lm.models.cache``, where mlx-lm's loader looks a saved class name up
+(:func:`register_with_mlx_lm`). Nothing of mlx-lm is replaced; only names it lacks are added.
+
+This module also has its own :func:`save_prompt_cache` / :func:`load_prompt_cache`, whose file
+is a ``.safetensors`` with each layer's ``state`` arrays under ``"<layer>.<name>"`` and, in the
+metadata, each layer's class and ``meta_state`` plus a checksum of the whole file, written
+atomically. Layers that are mlx-lm caches (e.g. a model mixing rotating and full attention) are
+stored through their own ``state`` / ``from_state`` the way mlx-lm does it.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from mlx_lm.models import cache as mlx_cache
 
 from .attention import route_attention, unroute_attention
 from .baseline import NaiveQuantKVCache
+from .batch import BatchedLayerCache
 from .cache import PaluKVCache
 from .calibrated import CalibratedKVCache, calibrated_caches
 from .calibration.file import Calibration
@@ -43,6 +50,7 @@ from .integrity import CHECKSUM_KEY, UnverifiedFileWarning, digest
 from .mixed_bit import BitAllocationPolicy, check_policy
 from .models import check_model, default_caches, model_kv_dims, original_make_cache
 from .rope import Rotary, model_rotaries
+from .state_checks import STATE_META
 
 __all__ = [
     "KVCacheBuilder",
@@ -50,6 +58,7 @@ __all__ = [
     "save_prompt_cache",
     "load_prompt_cache",
     "UnverifiedPromptCacheWarning",
+    "register_with_mlx_lm",
 ]
 
 _NO_ROTARIES: list[Rotary | None] = []
@@ -61,6 +70,30 @@ _OURS: dict[str, type] = {
 }
 _OUR_CLASSES = tuple(_OURS.values())
 _FORMAT = "palu-mlx.prompt-cache.v1"
+
+
+def register_with_mlx_lm() -> None:
+    """Make mlx-lm's ``load_prompt_cache`` find palu-mlx's cache classes.
+
+    mlx-lm rebuilds each saved layer with ``globals()[class_name].from_state(state)`` inside
+    ``mlx_lm.models.cache`` (``CacheList`` does the same for its members), so the classes must be
+    names of that module. This adds :class:`PaluKVCache`, :class:`CalibratedKVCache`,
+    :class:`NaiveQuantKVCache` and :class:`~palu_mlx.batch.BatchedLayerCache` there; it runs when
+    palu_mlx is imported and is idempotent. A name mlx-lm already uses for something else is
+    never overwritten (``KVConfigError``).
+    """
+    for cls in (*_OUR_CLASSES, BatchedLayerCache):
+        present = getattr(mlx_cache, cls.__name__, None)
+        if present is None:
+            setattr(mlx_cache, cls.__name__, cls)
+        elif present is not cls:
+            raise KVConfigError(
+                f"mlx_lm.models.cache already defines {cls.__name__!r} ({present!r}); palu-mlx cannot "
+                "register its cache class of that name for mlx-lm's load_prompt_cache"
+            )
+
+
+register_with_mlx_lm()
 
 
 def _check_config(config: Any) -> None:
@@ -274,7 +307,8 @@ def save_prompt_cache(file_name: str, cache: list[Any], metadata: dict[str, str]
         name = type(layer).__name__
         if isinstance(layer, _OUR_CLASSES) and type(layer) is _OURS.get(name):
             for key, arr in layer.state.items():
-                arrays[f"{i}.{key}"] = arr
+                if key != STATE_META:  # this format keeps meta_state in the file's metadata
+                    arrays[f"{i}.{key}"] = arr
             layers.append({"class": name, "meta_state": list(layer.meta_state)})
             continue
         if _mlx_cache_class(name) is not type(layer):

@@ -58,6 +58,8 @@ from .state_checks import (
     read_runtime,
     read_segments,
     read_widths,
+    split_state,
+    with_meta,
 )
 
 __all__ = ["PaluKVCache"]
@@ -273,7 +275,9 @@ class PaluKVCache(CacheLayer):
 
     @property
     def state(self) -> dict[str, mx.array]:
-        """Every array needed to rebuild the cache, cut to ``offset`` tokens.
+        """Every array needed to rebuild the cache, cut to ``offset`` tokens, and ``meta_state``
+        (the :attr:`meta_state` and a checksum, as one ``uint8`` array: :func:`from_state` needs nothing
+        else, which is how mlx-lm's own ``save_prompt_cache`` / ``load_prompt_cache`` round-trip it).
 
         Before the fit: ``exact_keys``, ``exact_values``. After: ``key.basis``,
         ``key.mean``, ``key.singular_values`` and the codes: ``key.seg<i>.<field>`` (mixed-bit
@@ -283,6 +287,9 @@ class PaluKVCache(CacheLayer):
         On the pre-RoPE path also ``rope.inv_freq`` (even when empty). Copies: writing into
         them (or into numpy views of them) cannot change the cache.
         """
+        return with_meta(type(self).__name__, self._state_arrays(), self.meta_state)
+
+    def _state_arrays(self) -> dict[str, mx.array]:
         n = self.offset
         out: dict[str, mx.array] = {}
         if self.rotary is not None:
@@ -332,10 +339,13 @@ class PaluKVCache(CacheLayer):
     def from_state(
         cls,
         state: dict[str, mx.array],
-        meta_state: tuple[str, str] | list[str],
+        meta_state: tuple[str, str] | list[str] | None = None,
         allocation_policy: BitAllocationPolicy | None = None,
     ) -> PaluKVCache:
         """Rebuild a cache from :attr:`state` and :attr:`meta_state` (bitwise the same arrays).
+
+        ``meta_state=None`` (mlx-lm's ``load_prompt_cache`` passes only the state) reads it from the
+        state's ``meta_state`` array and checks the state against its checksum.
 
         Every metadata field and every array is checked first (segment layouts, offset, names,
         shapes, dtypes, finite values): a mismatch raises ``KVDataError`` naming it. The config must
@@ -344,6 +354,7 @@ class PaluKVCache(CacheLayer):
         the codes as something they are not.
         """
         owner = f"{cls.__name__}.from_state"
+        state, meta_state = split_state(state, meta_state, cls.__name__, owner)
         settings, runtime = parse_meta_state(meta_state, owner)
         offset, shape, dtype = read_runtime(runtime, cls.__name__, owner)
         config = read_config(settings, owner)

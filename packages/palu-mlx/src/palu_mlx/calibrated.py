@@ -45,6 +45,8 @@ from .state_checks import (
     read_rope,
     read_runtime,
     read_widths,
+    split_state,
+    with_meta,
 )
 
 __all__ = [
@@ -183,10 +185,14 @@ class CalibratedKVCache(CacheLayer):
     # ---------------------------------------------------------------- state
     @property
     def state(self) -> dict[str, mx.array]:
-        """Codes cut to ``offset`` plus the calibration constants and RoPE frequencies (self-contained).
+        """Codes cut to ``offset`` plus the calibration constants and RoPE frequencies (self-contained),
+        and ``meta_state`` (the :attr:`meta_state` and a checksum, as in :attr:`PaluKVCache.state`).
 
         Copies: writing into them (or into numpy views of them) cannot change the cache.
         """
+        return with_meta(type(self).__name__, self._state_arrays(), self.meta_state)
+
+    def _state_arrays(self) -> dict[str, mx.array]:
         out = {f"key.{n}": a for n, a in self._key.arrays().items()}
         out.update({f"value.{n}": a for n, a in self._value.arrays().items()})
         if self.rotary is not None:
@@ -214,13 +220,14 @@ class CalibratedKVCache(CacheLayer):
         return self.config.to_json(), json.dumps(runtime, sort_keys=True)
 
     @classmethod
-    def from_state(cls, state: dict[str, mx.array], meta_state) -> CalibratedKVCache:
-        """Rebuild a cache from :attr:`state` and :attr:`meta_state`.
+    def from_state(cls, state: dict[str, mx.array], meta_state=None) -> CalibratedKVCache:
+        """Rebuild a cache from :attr:`state` and :attr:`meta_state` (None: the one the state carries).
 
         Every metadata field and every array is checked first (widths, offset, names, shapes,
         dtypes, finite values, positive steps): a mismatch raises ``KVDataError`` naming it.
         """
         owner = f"{cls.__name__}.from_state"
+        state, meta_state = split_state(state, meta_state, cls.__name__, owner)
         settings, runtime = parse_meta_state(meta_state, owner)
         offset, shape, dtype = read_runtime(runtime, cls.__name__, owner)
         config = read_config(settings, owner)

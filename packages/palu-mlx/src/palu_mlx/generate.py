@@ -11,10 +11,16 @@ memory) and then the KV bytes the cache holds against an uncompressed cache of t
 
 * a file ``mlx_lm.cache_prompt`` wrote is loaded as ``mlx_lm.generate`` loads it (the prompt
   continues the cached one, with mlx-lm's rule for chat templates) and left as it is;
-* a palu-mlx file (or a file that does not exist yet) is a conversation: the cache and the
-  conversation's messages are loaded, the new prompt is the next user turn, and after the reply
-  the file is written back (palu's prompt-cache format), so the next call continues from it.
-  Cached tokens that the chat template renders differently are trimmed and recomputed.
+* a conversation file (one this command wrote, or a file that does not exist yet): the cache and
+  the conversation's messages are loaded, the new prompt is the next user turn, and after the
+  reply the file is written back, so the next call continues from it. Cached tokens that the chat
+  template renders differently are trimmed and recomputed.
+
+The file is written with mlx-lm's own ``save_prompt_cache`` (the conversation rides in its
+metadata; ``"model"`` is the resolved model path), so mlx-lm's ``load_prompt_cache`` reads it
+in any process that imported palu_mlx, and ``mlx_lm.generate --prompt-cache-file`` continues it
+when run as ``python -c "import palu_mlx; from mlx_lm.generate import main; main()" ...``.
+Conversation files of palu's own format (earlier versions) are still read.
 """
 
 from __future__ import annotations
@@ -76,9 +82,10 @@ def generate_main(argv: Sequence[str]) -> int:
     from mlx_lm.generate import stream_generate
     from mlx_lm.models.cache import load_prompt_cache as mlx_load_prompt_cache
     from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+    from mlx_lm.models.cache import save_prompt_cache as mlx_save_prompt_cache
     from mlx_lm.sample_utils import make_sampler
 
-    from .builder import KVCacheBuilder, load_prompt_cache, save_prompt_cache
+    from .builder import KVCacheBuilder, load_prompt_cache
     from .serving import ModelNameError, describe, kv_bytes, palu_config, resolve_model_arg
 
     if args.seed is not None:
@@ -90,19 +97,19 @@ def generate_main(argv: Sequence[str]) -> int:
         cache_file += ".safetensors"  # as mx.save_safetensors names what it writes
     cached, metadata, palu_file = None, {}, True
     if cache_file is not None and os.path.exists(cache_file):
-        palu_file = _is_palu_file(cache_file)
         try:
-            if palu_file:
+            if _is_palu_file(cache_file):
                 cached, metadata = load_prompt_cache(cache_file, return_metadata=True)
             else:
                 cached, metadata = mlx_load_prompt_cache(cache_file, return_metadata=True)
+                palu_file = _MESSAGES in metadata  # a conversation this command wrote
         except (KVSpecError, ValueError, KeyError, OSError) as exc:
             return _error(f"--prompt-cache-file {cache_file!r} cannot be loaded: {exc}")
     model_arg = args.model
     if cached is not None and "model" in metadata:
         if model_arg is None:
             model_arg = metadata["model"]
-        elif model_arg != metadata["model"]:
+        elif not _same_model(model_arg, metadata["model"], resolve_model_arg):
             return _error(
                 f"--model {model_arg!r} differs from the model the prompt cache was made with "
                 f"({metadata['model']!r})"
@@ -261,15 +268,33 @@ def generate_main(argv: Sequence[str]) -> int:
         else:
             messages.append({"role": "assistant", "content": reply})
         meta = {
-            "model": model_arg,
+            # what mlx_lm.generate loads when it continues the file (from any directory)
+            "model": os.path.abspath(model_path) if os.path.isdir(model_path) else model_path,
             "tokenizer_config": json.dumps(
                 {k: v for k, v in tokenizer_config.items() if k != "trust_remote_code"}
             ),
             _MESSAGES: json.dumps(messages),
             _TOKENS: json.dumps(all_tokens[:n]),
         }
+        tmp = f"{cache_file}.{os.getpid()}.tmp.safetensors"
         try:
-            save_prompt_cache(cache_file, cache, meta)
-        except KVSpecError as exc:
+            mlx_save_prompt_cache(tmp, cache, meta)
+            os.replace(tmp, cache_file)  # a failed write leaves the previous conversation as it was
+        except (KVSpecError, OSError, RuntimeError, ValueError) as exc:
+            if os.path.exists(tmp):
+                os.remove(tmp)
             return _error(f"--prompt-cache-file {cache_file!r} cannot be written: {exc}")
     return 0
+
+
+def _same_model(given: str, saved: str, resolve) -> bool:
+    """Whether ``--model`` names the model a file was made with (a named model and its directory agree)."""
+    if given == saved:
+        return True
+    try:
+        a, b = resolve(given), resolve(saved)
+    except Exception:  # noqa: BLE001 - a name that does not resolve is simply not the same model
+        return False
+    if os.path.exists(a) and os.path.exists(b):
+        return os.path.samefile(a, b)
+    return a == b

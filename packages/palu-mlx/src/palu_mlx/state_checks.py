@@ -6,6 +6,13 @@ array against the name, shape, dtype and finiteness the metadata implies, and ar
 asked for are refused. A tampered or truncated state therefore raises :class:`kvspec.KVDataError`
 naming the field or array, what it holds and what was expected, instead of failing deep inside
 the next ``update_and_fetch`` or silently returning other values.
+
+**Self-describing states.** mlx-lm's own ``save_prompt_cache`` writes only each layer's ``state``
+(and its class name), and its ``load_prompt_cache`` calls ``from_state(state)`` with nothing
+else. So every palu-mlx ``state`` also carries its ``meta_state`` as one ``uint8`` array,
+:data:`STATE_META` (UTF-8 JSON: format, class, meta_state and a sha256 checksum of the other
+arrays and the meta_state; :func:`with_meta`), and ``from_state`` called without a meta_state
+reads it from there and verifies the checksum (:func:`split_state`).
 """
 
 from __future__ import annotations
@@ -17,13 +24,19 @@ from dataclasses import fields
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 from kvspec import KVDataError, KVSpecError
+from mlx.utils import tree_flatten
 
 from .config import KVCacheConfig
+from .integrity import digest
 from .layer import SUPPORTED_DTYPES, dtype_from_name, dtype_name
 from .mixed_bit import Segment, validate_segments
 
 __all__ = [
+    "STATE_META",
+    "with_meta",
+    "split_state",
     "StateArrays",
     "parse_meta_state",
     "read_config",
@@ -37,6 +50,81 @@ __all__ = [
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+#: name of the array in ``state`` that carries the layer's meta_state (no dot: mlx-lm's loader
+#: nests names at their dots)
+STATE_META = "meta_state"
+_STATE_FORMAT = "palu-mlx.layer-state.v1"
+
+
+def _meta_texts(meta_state: tuple[str, str] | list[str]) -> dict[str, str]:
+    return {"settings": meta_state[0], "runtime": meta_state[1]}
+
+
+def with_meta(cls_name: str, arrays: dict[str, mx.array], meta_state: tuple[str, str]) -> dict[str, mx.array]:
+    """``arrays`` plus :data:`STATE_META`: the meta_state and a checksum of the arrays and it.
+
+    The checksum reads every array once (one device sync), which ``state`` callers pay anyway:
+    mlx-lm evaluates ``state`` right after each prefill chunk.
+    """
+    record = {
+        "format": _STATE_FORMAT,
+        "class": cls_name,
+        "meta_state": list(meta_state),
+        "checksum": digest(arrays, _meta_texts(meta_state)),
+    }
+    text = json.dumps(record, sort_keys=True).encode("utf-8")
+    return {**arrays, STATE_META: mx.array(np.frombuffer(text, dtype=np.uint8))}
+
+
+def split_state(state: Any, meta_state: Any, cls_name: str, owner: str) -> tuple[Any, Any]:
+    """``(arrays, meta_state)`` for ``from_state``: names un-nested, :data:`STATE_META` taken out.
+
+    A meta_state given by the caller is used as given (the embedded one is dropped). Without one,
+    the embedded record must be there, name ``cls_name`` and match its checksum, else
+    ``KVDataError``. A state that is not a mapping is returned as is (``StateArrays`` reports it).
+    """
+    if not isinstance(state, Mapping):
+        return state, meta_state
+    if any(isinstance(v, (Mapping, list, tuple)) for v in state.values()):
+        # mlx-lm's load_prompt_cache rebuilds "key.basis" as {"key": {"basis": ...}}
+        state = dict(tree_flatten(dict(state)))
+    state = dict(state)
+    embedded = state.pop(STATE_META, None)
+    if meta_state is not None:
+        return state, meta_state
+    if embedded is None:
+        raise KVDataError(
+            f"{owner}: no meta_state was given and the state holds no {STATE_META!r} array; pass the "
+            "meta_state the state was saved with, or a state written by palu-mlx's state property"
+        )
+    if not isinstance(embedded, mx.array) or embedded.dtype != mx.uint8 or embedded.ndim != 1:
+        raise KVDataError(f"{owner}: state array {STATE_META!r} must be a 1-D uint8 array of UTF-8 JSON")
+    try:
+        record = json.loads(bytes(np.array(embedded)).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise KVDataError(f"{owner}: state array {STATE_META!r} is not UTF-8 JSON: {exc}") from None
+    if not isinstance(record, dict) or record.get("format") != _STATE_FORMAT:
+        got = record.get("format") if isinstance(record, dict) else type(record).__name__
+        raise KVDataError(
+            f"{owner}: state array {STATE_META!r} has format {got!r}; expected {_STATE_FORMAT!r}"
+        )
+    if record.get("class") != cls_name:
+        raise KVDataError(
+            f"{owner}: the state was written by class {record.get('class')!r}; expected {cls_name!r}"
+        )
+    meta = record.get("meta_state")
+    if not (isinstance(meta, list) and len(meta) == 2 and all(isinstance(t, str) for t in meta)):
+        raise KVDataError(f"{owner}: state array {STATE_META!r} must hold meta_state as two strings")
+    if any(not isinstance(k, str) or not isinstance(v, mx.array) for k, v in state.items()):
+        return state, tuple(meta)  # StateArrays names the bad entry
+    if record.get("checksum") != digest(state, _meta_texts(meta)):
+        raise KVDataError(
+            f"{owner}: checksum mismatch: the state's arrays or meta_state changed after it was written "
+            "(a corrupt or edited file); it cannot be loaded"
+        )
+    return state, tuple(meta)
 
 
 def parse_meta_state(meta_state: Any, owner: str) -> tuple[dict[str, Any], dict[str, Any]]:
