@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from palu_helpers import make_tiny_qwen3
 from palu_mlx import KVCacheBuilder, PaluKVCache, model_kv_dims
@@ -54,18 +55,53 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(not os.path.isdir(MODEL), reason="the embedded model is not checked out")
-def test_two_ring_ranks_give_one_process_greedy_tokens(tmp_path):
+def _launch(tmp_path, tiers: str, *extra: str) -> tuple[dict, dict]:
+    """The worker's record in one process and on two ring ranks (localhost)."""
     launch = shutil.which("mlx.launch") or str(Path(sys.executable).parent / "mlx.launch")
     if not os.path.exists(launch):
         pytest.skip("mlx.launch is not installed")
-    tier = "r16-fp16"  # per-head projections, fixed rank and widths: nothing is decided across heads
     one, two = tmp_path / "one.json", tmp_path / "two.json"
-    subprocess.run([sys.executable, str(WORKER), MODEL, tier, str(one)], check=True, timeout=300)
+    subprocess.run([sys.executable, str(WORKER), MODEL, tiers, str(one), *extra], check=True, timeout=300)
     cmd = [launch, "--backend", "ring", "-n", "2", "--starting-port", str(_free_port())]
-    subprocess.run([*cmd, sys.executable, str(WORKER), MODEL, tier, str(two)], check=True, timeout=300)
+    subprocess.run(
+        [*cmd, sys.executable, str(WORKER), MODEL, tiers, str(two), *extra], check=True, timeout=300
+    )
     single, ranks = json.loads(one.read_text()), json.loads(two.read_text())
     assert (single["world"], ranks["world"]) == (1, 2)
-    assert single["kv_heads"] == [4] and ranks["kv_heads"] == [2]  # each rank caches its half
-    assert ranks["tokens"] == single["tokens"]
+    return single, ranks
+
+
+def _same_codec(ranks: list, single: list, tier: str) -> None:
+    """Every layer: the same widths on every head (one water-filling level, one allocation), and each
+    head's quantizer steps one process's: bitwise in the first layer, whose keys and values come
+    straight from the embeddings; deeper layers see the sharded model's own activations, which its
+    all_sums round differently from one process's (measured: steps within 2%)."""
+    assert len(ranks) == len(single) > 0, tier
+    for i, (a, b) in enumerate(zip(ranks, single, strict=True)):
+        assert sorted(a) == sorted(b), tier
+        for k in (k for k in a if "widths" in k):
+            assert a[k] == b[k], (tier, i, k)
+        for k in (k for k in a if "steps" in k):
+            if i == 0:
+                assert a[k] == b[k], (tier, i, k)
+            np.testing.assert_allclose(a[k], b[k], rtol=0.05, err_msg=f"{tier} layer {i} {k}")
+
+
+#: per-head projections at a fixed rank and split: nothing is decided across heads; water-filling:
+#: the widths are decided on every head's variances, gathered from the ranks at the fit
+TP_TIERS = ("r16-fp16", "palu-2.5bit-scaled", "palu-3bit-scaled")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir(MODEL), reason="the embedded model is not checked out")
+def test_two_ring_ranks_give_one_process_greedy_tokens_and_codec(tmp_path):
+    single, ranks = _launch(tmp_path, ",".join(TP_TIERS))
+    for tier in TP_TIERS:
+        one, two = single["tiers"][tier], ranks["tiers"][tier]
+        assert one["kv_heads"] == [4] and two["kv_heads"] == [2], tier  # each rank caches its half
+        assert two["tokens"] == one["tokens"], tier
+        _same_codec(two["codec"], one["codec"], tier)
+        # the ranks hold what one process holds, split (the per-token scales and exact sinks too)
+        assert len(two["kv_bytes"]) == 2 and sum(two["kv_bytes"]) == pytest.approx(
+            one["kv_bytes"][0], rel=0.03
+        )

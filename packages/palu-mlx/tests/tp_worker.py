@@ -1,10 +1,15 @@
 """Greedy tokens with palu caches, in one process or on each rank of ``mlx.launch`` (tensor parallel).
 
-    python tp_worker.py MODEL TIER OUT.json                      # one process
-    mlx.launch --backend ring -n 2 tp_worker.py MODEL TIER OUT.json
+    python tp_worker.py MODEL TIERS OUT.json [CALIBRATION]                      # one process
+    mlx.launch --backend ring -n 2 tp_worker.py MODEL TIERS OUT.json [CALIBRATION]
 
-Rank 0 writes ``{"tokens": [...], "kv_heads": n, "world": size}``: the greedy tokens and the KV
-heads of this rank's caches (test_tensor_parallel.py compares the two runs).
+``TIERS`` is a comma-separated list of palu tier names ("none": mlx-lm's own cache); with
+``CALIBRATION`` (a whole-model calibration file) each tier is also run calibrated, as
+``<tier>+cal``. The model is loaded once; each tier gets fresh caches. Rank 0 writes
+``{"world": size, "tiers": {name: record}}``, a record holding the greedy tokens, the KV heads of
+this rank's caches, every rank's held KV bytes (``kv_bytes``, one entry per rank) and, per palu
+layer, the key and value widths and quantizer steps of every head (gathered from the ranks in head
+order), so test_tensor_parallel.py can compare the codecs, not only the tokens.
 """
 
 from __future__ import annotations
@@ -13,7 +18,8 @@ import json
 import sys
 
 import mlx.core as mx
-from mlx_lm.generate import generate_step
+import numpy as np
+from mlx_lm.generate import generate_step, generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load, sharded_load
 from palu_mlx import KVCacheBuilder, model_kv_dims
@@ -26,27 +32,69 @@ PROMPT = (
 )
 
 
+def _gathered(group, arr: np.ndarray) -> list:
+    """Every rank's ``arr`` (same shape on each) stacked in rank order: heads in model order."""
+    if group.size() == 1:
+        return arr.tolist()
+    # on the stream generate_step ran the model's all_sums on: collectives of two streams in
+    # flight at once would pair up the ranks' messages wrongly
+    with mx.stream(generation_stream):
+        return np.array(mx.distributed.all_gather(mx.array(arr), group=group)).tolist()
+
+
+def _codec(group, cache) -> list:
+    out = []
+    for c in cache:
+        # a PaluKVCache's fitted coders, or a CalibratedKVCache's (its _key / _value codes)
+        coders = {w: getattr(c, f"_{w}_coder", None) for w in ("key", "value")}
+        if None in coders.values() and hasattr(c, "_key"):
+            coders = {w: getattr(c, f"_{w}").coder for w in ("key", "value")}
+        if None in coders.values():
+            continue
+        layer = {}
+        for which, coder in coders.items():
+            widths = getattr(coder, "fixed_widths", None) or [
+                [s.start, s.stop, s.bits] for s in coder.segments
+            ]
+            layer[f"{which}_widths"] = list(widths)
+            steps = coder.constants().get("steps")
+            if steps is not None:
+                layer[f"{which}_steps"] = _gathered(group, np.array(steps, dtype=np.float32))
+        out.append(layer)
+    return out
+
+
+def run(model, tokenizer, group, tier: str, calibration: str | None) -> dict:
+    KVCacheBuilder.uninstall(model)
+    if tier != "none":  # "none": mlx-lm's own cache, for the reference
+        args = type("Args", (), {"palu_tier": tier, "palu_bits": None, "calibration": calibration})
+        KVCacheBuilder.install(model, palu_config(model, args))
+    cache = make_prompt_cache(model)
+    prompt = mx.array(tokenizer.encode(PROMPT))
+    tokens = [int(t) for t, _ in generate_step(prompt, model, max_tokens=24, prompt_cache=cache)]
+    held = sum(int(c.nbytes) for c in cache)
+    return {
+        "tokens": tokens,
+        "kv_heads": sorted({c._shape[1] for c in cache if getattr(c, "_shape", None)}),
+        "kv_bytes": [int(b) for b in _gathered(group, np.array([held], dtype=np.float32))],
+        "codec": _codec(group, cache) if tier != "none" else [],
+    }
+
+
 def main() -> int:
-    model_path, tier_name, out = sys.argv[1:4]
+    model_path, tiers, out = sys.argv[1:4]
+    calibration = sys.argv[4] if len(sys.argv) > 4 else None
     group = mx.distributed.init()
     if group.size() > 1:
         model, tokenizer = sharded_load(model_path, tensor_group=group)
     else:
         model, tokenizer = load(model_path)
-    if tier_name != "none":  # "none": mlx-lm's own cache, for the reference
-        args = type("Args", (), {"palu_tier": tier_name, "palu_bits": None, "calibration": None})
-        KVCacheBuilder.install(model, palu_config(model, args))
-    cache = make_prompt_cache(model)
-    prompt = mx.array(tokenizer.encode(PROMPT))
-    tokens = [int(t) for t, _ in generate_step(prompt, model, max_tokens=24, prompt_cache=cache)]
+    record: dict = {"world": group.size(), "dims": list(model_kv_dims(model)), "tiers": {}}
+    for tier in tiers.split(","):
+        record["tiers"][tier] = run(model, tokenizer, group, tier, None)
+        if calibration is not None and tier != "none":
+            record["tiers"][f"{tier}+cal"] = run(model, tokenizer, group, tier, calibration)
     if group.rank() == 0:
-        heads = {c._shape[1] for c in cache if getattr(c, "_shape", None)}
-        record = {
-            "tokens": tokens,
-            "kv_heads": sorted(heads),
-            "dims": list(model_kv_dims(model)),
-            "world": group.size(),
-        }
         with open(out, "w") as f:
             json.dump(record, f)
     return 0

@@ -46,6 +46,7 @@ from .cache import PaluKVCache
 from .calibrated import CalibratedKVCache, calibrated_caches
 from .calibration.file import Calibration
 from .config import KVCacheConfig
+from .distributed import HeadShard, head_shard
 from .integrity import CHECKSUM_KEY, UnverifiedFileWarning, digest
 from .mixed_bit import BitAllocationPolicy, check_policy
 from .models import check_model, default_caches, model_kv_dims, original_make_cache
@@ -109,13 +110,15 @@ class KVCacheBuilder:
         config: KVCacheConfig,
         allocation_policy: BitAllocationPolicy | None = None,
         rotary: Rotary | None = None,
+        shard: HeadShard | None = None,
     ) -> PaluKVCache | NaiveQuantKVCache:
-        """One layer's cache for ``config`` (``method`` "palu" or "naive"); ``rotary``: pre-RoPE keys."""
+        """One layer's cache for ``config`` (``method`` "palu" or "naive"); ``rotary``: pre-RoPE keys;
+        ``shard``: this rank's heads under tensor parallel (:mod:`palu_mlx.distributed`)."""
         _check_config(config)
         check_policy(allocation_policy)
         if config.method == "naive":
             return NaiveQuantKVCache(config.naive_bits, config.naive_group_size, config.palu_check_finite)
-        return PaluKVCache(config, allocation_policy, rotary)
+        return PaluKVCache(config, allocation_policy, rotary, shard)
 
     @staticmethod
     def for_model(
@@ -154,6 +157,14 @@ class KVCacheBuilder:
                 f"palu_n_head_groups={config.palu_n_head_groups} must divide the model's "
                 f"{n_kv} key/value heads; allowed: a divisor of {n_kv}"
             )
+        # a tensor-parallel shard: the fits decide what spans heads on every rank's statistics
+        shard = head_shard(model, n_kv) if config.method == "palu" else None
+        if shard is not None and config.palu_n_head_groups is not None:
+            raise KVConfigError(
+                f"palu_n_head_groups={config.palu_n_head_groups} under tensor parallel (this rank computes "
+                f"{n_kv} of {shard.total} KV heads): each rank fits its own heads; allowed: None (one "
+                "group per KV head)"
+            )
         if rotaries is None:
             rotaries = _rotaries(model, config, head_dim)
         defaults = default_caches(model)
@@ -168,7 +179,7 @@ class KVCacheBuilder:
             ]
         else:
             caches = [
-                KVCacheBuilder.make_layer_cache(config, allocation_policy, _at(rotaries, i))
+                KVCacheBuilder.make_layer_cache(config, allocation_policy, _at(rotaries, i), shard)
                 if type(c) in replaceable
                 else c
                 for i, c in enumerate(defaults)

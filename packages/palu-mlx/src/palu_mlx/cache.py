@@ -44,6 +44,7 @@ from .coders.base import LatentCoder, compact_dtype, projection_dtype
 from .coders.fixed import FixedQuantCoder
 from .coders.hilo import fit_mixed_bit
 from .config import KVCacheConfig
+from .distributed import HeadShard
 from .layer import CacheLayer, detached, write_rows
 from .lowrank import GroupProjection, project, reconstruct
 from .mixed_bit import BitAllocationPolicy, MixedBitCoder, check_policy
@@ -77,6 +78,9 @@ class PaluKVCache(CacheLayer):
         rotary: the layer's RoPE as a :class:`~palu_mlx.rope.Rotary`: keys arrive rotated at
             positions ``offset + i`` and are coded before RoPE (the pre-RoPE path). None codes
             the keys as given.
+        shard: under tensor parallel, this rank's :class:`~palu_mlx.distributed.HeadShard`: the fit
+            decides what spans heads (water-filling widths, an energy rank, a policy's allocation)
+            on every rank's statistics, so the codec is one process's. None: a whole model.
 
     ``trim`` keeps the fitted projections: trimming back below the fit point does not refit.
     """
@@ -86,6 +90,7 @@ class PaluKVCache(CacheLayer):
         config: KVCacheConfig,
         allocation_policy: BitAllocationPolicy | None = None,
         rotary: Rotary | None = None,
+        shard: HeadShard | None = None,
     ):
         if not isinstance(config, KVCacheConfig):
             raise KVConfigError(f"config must be a KVCacheConfig; got {type(config).__name__}")
@@ -99,9 +104,19 @@ class PaluKVCache(CacheLayer):
         check_policy(allocation_policy)
         if rotary is not None and not isinstance(rotary, Rotary):
             raise KVConfigError(f"rotary must be a palu_mlx.rope.Rotary or None; got {type(rotary).__name__}")
+        if shard is not None and not isinstance(shard, HeadShard):
+            raise KVConfigError(
+                f"shard must be a palu_mlx.distributed.HeadShard or None; got {type(shard).__name__}"
+            )
+        if shard is not None and config.palu_n_head_groups is not None:
+            raise KVConfigError(
+                f"palu_n_head_groups={config.palu_n_head_groups} under tensor parallel: each rank fits its "
+                "own heads; allowed: None (one group per KV head)"
+            )
         super().__init__()
         self.config = config
         self.rotary = rotary
+        self.shard = shard
         self.allocation_policy = allocation_policy
         self._exact_keys: mx.array | None = None
         self._exact_values: mx.array | None = None
@@ -124,6 +139,8 @@ class PaluKVCache(CacheLayer):
     def _check_dims(self, h: int, d: int, dv: int) -> None:
         if self.config.head_dim is not None and d != self.config.head_dim:
             raise KVShapeError(f"keys head dim {d} does not match config head_dim={self.config.head_dim}")
+        if self.shard is not None and h != self.shard.heads:
+            raise KVShapeError(f"keys have {h} heads; this rank's shard holds {self.shard.heads}")
         if h % self.config.head_groups(h) != 0:
             raise KVConfigError(
                 f"palu_n_head_groups={self.config.palu_n_head_groups} must divide the key/value head "
@@ -204,6 +221,7 @@ class PaluKVCache(CacheLayer):
             group_size=cfg.palu_group_size,
             quantize_values=cfg.palu_quantize_values,
             dtype=dtype,
+            gather=None if self.shard is None else self.shard.gather,
         )
         if self.allocation_policy is None:
             (key_proj, key_coder), (value_proj, value_coder) = cfg.coder_choice.fit(keys, values, **knobs)

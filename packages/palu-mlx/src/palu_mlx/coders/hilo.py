@@ -11,13 +11,14 @@ token).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
 from kvspec import KVConfigError
 
-from ..lowrank import GroupProjection, fit_group_projection
+from ..lowrank import GroupProjection, fit_group_projection, select_rank
 from ..mixed_bit import (
     PACKABLE_BITS,
     UNQUANTIZED_BITS,
@@ -81,9 +82,11 @@ class HiLoSplit:
         group_size: int,
         quantize_values: bool,
         dtype: mx.Dtype,
+        gather: Callable[[np.ndarray], np.ndarray] | None = None,
     ) -> tuple[Fitted, Fitted]:
         """Keys' and values' projections and coders, fitted on ``keys`` / ``values`` ``[B, H, S, D]``
-        (``groups`` head groups; ``rank``, else ``energy_threshold``, sets the rank)."""
+        (``groups`` head groups; ``rank``, else ``energy_threshold``, sets the rank; ``gather``: see
+        :func:`fit_mixed_bit`)."""
         return fit_mixed_bit(
             keys,
             values,
@@ -94,6 +97,7 @@ class HiLoSplit:
             group_size=group_size,
             quantize_values=quantize_values,
             dtype=dtype,
+            gather=gather,
         )
 
 
@@ -108,8 +112,12 @@ def fit_mixed_bit(
     group_size: int,
     quantize_values: bool,
     dtype: mx.Dtype,
+    gather: Callable[[np.ndarray], np.ndarray] | None = None,
 ) -> tuple[Fitted, Fitted]:
     """Per tensor: a projection of ``groups`` head groups, ``policy``'s segments, a MixedBitCoder.
+
+    ``gather`` (tensor parallel, one group per head): this rank's per-group singular values ->
+    every group's, so the rank chosen by energy and the policy's allocation are one process's.
 
     Values use ``UniformPolicy(16)`` (unquantized latents) unless ``quantize_values``. Projections
     are cast to :func:`~palu_mlx.coders.base.projection_dtype`.
@@ -118,14 +126,19 @@ def fit_mixed_bit(
     compact = compact_dtype(dtype)
     out = []
     for x, tensor_policy in ((keys, policy), (values, value_policy)):
-        projection, segments = _fit_and_allocate(x, tensor_policy, groups, rank, energy_threshold)
+        projection, segments = _fit_and_allocate(x, tensor_policy, groups, rank, energy_threshold, gather)
         coder = MixedBitCoder(segments, group_size, dtype, compact)
         out.append((projection.astype(projection_dtype(coder, dtype)), coder))
     return out[0], out[1]
 
 
 def _fit_and_allocate(
-    x: mx.array, policy: BitAllocationPolicy, groups: int, rank: int | None, energy_threshold: float
+    x: mx.array,
+    policy: BitAllocationPolicy,
+    groups: int,
+    rank: int | None,
+    energy_threshold: float,
+    gather: Callable[[np.ndarray], np.ndarray] | None = None,
 ) -> tuple[GroupProjection, tuple[Segment, ...]]:
     """Fit ``x``'s projection, let ``policy`` allocate widths, and drop trailing 0-bit channels.
 
@@ -134,9 +147,21 @@ def _fit_and_allocate(
     """
     if getattr(policy, "chooses_rank", False):
         projection = fit_group_projection(x, groups, rank if rank is not None else x.shape[-1])
+    elif rank is None and gather is not None:
+        # the energy rank is the smallest over the groups: every rank's groups
+        full = fit_group_projection(x, groups, x.shape[-1])
+        chosen = select_rank(gather(np.array(full.singular_values)), energy_threshold)
+        projection = GroupProjection(
+            basis=mx.contiguous(full.basis[:, :, :chosen]),
+            mean=full.mean,
+            singular_values=mx.contiguous(full.singular_values[:, :chosen]),
+        )
     else:
         projection = fit_group_projection(x, groups, rank, energy_threshold)
-    segments = tuple(s for s in policy.allocate(np.array(projection.singular_values)) if s.bits > 0)
+    spectrum = np.array(projection.singular_values)
+    segments = tuple(
+        s for s in policy.allocate(spectrum if gather is None else gather(spectrum)) if s.bits > 0
+    )
     if not segments:
         segments = (Segment(0, 1, 1),)
     keep = segments[-1].stop

@@ -14,6 +14,7 @@ calibration file the same choice sets the calibrated cache's budget
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -76,9 +77,14 @@ class WaterFilling:
         group_size: int,
         quantize_values: bool,
         dtype: mx.Dtype,
+        gather: Callable[[np.ndarray], np.ndarray] | None = None,
     ) -> tuple[Fitted, Fitted]:
         """Keys' and values' projections and coders, fitted on ``keys`` / ``values`` ``[B, H, S, D]``
         (``groups`` head groups; ``rank`` caps the full rank).
+
+        ``gather`` (tensor parallel, :meth:`palu_mlx.distributed.HeadShard.gather`): per-head
+        statistics of this rank -> those of every head; the widths are decided on every head's, so
+        each rank codes its heads as one process would.
 
         With ``quantize_values`` False the values stay unquantized latents (rank by
         ``energy_threshold`` unless ``rank``), and a mixed-bit coder with water-filled segments
@@ -95,6 +101,7 @@ class WaterFilling:
                 group_size=group_size,
                 quantize_values=False,
                 dtype=dtype,
+                gather=gather,
             )
         fitted = []
         for x in (keys, values):
@@ -104,11 +111,13 @@ class WaterFilling:
             head_var = mx.mean(latents * latents, axis=(0, 2))  # [H, r]; latents are centred per group
             fitted.append((proj, np.array(head_var, dtype=np.float64)))
         dims = keys.shape[-1] + values.shape[-1]
-        widths = water_fill([v.mean(axis=0) for _, v in fitted], int(round(self.bits * dims)))
+        # the level is decided on every head's variances (all ranks' under tensor parallel)
+        every = [v if gather is None else gather(v) for _, v in fitted]
+        widths = water_fill([v.mean(axis=0) for v in every], int(round(self.bits * dims)))
         out = []
-        for (proj, head_var), w in zip(fitted, widths, strict=True):
+        for (proj, head_var), w, all_var in zip(fitted, widths, every, strict=True):
             # channels by mean variance, so the widths are non-increasing and 0-bit ones trail
-            order = np.argsort(-head_var.mean(axis=0), kind="stable")
+            order = np.argsort(-all_var.mean(axis=0), kind="stable")
             w = w[order]
             keep = max(1, int(np.count_nonzero(w)))
             cols = mx.array(order[:keep].astype(np.int32))
