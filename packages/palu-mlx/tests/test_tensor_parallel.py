@@ -105,3 +105,39 @@ def test_two_ring_ranks_give_one_process_greedy_tokens_and_codec(tmp_path):
         assert len(two["kv_bytes"]) == 2 and sum(two["kv_bytes"]) == pytest.approx(
             one["kv_bytes"][0], rel=0.03
         )
+
+
+def _calibrations(tmp_path) -> tuple[str, str]:
+    """A whole-model calibration of the embedded model, and one of the same shapes with other key
+    weights (its k_proj scaled): the fingerprint check must refuse the second."""
+    import mlx_lm
+    from palu_mlx import calibrate
+
+    paths = []
+    for name, scale in (("own", 1.0), ("other", 1.5)):
+        model, tokenizer = mlx_lm.load(MODEL)
+        for layer in model.layers:
+            layer.self_attn.k_proj.weight = layer.self_attn.k_proj.weight * scale
+        path = str(tmp_path / f"{name}.safetensors")
+        calibrate(model, tokenizer, window=128, max_tokens=256, progress=False).save(path)
+        paths.append(path)
+    return paths[0], paths[1]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir(MODEL), reason="the embedded model is not checked out")
+def test_two_ring_ranks_slice_a_whole_model_calibration_file(tmp_path):
+    own, other = _calibrations(tmp_path)
+    tiers = "palu-2.5bit-scaled+cal0,palu-2.5bit-scaled+cal1"
+    single, ranks = _launch(tmp_path, tiers, own, other)
+    one, two = single["tiers"]["palu-2.5bit-scaled+cal0"], ranks["tiers"]["palu-2.5bit-scaled+cal0"]
+    assert "error" not in two, two.get("error")
+    assert one["kv_heads"] == [4] and two["kv_heads"] == [2]
+    assert two["tokens"] == one["tokens"]
+    # each rank holds its heads' slices of the file: the same widths, the file's steps bitwise
+    assert two["codec"] == one["codec"] and len(two["codec"]) > 0
+    assert sum(two["kv_bytes"]) == pytest.approx(one["kv_bytes"][0], rel=0.03)
+    # a file of another model is still refused, on every rank and in one process
+    for record in (single, ranks):
+        assert "made for another model" in record["tiers"]["palu-2.5bit-scaled+cal1"]["error"]
+        assert "kv_weights" in record["tiers"]["palu-2.5bit-scaled+cal1"]["error"]

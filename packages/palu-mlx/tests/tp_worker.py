@@ -1,15 +1,16 @@
 """Greedy tokens with palu caches, in one process or on each rank of ``mlx.launch`` (tensor parallel).
 
-    python tp_worker.py MODEL TIERS OUT.json [CALIBRATION]                      # one process
-    mlx.launch --backend ring -n 2 tp_worker.py MODEL TIERS OUT.json [CALIBRATION]
+    python tp_worker.py MODEL TIERS OUT.json [CALIBRATION ...]                      # one process
+    mlx.launch --backend ring -n 2 tp_worker.py MODEL TIERS OUT.json [CALIBRATION ...]
 
-``TIERS`` is a comma-separated list of palu tier names ("none": mlx-lm's own cache); with
-``CALIBRATION`` (a whole-model calibration file) each tier is also run calibrated, as
-``<tier>+cal``. The model is loaded once; each tier gets fresh caches. Rank 0 writes
-``{"world": size, "tiers": {name: record}}``, a record holding the greedy tokens, the KV heads of
-this rank's caches, every rank's held KV bytes (``kv_bytes``, one entry per rank) and, per palu
-layer, the key and value widths and quantizer steps of every head (gathered from the ranks in head
-order), so test_tensor_parallel.py can compare the codecs, not only the tokens.
+``TIERS`` is a comma-separated list of palu tier names ("none": mlx-lm's own cache); ``<tier>+cal<i>``
+runs the tier with the ``i``-th CALIBRATION file (a whole-model file). The model is loaded once;
+each tier gets fresh caches. Rank 0 writes ``{"world": size, "tiers": {name: record}}``, a record
+holding the greedy tokens, the KV heads of this rank's caches, every rank's held KV bytes
+(``kv_bytes``, one entry per rank) and, per palu layer, the key and value widths and quantizer
+steps of every head (gathered from the ranks in head order), so test_tensor_parallel.py can
+compare the codecs, not only the tokens; or ``{"error": message}`` when building the caches
+raised a ``KVSpecError`` (a calibration of another model).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import sys
 
 import mlx.core as mx
 import numpy as np
+from kvspec import KVSpecError
 from mlx_lm.generate import generate_step, generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load, sharded_load
@@ -68,7 +70,10 @@ def run(model, tokenizer, group, tier: str, calibration: str | None) -> dict:
     KVCacheBuilder.uninstall(model)
     if tier != "none":  # "none": mlx-lm's own cache, for the reference
         args = type("Args", (), {"palu_tier": tier, "palu_bits": None, "calibration": calibration})
-        KVCacheBuilder.install(model, palu_config(model, args))
+        try:
+            KVCacheBuilder.install(model, palu_config(model, args))
+        except KVSpecError as exc:
+            return {"error": str(exc)}
     cache = make_prompt_cache(model)
     prompt = mx.array(tokenizer.encode(PROMPT))
     tokens = [int(t) for t, _ in generate_step(prompt, model, max_tokens=24, prompt_cache=cache)]
@@ -83,17 +88,16 @@ def run(model, tokenizer, group, tier: str, calibration: str | None) -> dict:
 
 def main() -> int:
     model_path, tiers, out = sys.argv[1:4]
-    calibration = sys.argv[4] if len(sys.argv) > 4 else None
+    calibrations = sys.argv[4:]
     group = mx.distributed.init()
     if group.size() > 1:
         model, tokenizer = sharded_load(model_path, tensor_group=group)
     else:
         model, tokenizer = load(model_path)
     record: dict = {"world": group.size(), "dims": list(model_kv_dims(model)), "tiers": {}}
-    for tier in tiers.split(","):
-        record["tiers"][tier] = run(model, tokenizer, group, tier, None)
-        if calibration is not None and tier != "none":
-            record["tiers"][f"{tier}+cal"] = run(model, tokenizer, group, tier, calibration)
+    for name in tiers.split(","):
+        tier, _, cal = name.partition("+cal")
+        record["tiers"][name] = run(model, tokenizer, group, tier, calibrations[int(cal)] if cal else None)
     if group.rank() == 0:
         with open(out, "w") as f:
             json.dump(record, f)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -171,8 +172,9 @@ class KVCacheBuilder:
         replaceable = (mlx_cache.KVCache, *_OUR_CLASSES)
         if config.method == "palu" and config.palu_calibration is not None:
             calibration = load_calibration(config.palu_calibration)
-            calibration.check_model(model)
-            calibrated = calibrated_caches(config, calibration, rotaries or None)
+            _check_calibration(calibration, model, shard)
+            heads = None if shard is None else shard.head_slice
+            calibrated = calibrated_caches(config, calibration, rotaries or None, heads)
             caches = [
                 calibrated[i] if type(c) in replaceable and calibrated[i] is not None else c
                 for i, c in enumerate(defaults)
@@ -240,6 +242,23 @@ def load_calibration(path: str) -> Calibration:
     if key not in _CALIBRATIONS:
         _CALIBRATIONS[key] = Calibration.load(path)
     return _CALIBRATIONS[key]
+
+
+# (model, calibration) pairs already checked: install checks once, and the caches built for each
+# request after it do not repeat the fingerprint (a collective under tensor parallel)
+# (an mlx Module is a dict: not hashable, so it is keyed by id and held weakly)
+_CHECKED: dict[tuple[int, int], tuple[weakref.ref, weakref.ref]] = {}
+
+
+def _check_calibration(calibration: Calibration, model: nn.Module, shard: HeadShard | None) -> None:
+    key = (id(model), id(calibration))
+    refs = _CHECKED.get(key)
+    if refs is not None and refs[0]() is model and refs[1]() is calibration:
+        return
+    calibration.check_model(model, shard=shard)
+    for k in [k for k, (m, c) in _CHECKED.items() if m() is None or c() is None]:
+        del _CHECKED[k]
+    _CHECKED[key] = (weakref.ref(model), weakref.ref(calibration))
 
 
 def _installed(model: nn.Module) -> bool:

@@ -342,11 +342,17 @@ class CalibratedKVCache(CacheLayer):
 
 
 def calibrated_caches(
-    config: KVCacheConfig, calibration: Calibration, rotaries: list[Rotary | None] | None
+    config: KVCacheConfig,
+    calibration: Calibration,
+    rotaries: list[Rotary | None] | None,
+    heads: slice | None = None,
 ) -> list[CalibratedKVCache | None]:
     """One :class:`CalibratedKVCache` per calibrated layer (None elsewhere) at ``config.palu_bits``.
 
     ``rotaries`` must be given (one per layer) when the calibration was made on pre-RoPE keys.
+    ``heads`` (tensor parallel: this rank's KV heads of a whole-model file): the widths come from
+    the whole file's water-filling level, and each cache holds only these heads' projections and
+    steps, so every rank codes its heads as one process does.
     """
     if calibration.pre_rope and not rotaries:
         raise KVConfigError(
@@ -359,8 +365,20 @@ def calibrated_caches(
         if widths is None:
             out.append(None)
             continue
-        key = _tensor_code(calibration.keys[i], widths[0], config.palu_token_scale)
-        value = _tensor_code(calibration.values[i], widths[1], config.palu_token_scale)
+        key = _tensor_code(_heads(calibration.keys[i], heads), widths[0], config.palu_token_scale)
+        value = _tensor_code(_heads(calibration.values[i], heads), widths[1], config.palu_token_scale)
         rotary = rotaries[i] if calibration.pre_rope else None
         out.append(CalibratedKVCache(config, key, value, rotary))
     return out
+
+
+def _heads(t: TensorCalibration, heads: slice | None) -> TensorCalibration:
+    """``t`` cut to the KV heads ``heads`` (all when None)."""
+    if heads is None:
+        return t
+    if heads.stop > t.basis.shape[0]:
+        raise KVConfigError(
+            f"heads {heads.start}:{heads.stop} exceed the calibration's {t.basis.shape[0]} KV heads"
+        )
+    cut = {name: mx.contiguous(arr[heads]) for name, arr in t.arrays().items()}
+    return TensorCalibration(**cut)

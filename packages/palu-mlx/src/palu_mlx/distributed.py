@@ -12,7 +12,9 @@ takes and each head gets the bits one process would give it.
 
 The builder makes one when the model's attention computes fewer KV heads than its config names
 (:func:`head_shard`); the caches call :meth:`HeadShard.gather` once per layer at the fit, in
-layer order on every rank (the forward pass runs in lockstep).
+layer order on every rank (the forward pass runs in lockstep). A whole-model calibration file
+serves a shard too: each rank checks the file's weight fingerprint against the whole model's
+(its shard's sums, :meth:`HeadShard.all_sum`-ed) and takes its heads' slices of the file.
 """
 
 from __future__ import annotations
@@ -64,6 +66,11 @@ class HeadShard:
         # on the current stream, the one the model's own all_sums run on (mlx-lm's generation
         # stream): collectives of two streams in flight at once pair up the ranks' messages wrongly
         out = mx.distributed.all_gather(mx.array(local), group=self.group)
+        return np.array(out, dtype=np.float64)
+
+    def all_sum(self, values: np.ndarray) -> np.ndarray:
+        """``values`` summed over the ranks (float32 on the wire, float64 back), on the current stream."""
+        out = mx.distributed.all_sum(mx.array(np.asarray(values, dtype=np.float32)), group=self.group)
         return np.array(out, dtype=np.float64)
 
 

@@ -85,6 +85,42 @@ def kv_weights_fingerprint(model: Any) -> dict[str, list[float]]:
     return out
 
 
+def _whole_fingerprint(model: Any, theirs: dict[str, list[float]], shard: Any) -> dict[str, list[float]]:
+    """:func:`kv_weights_fingerprint` of the whole tensor-parallel model, from this rank's shard.
+
+    ``sharded_load`` splits a key / value projection's rows (its first axis) into the ranks'
+    contiguous slices; a parameter whose first axis is the ``world``-th part of the file's is such a
+    slice. Its rows are a contiguous run of the whole parameter's flattened values, so its share of
+    ``sum w^2`` and of ``sum w*rho`` (with the whole parameter's ``rho``, cut at the same run) add up
+    over the ranks to the whole model's. Parameters every rank holds whole (``k_norm``) count once.
+    """
+    names, shapes, parts = [], [], []
+    for name, arr in _kv_parameters(model):
+        a = np.array(arr if arr.dtype == mx.uint32 else arr.astype(mx.float32), dtype=np.float64).reshape(-1)
+        local = [float(n) for n in arr.shape]
+        full = list(theirs.get(name, []))[:-2]
+        sliced = (
+            len(full) == len(local) > 0
+            and full[0] == local[0] * shard.world
+            and full[1:] == local[1:]
+            and shard.world > 1
+        )
+        if sliced:
+            n = a.size * shard.world
+            rho = np.random.default_rng(n).choice((-1.0, 1.0), size=n)[
+                shard.rank * a.size : (shard.rank + 1) * a.size
+            ]
+            shapes.append([local[0] * shard.world, *local[1:]])
+            parts.append([a @ a, a @ rho])
+        else:
+            rho = np.random.default_rng(a.size).choice((-1.0, 1.0), size=a.size)
+            shapes.append(local)
+            parts.append([a @ a, a @ rho] if shard.rank == 0 else [0.0, 0.0])
+        names.append(name)
+    sums = shard.all_sum(np.array(parts, dtype=np.float64).reshape(-1, 2)) if parts else np.zeros((0, 2))
+    return {n: [*shape, float(s[0]), float(s[1])] for n, shape, s in zip(names, shapes, sums, strict=True)}
+
+
 def _same_fingerprint(a: dict[str, list[float]], b: dict[str, list[float]]) -> bool:
     if a.keys() != b.keys():
         return False
@@ -306,10 +342,21 @@ class Calibration:
         compute_dtype = meta.get("compute_dtype")  # files from before it was recorded have none
         return cls(model, keys, values, pre_rope, tokens, str(meta["text_sha256"]), weighting, compute_dtype)
 
-    def check_model(self, model: Any, source: str = "palu_calibration") -> None:
-        """Raise ``KVConfigError`` naming what differs if ``model`` is not the calibrated model."""
+    def check_model(self, model: Any, source: str = "palu_calibration", shard: Any = None) -> None:
+        """Raise ``KVConfigError`` naming what differs if ``model`` is not the calibrated model.
+
+        ``shard`` (a :class:`~palu_mlx.distributed.HeadShard`): ``model`` is this rank's share of a
+        tensor-parallel model; it is compared as the whole model it is part of (its KV head count,
+        and the fingerprint of the whole K/V weights, summed over the ranks). Every rank must call
+        this at the same point (it is a collective).
+        """
         check_model(model)
         ours = model_identity(model)
+        if shard is not None:
+            ours["n_kv_heads"] = shard.total
+            ours["kv_weights_fingerprint"] = _whole_fingerprint(
+                model, self.model.get("kv_weights_fingerprint", {}), shard
+            )
         exact = ("architecture", "n_layers", "n_kv_heads", "head_dim")
         diffs = [
             f"{k} {self.model.get(k)!r} (file) != {ours[k]!r} (model)"
@@ -318,9 +365,10 @@ class Calibration:
         ]
         theirs = self.model.get("kv_weights_fingerprint", {})
         if not diffs and not _same_fingerprint(theirs, ours["kv_weights_fingerprint"]):
+            where = "" if shard is None else " (this rank's shard; its sha256 covers its own slice)"
             diffs.append(
                 "kv_weights (the key / value projection weights) differ: file sha256 "
-                f"{self.model.get('kv_weights_sha256')}, model sha256 {ours['kv_weights_sha256']}"
+                f"{self.model.get('kv_weights_sha256')}, model sha256 {ours['kv_weights_sha256']}{where}"
             )
         if diffs:
             raise KVConfigError(f"{source}: the calibration was made for another model: {'; '.join(diffs)}")
