@@ -228,23 +228,27 @@ def test_state_round_trip_and_refusals():
         CodecKVCache.from_state(keys_twice, cache.meta_state)
 
 
-def test_head_dim_not_a_power_of_two_is_refused_up_front():
-    cache = CodecKVCache(codec=RotatedKIVICodec(8))
-    x = torch.randn(1, 1, 20, 24)
-    with pytest.raises(KVShapeError, match="D must be a power of two; got D=24"):
-        cache.append(x, x)
-    assert cache.keys is None and cache.offset == 0
-    # without the rotation D = 24 is fine at 4 bits (even) and at 3 bits (a multiple of 8)
-    for bits in (4, 3):
-        ok = CodecKVCache(codec=RotatedKIVICodec(8, bits, bits, rotate_keys=False, rotate_values=False))
-        ok.append(x, x)
-        assert ok.offset == 20
+def test_a_head_dim_that_is_not_a_power_of_two_gets_a_random_orthogonal_rotation():
+    # head sizes such as 80 or 96 have no Hadamard matrix: a seeded random orthogonal one instead
+    for dim in (24, 80, 96):
+        m = hadamard_rotation(dim, seed=3)
+        torch.testing.assert_close(m @ m.T, torch.eye(dim), atol=1e-5, rtol=0)
+        assert torch.equal(m, hadamard_rotation(dim, seed=3)) and not torch.equal(
+            m, hadamard_rotation(dim, seed=4)
+        )
+    cache = CodecKVCache(codec=RotatedKIVICodec(8, 8, 8, raw_window=0))
+    x = torch.randn(1, 1, 24, 24)
+    cache.append(x, x)
+    assert cache.storage_bytes().tail == 0  # every token went through the rotation into blocks
+    keys, values = cache.read()
+    assert keys.shape == x.shape and (keys.float() - x).abs().max() < 0.05 * x.abs().max()
     with pytest.raises(KVShapeError, match="D must be a multiple of 8; got D=12"):
         CodecKVCache(codec=RotatedKIVICodec(8, 3, 4, rotate_keys=False, rotate_values=False)).append(
             x[..., :12], x[..., :12]
         )
-    with pytest.raises(KVShapeError, match="power of two"):
-        hadamard_rotation(48)
+    for bad in (0, -4, 2.5, True):
+        with pytest.raises(KVShapeError, match="dim must be a positive integer"):
+            hadamard_rotation(bad)
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,8 @@ A real model's keys carry a few outlier channels, and a token's values a few lar
 orthonormal rotation ``M [D, D]`` of the channels spreads them over all ``D`` channels, so a
 quantization group (a channel along a block of keys, or one token of values) meets a flatter
 range; ``M`` needs no data: ``M = diag(s) H / sqrt(D)`` with ``H`` the Sylvester Hadamard matrix and
-``s`` seeded random signs (:func:`hadamard_rotation`; ``D`` a power of two). The codes are then
+``s`` seeded random signs (:func:`hadamard_rotation`; where ``D`` is not a power of two, a seeded
+random orthogonal matrix). The codes are then
 KIVI's (:mod:`flashcodec.codecs.kivi`): keys per (block, channel), values per token, asymmetric with
 fp16 scales and zero points, and the first key of the sequence stored exactly (as the zero points
 of block 0) in the rotated basis.
@@ -87,10 +88,15 @@ def _check_flag(name: str, value: object) -> bool:
 # --------------------------------------------------------------------------- the rotation
 @lru_cache(maxsize=32)
 def _rotation(dim: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if dim & (dim - 1):
+        # no Hadamard matrix of this order (head sizes such as 80 or 96): a random orthogonal
+        # matrix, the Q of a seeded Gaussian's QR with its signs fixed, spreads outliers alike
+        q, r = torch.linalg.qr(torch.randn(dim, dim, generator=g, dtype=torch.float64))
+        return (q * torch.sign(torch.diagonal(r))).to(torch.float32)
     h = torch.ones(1, 1, dtype=torch.float64)
     while h.shape[0] < dim:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    g = torch.Generator().manual_seed(seed)
     signs = torch.randint(0, 2, (dim, 1), generator=g, dtype=torch.float64) * 2 - 1
     return (signs * h / math.sqrt(dim)).to(torch.float32)
 
@@ -101,24 +107,17 @@ def _rotation_on(dim: int, seed: int, device: torch.device) -> torch.Tensor:
     return _rotation(dim, seed).to(device)
 
 
-def check_power_of_two(mode: str, dim: int) -> None:
-    """``KVShapeError`` unless ``dim`` (a head dimension) is a power of two."""
-    if dim < 1 or dim & (dim - 1):
-        raise KVShapeError(
-            f"{mode} rotates each head's D channels by a Hadamard matrix: D must be a power of two; got "
-            f"D={dim} (use rotate_keys=False, rotate_values=False, or a kivi codec, for this model)"
-        )
-
-
 def hadamard_rotation(dim: int, seed: int = 0, device: torch.device | str | None = None) -> torch.Tensor:
     """The fixed rotation ``M = diag(s) H / sqrt(D)``: fp32 ``[D, D]``, orthonormal (``M M^T = I``).
 
-    ``H`` is the Sylvester Hadamard matrix of order ``D`` (a power of two, else ``KVShapeError``)
-    and ``s`` a vector of random signs drawn from ``seed``. A token ``x [..., D]`` is stored as
+    ``H`` is the Sylvester Hadamard matrix of order ``D`` and ``s`` a vector of random signs drawn
+    from ``seed``; where ``D`` is not a power of two (no such ``H``), ``M`` is a random orthogonal
+    matrix drawn from ``seed`` instead. A token ``x [..., D]`` is stored as
     ``x @ M`` and read back as ``(x @ M) @ M.T``. Built once per ``(dim, seed)``; each call returns
     a copy (on ``device``), so no caller can change the cached one.
     """
-    check_power_of_two("hadamard_rotation", dim)
+    if isinstance(dim, bool) or not isinstance(dim, numbers.Integral) or dim < 1:
+        raise KVShapeError(f"hadamard_rotation: dim must be a positive integer; got {dim!r}")
     return _rotation(int(dim), int(seed)).to(device, copy=True)
 
 
@@ -246,7 +245,6 @@ class _Rotated:
         shared by every call: read it, never write into it (:func:`hadamard_rotation` gives a copy)."""
         if not self._rotates():
             return None
-        check_power_of_two(self.mode, dim)
         return _rotation_on(int(dim), self.seed, torch.device("cpu" if device is None else device))
 
     def _rotate(self, x: torch.Tensor) -> torch.Tensor:
@@ -335,8 +333,6 @@ class RotatedTokenIntCodec(_Rotated, BlockCodec):
 
     def check_dim(self, dim: int) -> None:
         _check_packable(self.mode, "bits", self.bits, dim)
-        if self.rotate:
-            check_power_of_two(self.mode, dim)
 
     def synthesis_matrix(self, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
         """The identity ``[r, r]``: the stored rows are the block's (rotated) tokens."""
@@ -385,8 +381,8 @@ class RotatedKIVICodec(_Rotated, BlockCodec):
         exact_sink: the first key of the sequence, rotated, is block 0's zero points (stored as code
             0): it comes back as its fp16 rounding rotated back, in fp32 arithmetic (see
             :class:`~flashcodec.codecs.KIVICodec`).
-        rotate_keys, rotate_values: which side is rotated (both by default); a side that rotates
-            needs ``D`` a power of two (checked before the first append: ``KVShapeError``).
+        rotate_keys, rotate_values: which side is rotated (both by default): by a signed Hadamard
+            matrix where ``D`` is a power of two, else by a seeded random orthogonal matrix.
         seed: the random signs of the rotation (one rotation for every head and layer).
         range_fit: ``"minmax"`` (default: every element within half a step) or ``"gauss"`` (the
             step of the best uniform quantizer of a Gaussian, tails clipped; 2 to 4 bits), for
@@ -458,8 +454,6 @@ class RotatedKIVICodec(_Rotated, BlockCodec):
     def check_dim(self, dim: int) -> None:
         """``KVShapeError`` when keys or values of head dimension ``dim`` cannot be stored."""
         _check_packable(self.mode, "key_bits", self.key_bits, dim)
-        if self.rotate_keys:
-            check_power_of_two(self.mode, dim)
         self.value_codec.check_dim(dim)
 
     def synthesis_matrix(self, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
