@@ -21,6 +21,7 @@ from kvspec.conformance import relative_error as rel_err
 from kvspec.vectors import load_vectors
 from palu_mlx import PaluKVCache, naive_roundtrip
 from palu_mlx.spec import PaluAdapter
+from palu_mlx.state_checks import STATE_META
 from palu_mlx.tiers import TIERS
 
 FAMILIES = ("planted_lowrank", "random_walk", "gaussian", "outlier_keys", "real")
@@ -49,7 +50,8 @@ def palu_on_vector(vector, config) -> dict:
             to_mx(vector.keys[:, :, a:b], vector.dtype), to_mx(vector.values[:, :, a:b], vector.dtype)
         )
     elements = int(np.prod(vector.shape) + np.prod(vector.values_shape))
-    state = cache.state
+    # the cache's own arrays: not the meta_state record every state also carries for saving
+    state = {name: a for name, a in cache.state.items() if name != STATE_META}
     state_bytes = sum(a.nbytes for a in state.values())
     # arrays with a token axis: exact tokens, the mixed-bit coder's segments, the fixed coder's codes
     token_bytes = sum(
