@@ -15,7 +15,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from palu_helpers import make_tiny_qwen3
-from palu_mlx import KVCacheBuilder, PaluKVCache, model_kv_dims
+from palu_mlx import HiLoSplit, KVCacheBuilder, PaluKVCache, WaterFilling, model_kv_dims
 from palu_mlx.tiers import TIERS
 
 MODEL = os.environ.get("KVBENCH_EMBEDDED_MODEL") or str(
@@ -47,6 +47,51 @@ def test_fixed_split_tiers_per_head_code_each_head_on_its_own(name):
     ]
     for i in (0, 1):
         assert mx.array_equal(whole[i], mx.concatenate([p[i] for p in halves], axis=1)).item()
+
+
+@pytest.mark.parametrize(
+    "coder",
+    [WaterFilling(bits=2.5), WaterFilling(bits=3.0, token_scale=False), HiLoSplit(4, 2, 0.25)],
+    ids=["water-filling-2.5", "water-filling-3", "hi-lo-energy-rank"],
+)
+def test_a_half_of_the_heads_fitted_with_every_heads_statistics_codes_them_as_one_process(coder):
+    """What a rank's fit does under tensor parallel, in one process: given every head's statistics
+    (what HeadShard.gather returns), half of the heads get the widths, rank and steps the whole fit
+    gives them; without them (each rank on its own heads) the widths differ."""
+    # heads of other scales (the water-filling level) and, in the second half, nearly rank 8 (the
+    # energy rank is the smallest over the heads)
+    low = mx.concatenate([mx.ones((8,)), mx.full((56,), 0.02)])
+    shape = mx.stack([mx.ones((64,)), mx.ones((64,)) * 3.0, low * 0.3, low * 1.5])[None, :, None, :]
+    keys = mx.random.normal((1, 4, 96, 64), key=mx.random.key(3)) * shape
+    values = mx.random.normal((1, 4, 96, 64), key=mx.random.key(4)) * shape[:, ::-1]
+    knobs = dict(
+        groups=4, rank=None, energy_threshold=0.9, group_size=32, quantize_values=True, dtype=mx.float32
+    )
+    seen: list[np.ndarray] = []
+
+    def record(stats):  # the whole model's statistics, in the order the fit asks for them
+        seen.append(np.array(stats))
+        return stats
+
+    whole = coder.fit(keys, values, **{**knobs, "groups": 4}, gather=record)
+    for half in (slice(0, 2), slice(2, 4)):
+        asked = iter(seen)
+
+        def gather(stats, half=half, asked=asked):
+            every = next(asked)
+            assert np.array_equal(np.asarray(stats, dtype=every.dtype), every[half])  # this rank's rows
+            return every
+
+        part = coder.fit(keys[:, half], values[:, half], **{**knobs, "groups": 2}, gather=gather)
+        for (w_proj, w_coder), (p_proj, p_coder) in zip(whole, part, strict=True):
+            assert p_coder.segments == w_coder.segments and p_proj.rank == w_proj.rank
+            assert mx.array_equal(p_proj.basis, w_proj.basis[half]).item()
+            for name, arr in w_coder.constants().items():  # the quantizer steps per head
+                assert mx.array_equal(p_coder.constants()[name], arr[half]).item()
+    alone = [
+        coder.fit(keys[:, h], values[:, h], **{**knobs, "groups": 2}) for h in (slice(0, 2), slice(2, 4))
+    ]
+    assert any(a[i][1].segments != whole[i][1].segments for a in alone for i in (0, 1))
 
 
 def _free_port() -> int:
