@@ -264,3 +264,27 @@ def test_palu_mlx_generate_continues_a_file_mlx_lms_save_wrote(tmp_path, capsys)
     # the file's tokens, then the new ones and the reply: the cached prompt was not recomputed
     assert prompt < 5 and held + prompt < total <= held + prompt + 5
     assert Path(file).read_bytes() == written  # mlx-lm's file is read, not rewritten
+
+
+@pytest.mark.slow
+@needs_model
+def test_a_conversation_in_palus_own_format_still_continues(tmp_path, capsys):
+    from palu_mlx import save_prompt_cache
+    from palu_mlx.generate import generate_main
+
+    file = str(tmp_path / "conversation.safetensors")
+    common = ["--model", MODEL, "--max-tokens", "6", "--prompt-cache-file", file, "--palu-bits", "2"]
+    assert generate_main([*common, "--prompt", "JSON encodes"]) == 0
+    cache, meta = mlx_cache.load_prompt_cache(file, return_metadata=True)
+    save_prompt_cache(file, cache, meta)  # the format palu-mlx generate wrote before
+    assert mx.load(file, return_metadata=True)[1].get("format") == "palu-mlx.prompt-cache.v1"
+    capsys.readouterr()
+    assert generate_main([*common, "--prompt", "and decodes"]) == 0
+    out = capsys.readouterr().out
+    assert int(re.search(r"Prompt: (\d+) tokens", out).group(1)) < int(
+        re.search(r"held for (\d+) tokens", out).group(1)
+    )
+    # written back in mlx-lm's format, the conversation one turn longer
+    again, meta2 = mlx_cache.load_prompt_cache(file, return_metadata=True)
+    assert len(json.loads(meta2["palu_messages"])) == len(json.loads(meta["palu_messages"])) + 2
+    assert again[0].offset > cache[0].offset
