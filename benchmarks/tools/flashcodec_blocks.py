@@ -19,6 +19,7 @@ __all__ = [
     "render_attention",
     "render_e2e",
     "render_real_tiers",
+    "render_rotated_tiers",
     "render_step_raw",
     "render_lossless",
     "render_kv_recipes",
@@ -152,15 +153,15 @@ def _compare_row(row: dict[str, Any]) -> str:
     return f"{row['kl_mean']:.2e} | {100 * row['top1_agreement']:.1f}% | {row['ppl_delta']:+.3f}"
 
 
-def render_real_tiers(result: dict[str, Any]) -> list[str]:
-    """The kivi / chan64 tiers beside hqq on the real model: bytes, quality and decode speed against
-    hqq 4-bit (``summary_long``, every figure from one run), fewest bytes first."""
+def _tier_table(result: dict[str, Any], results_file: str) -> list[str]:
+    """Tiers beside hqq on the real model: bytes, quality and decode speed against hqq 4-bit
+    (``summary_long``, every figure from one run), fewest bytes first."""
     rows = sorted(
         (r for r in result["summary_long"] if r["name"] != "baseline"),
         key=lambda r: (round(r["resident_ratio_decode_mean"], 3), r["kl_mean"]),
     )
     lines = [
-        f"From `benchmarks/results/flashcodec_real_tiers.json` ({result['stamp']['date'][:10]}):",
+        f"From `benchmarks/results/{results_file}` ({result['stamp']['date'][:10]}):",
         "",
         "| cache | bytes x raw | KL | top-1 | Δ ppl | bytes x hqq-q4 | KL x hqq-q4 | decode x hqq-q4 |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
@@ -171,6 +172,17 @@ def render_real_tiers(result: dict[str, Any]) -> list[str]:
             f"{r['bytes_vs_hqq_q4']:.3f} | {r['kl_vs_hqq_q4']:.2f} | {r['decode_vs_hqq_q4']:.2f} |"
         )
     return lines
+
+
+def render_real_tiers(result: dict[str, Any]) -> list[str]:
+    """The kivi / chan64 tiers beside hqq on the real model (``benchmarks/flashcodec/real_tiers.py``)."""
+    return _tier_table(result, "flashcodec_real_tiers.json")
+
+
+def render_rotated_tiers(result: dict[str, Any]) -> list[str]:
+    """The rotated kivi tiers beside the unrotated one and hqq on the real model, two long windows
+    (``benchmarks/flashcodec/rotated_tiers.py --long-windows 2``)."""
+    return _tier_table(result, "flashcodec_rotated_tiers_2w.json")
 
 
 def render_step_raw(result: dict[str, Any]) -> list[str]:
@@ -360,6 +372,7 @@ BLOCKS: tuple[Block, ...] = (
     _block("attention", render_attention),
     _block("e2e", render_e2e),
     _block("real_tiers", render_real_tiers),
+    _block("rotated_tiers_2w", render_rotated_tiers),
     _block("step_raw", render_step_raw),
     _block("lossless", render_lossless),
     _block("kv_recipes", render_kv_recipes),
