@@ -18,7 +18,7 @@ import pytest
 from cache_snapshots import KINDS, build, kv, snapshot
 from kvspec import KVConfigError, KVDataError
 from mlx_lm.models import cache as mlx_cache
-from palu_mlx import CalibratedKVCache, KVCacheBuilder, NaiveQuantKVCache, PaluKVCache
+from palu_mlx import CalibratedKVCache, KVCacheBuilder, NaiveQuantKVCache, PaluKVCache, register_with_mlx_lm
 from palu_mlx.batch import BatchedLayerCache
 from palu_mlx.state_checks import STATE_META
 
@@ -28,7 +28,12 @@ MODEL = os.environ.get("KVBENCH_EMBEDDED_MODEL") or str(
 needs_model = pytest.mark.skipif(not os.path.isdir(MODEL), reason="the embedded model is not checked out")
 
 
-def test_importing_palu_mlx_registers_its_classes_where_mlx_lm_looks_them_up():
+def test_registering_puts_its_classes_where_mlx_lm_looks_them_up_and_importing_does_not():
+    fresh = "import palu_mlx; from mlx_lm.models import cache; print(hasattr(cache, 'PaluKVCache'))"
+    out = subprocess.run([sys.executable, "-c", fresh], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"  # importing palu_mlx leaves mlx-lm as it was
+    register_with_mlx_lm()
+    register_with_mlx_lm()  # idempotent
     for cls in (PaluKVCache, CalibratedKVCache, NaiveQuantKVCache, BatchedLayerCache):
         assert vars(mlx_cache)[cls.__name__] is cls
     assert mlx_cache.KVCache.__module__ == "mlx_lm.models.cache"  # nothing of mlx-lm replaced
@@ -138,7 +143,9 @@ _CHILD = textwrap.dedent(
     import json, sys
     import mlx.core as mx
     import mlx_lm
-    import palu_mlx  # registers palu-mlx's cache classes with mlx-lm's loader
+    import palu_mlx
+
+    palu_mlx.register_with_mlx_lm()  # a fresh process that only loads: mlx-lm must find the classes
     from mlx_lm.generate import generate_step
     from mlx_lm.models.cache import load_prompt_cache
     from palu_mlx.attention import route_attention
@@ -213,7 +220,9 @@ def test_a_fresh_process_continues_an_mlx_lm_file_with_the_same_greedy_tokens(tm
 
 
 # --------------------------------------------------------------------------- the two command lines
-_MLX_LM_GENERATE = "import palu_mlx; from mlx_lm.generate import main; main()"
+_MLX_LM_GENERATE = (
+    "import palu_mlx; palu_mlx.register_with_mlx_lm(); from mlx_lm.generate import main; main()"
+)
 
 
 @pytest.mark.slow

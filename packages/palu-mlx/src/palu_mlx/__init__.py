@@ -19,6 +19,7 @@ from .builder import (
     UnverifiedPromptCacheWarning,
     load_prompt_cache,
     model_kv_dims,
+    register_with_mlx_lm,
     save_prompt_cache,
 )
 from .cache import PaluKVCache
@@ -68,6 +69,7 @@ __all__ = [
     "tier",
     "save_prompt_cache",
     "load_prompt_cache",
+    "register_with_mlx_lm",
     "model_kv_dims",
     "GroupProjection",
     "fit_group_projection",

@@ -13,10 +13,12 @@ coded before RoPE; other architectures fall back to post-RoPE keys with a
 
 **Prompt-cache files.** mlx-lm's own ``save_prompt_cache`` / ``load_prompt_cache`` (and so
 ``mlx_lm.generate --prompt-cache-file`` and ``mlx_lm.cache_prompt``) work with palu caches once
-palu_mlx is imported: every palu-mlx ``state`` carries its ``meta_state`` and a checksum
-(:mod:`palu_mlx.state_checks`), and importing this module registers the palu-mlx cache classes
-in ``mlx_lm.models.cache``, where mlx-lm's loader looks a saved class name up
-(:func:`register_with_mlx_lm`). Nothing of mlx-lm is replaced; only names it lacks are added.
+:func:`register_with_mlx_lm` has run in the process: every palu-mlx ``state`` carries its
+``meta_state`` and a checksum (:mod:`palu_mlx.state_checks`), and registering adds the palu-mlx
+cache classes' names to ``mlx_lm.models.cache``, where mlx-lm's loader looks a saved class name
+up. Building palu caches (``for_model``, ``install``) registers them, so a process that made a
+cache can load its file; a fresh process that only loads calls it first. Importing palu_mlx
+changes nothing of mlx-lm, and nothing of mlx-lm is ever replaced: only names it lacks are added.
 
 This module also has its own :func:`save_prompt_cache` / :func:`load_prompt_cache`, whose file
 is a ``.safetensors`` with each layer's ``state`` arrays under ``"<layer>.<name>"`` and, in the
@@ -80,9 +82,9 @@ def register_with_mlx_lm() -> None:
     mlx-lm rebuilds each saved layer with ``globals()[class_name].from_state(state)`` inside
     ``mlx_lm.models.cache`` (``CacheList`` does the same for its members), so the classes must be
     names of that module. This adds :class:`PaluKVCache`, :class:`CalibratedKVCache`,
-    :class:`NaiveQuantKVCache` and :class:`~palu_mlx.batch.BatchedLayerCache` there; it runs when
-    palu_mlx is imported and is idempotent. A name mlx-lm already uses for something else is
-    never overwritten (``KVConfigError``).
+    :class:`NaiveQuantKVCache` and :class:`~palu_mlx.batch.BatchedLayerCache` there; building
+    palu caches runs it, a process that only loads a file calls it, and it is idempotent. A name
+    mlx-lm already uses for something else is never overwritten (``KVConfigError``).
     """
     for cls in (*_OUR_CLASSES, BatchedLayerCache):
         present = getattr(mlx_cache, cls.__name__, None)
@@ -93,9 +95,6 @@ def register_with_mlx_lm() -> None:
                 f"mlx_lm.models.cache already defines {cls.__name__!r} ({present!r}); palu-mlx cannot "
                 "register its cache class of that name for mlx-lm's load_prompt_cache"
             )
-
-
-register_with_mlx_lm()
 
 
 def _check_config(config: Any) -> None:
@@ -150,6 +149,7 @@ class KVCacheBuilder:
     ) -> list[Any]:
         _check_config(config)
         check_policy(allocation_policy)
+        register_with_mlx_lm()  # so mlx-lm's load_prompt_cache can rebuild what this process saves
         head_dim, n_kv = model_kv_dims(model)
         if head_dim is not None and head_dim != config.head_dim:
             raise KVConfigError(f"head_dim={config.head_dim} does not match the model's head_dim {head_dim}")

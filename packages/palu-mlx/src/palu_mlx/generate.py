@@ -18,8 +18,9 @@ memory) and then the KV bytes the cache holds against an uncompressed cache of t
 
 The file is written with mlx-lm's own ``save_prompt_cache`` (the conversation rides in its
 metadata; ``"model"`` is the resolved model path), so mlx-lm's ``load_prompt_cache`` reads it
-in any process that imported palu_mlx, and ``mlx_lm.generate --prompt-cache-file`` continues it
-when run as ``python -c "import palu_mlx; from mlx_lm.generate import main; main()" ...``.
+in any process that called ``palu_mlx.register_with_mlx_lm()``, and ``mlx_lm.generate
+--prompt-cache-file`` continues it when run as ``python -c "import palu_mlx;
+palu_mlx.register_with_mlx_lm(); from mlx_lm.generate import main; main()" ...``.
 Conversation files of palu's own format (earlier versions) are still read.
 """
 
