@@ -396,6 +396,56 @@ README_COLUMNS = [
 ]
 
 
+#: docs/kvbench.md's passkey table, from benchmarks/tools/passkey.py's results (package label, file)
+KVBENCH_DOC = ROOT / "docs" / "kvbench.md"
+PASSKEY_START, PASSKEY_END = "<!-- passkey:start -->", "<!-- passkey:end -->"
+PASSKEY_FILES = (("flashcodec", "passkey_flashcodec.json"), ("palu-mlx", "passkey_palu.json"))
+
+
+def _passkey_cell(row: dict[str, Any] | None) -> str:
+    if row is None:
+        return "not run"
+    if row.get("partial") or row.get("correct") is None:
+        return f"partial: {sum(row['hits'])} of {len(row['hits'])}"
+    cell = f"{row['correct']}"
+    if row["kind"] == "baseline" and not row.get("baseline_retrieves", True):
+        cell += " (under half: the length does not test a cache)"
+    return cell
+
+
+def render_passkey_block(results: dict[str, dict[str, Any]]) -> str:
+    """The passkey table: correct answers out of the trials, per package, candidate and length."""
+    lengths = sorted({row["length"] for r in results.values() for row in r["rows"]})
+    lines = [
+        PASSKEY_START,
+        "",
+        "Correct answers out of "
+        + ", ".join(
+            f"{r['settings']['trials']} per length for {label} (`benchmarks/results/{name}`, "
+            f"{r['settings']['dtype']}, {r['stamp']['date'][:10]})"
+            for label, name in PASSKEY_FILES
+            if (r := results.get(label)) is not None
+        )
+        + ":",
+        "",
+        "| package, cache | " + " | ".join(f"{n:,}" for n in lengths) + " |",
+        "|---|" + "---:|" * len(lengths),
+    ]
+    for label, _ in PASSKEY_FILES:
+        if label not in results:
+            continue
+        rows = results[label]["rows"]
+        names = list(dict.fromkeys(row["name"] for row in rows))
+        for name in names:
+            by_length = {row["length"]: row for row in rows if row["name"] == name}
+            title = f"{label}: baseline (uncompressed)" if name == "baseline" else f"`{name}`"
+            lines.append(
+                f"| {title} | " + " | ".join(_passkey_cell(by_length.get(n)) for n in lengths) + " |"
+            )
+    lines += ["", PASSKEY_END]
+    return "\n".join(lines)
+
+
 #: how long the last default main job took (written by benchmarks/tools/main_job.py)
 TIMING_FILE = "main_job.json"
 
@@ -600,6 +650,13 @@ def main(argv: list[str] | None = None) -> int:
     timing_file = args.results / TIMING_FILE
     timing = read_json(timing_file) if timing_file.is_file() else None
     put(README, render_readme_block(results, timing), START, END)
+    passkey = {
+        label: read_json(args.results / name)
+        for label, name in PASSKEY_FILES
+        if (args.results / name).is_file()
+    }
+    if passkey:
+        put(KVBENCH_DOC, render_passkey_block(passkey), PASSKEY_START, PASSKEY_END)
     model_inputs = _model_inputs(args.results)
     if model_inputs is not None:
         put(MODEL_DOC, render_model_block(*model_inputs), MODEL_START, MODEL_END)
