@@ -27,17 +27,17 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-from kvspec import KVShapeError
 
-from .base import BlockCodec, PartSpec, check_block_size, from_blocks, to_blocks, to_output
+from .affine import ChannelAffine, TokenRows, channel_affine_specs, check_even
+from .base import PartSpec, check_block_size, to_blocks
 from .quant import dequantize_int4_zero, packed_width, quantize_int4_zero
-from .tail import check_window_options
+from .tail import set_window_fields
 
 __all__ = ["ChannelInt4Codec"]
 
 
 @dataclass(frozen=True)
-class ChannelInt4Codec(BlockCodec):
+class ChannelInt4Codec(TokenRows, ChannelAffine):
     """Blocks of ``r`` tokens in asymmetric int4, an fp16 scale and zero point per (block, channel).
 
     Args:
@@ -54,7 +54,6 @@ class ChannelInt4Codec(BlockCodec):
 
     mode: ClassVar[str] = "chan-int4"
     int4_zero_nibble: ClassVar[bool] = True
-    synthesis_is_identity: ClassVar[bool] = True
 
     block_size: int = 64
     raw_window: int = 0
@@ -62,32 +61,13 @@ class ChannelInt4Codec(BlockCodec):
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "block_size", check_block_size(self.block_size))
-        raw_window, window_bits = check_window_options(self.raw_window, self.window_bits)
-        object.__setattr__(self, "raw_window", raw_window)
-        object.__setattr__(self, "window_bits", window_bits)
-
-    @property
-    def rows(self) -> int:
-        return self.block_size
-
-    @property
-    def lossless(self) -> bool:
-        return False
+        set_window_fields(self)
 
     def part_specs(self, dim: int) -> tuple[PartSpec, ...]:
-        return (
-            PartSpec("codes", (self.block_size, packed_width(dim)), torch.uint8),
-            PartSpec("scales", (1, dim), torch.float16),
-            PartSpec("zeros", (1, dim), torch.float16),
-        )
+        return channel_affine_specs(PartSpec("codes", (self.block_size, packed_width(dim)), torch.uint8), dim)
 
     def check_dim(self, dim: int) -> None:
-        if dim % 2:
-            raise KVShapeError(f"chan-int4 packs two int4 codes a byte along D: D must be even; got D={dim}")
-
-    def synthesis_matrix(self, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
-        """The identity ``[r, r]``: the stored rows are the block's tokens."""
-        return torch.eye(self.block_size, dtype=dtype, device=device)
+        check_even(self.mode, dim)
 
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """``x [..., n*r, D]`` -> ``(uint8 codes [..., n, r, D/2], fp16 scales, fp16 zeros [..., n, 1, D])``."""
@@ -105,13 +85,3 @@ class ChannelInt4Codec(BlockCodec):
         """``((packed codes,), None)``: the codes as stored, no row scale (see :meth:`channel_affine`)."""
         self.check_parts(parts)
         return (parts[0],), None
-
-    def channel_affine(self, parts: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """fp32 ``(scales, zeros)``, each ``[..., n, D]``: token ``t`` of block ``b`` is
-        ``(A @ rows)[t] * scales[b] + zeros[b]``."""
-        self.check_parts(parts)
-        return parts[1][..., 0, :].float(), parts[2][..., 0, :].float()
-
-    def decode(self, parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
-        """Parts for ``n`` blocks -> ``[..., n*r, D]`` in ``dtype``."""
-        return to_output(from_blocks(self.stored_rows(parts, torch.float32)), dtype)

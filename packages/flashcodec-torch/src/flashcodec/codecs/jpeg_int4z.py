@@ -25,18 +25,19 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-from kvspec import KVConfigError, KVShapeError
+from kvspec import KVConfigError
 
-from .base import BlockCodec, PartSpec, check_block_size, compute_dtype, from_blocks, to_blocks, to_output
+from .affine import RowAffine, check_even, row_affine_specs
+from .base import PartSpec, check_block_size, compute_dtype, from_blocks, to_blocks, to_output
 from .jpeg import JPEGCodec
 from .quant import dequantize_int4_zero, packed_width, quantize_int4_zero
-from .tail import check_window_options
+from .tail import set_window_fields
 
 __all__ = ["ZeroPointJPEGCodec"]
 
 
 @dataclass(frozen=True)
-class ZeroPointJPEGCodec(BlockCodec):
+class ZeroPointJPEGCodec(RowAffine):
     """Block DCT-II codec, ``K`` rows per block in asymmetric int4 (fp16 scale and zero per row).
 
     Args:
@@ -64,9 +65,7 @@ class ZeroPointJPEGCodec(BlockCodec):
 
     def __post_init__(self) -> None:
         r = check_block_size(self.block_size)
-        raw_window, window_bits = check_window_options(self.raw_window, self.window_bits)
-        object.__setattr__(self, "raw_window", raw_window)
-        object.__setattr__(self, "window_bits", window_bits)
+        set_window_fields(self)
         k = r if self.keep_freqs is None else self.keep_freqs
         if isinstance(k, bool) or not isinstance(k, numbers.Integral) or not 1 <= k <= r:
             raise KVConfigError(
@@ -88,15 +87,12 @@ class ZeroPointJPEGCodec(BlockCodec):
         return False
 
     def part_specs(self, dim: int) -> tuple[PartSpec, ...]:
-        return (
-            PartSpec("coeffs", (self.keep_freqs, packed_width(dim)), torch.uint8),
-            PartSpec("scales", (self.keep_freqs, 1), torch.float16),
-            PartSpec("zeros", (self.keep_freqs, 1), torch.float16),
+        return row_affine_specs(
+            PartSpec("coeffs", (self.keep_freqs, packed_width(dim)), torch.uint8), self.keep_freqs
         )
 
     def check_dim(self, dim: int) -> None:
-        if dim % 2:
-            raise KVShapeError(f"jpeg-int4z packs two int4 codes a byte along D: D must be even; got D={dim}")
+        check_even(self.mode, dim)
 
     def analysis_matrix(self, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
         """``M [K, r]`` (encode: ``C = M @ block``)."""
@@ -127,11 +123,6 @@ class ZeroPointJPEGCodec(BlockCodec):
         self.check_parts(parts)
         q, scale, _ = parts
         return (q,), scale[..., 0].float()
-
-    def row_offsets(self, parts: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
-        """fp32 ``[..., n, K]``: the zero point added to every element of each row."""
-        self.check_parts(parts)
-        return parts[2][..., 0].float()
 
     def decode(self, parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
         """Parts for ``n`` blocks -> ``[..., n*r, D]`` in ``dtype`` (one batched GEMM in fp32)."""

@@ -28,15 +28,17 @@ being the tokens themselves (``A`` is the identity).
 from __future__ import annotations
 
 import numbers
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-from kvspec import KVConfigError, KVShapeError
+from kvspec import KVConfigError
 
-from .base import BlockCodec, PartSpec, check_block_size, from_blocks, to_blocks, to_output
+from .affine import ChannelAffine, RowAffine, TokenRows, channel_affine_specs, check_even, row_affine_specs
+from .base import BlockCodec, PartSpec, check_block_size, to_blocks
 from .quant import _pack_int4, packed_width, unpack_int4
-from .tail import check_window_options
+from .tail import set_window_fields
 
 __all__ = ["KIVICodec", "TokenIntCodec", "quantize_zero", "dequantize_zero", "CODE_BITS"]
 
@@ -48,10 +50,10 @@ _CODE_RANGE = {4: (-8, 7), 8: (-127, 127)}
 _FP16_MAX = float(torch.finfo(torch.float16).max)
 
 
-def check_bits(name: str, bits: object) -> int:
-    """``bits`` (4 or 8) as an int; ``KVConfigError`` naming ``name`` otherwise."""
-    if isinstance(bits, bool) or not isinstance(bits, numbers.Integral) or int(bits) not in CODE_BITS:
-        raise KVConfigError(f"{name} must be one of {CODE_BITS}; got {bits!r}")
+def check_bits(name: str, bits: object, allowed: tuple[int, ...] = CODE_BITS) -> int:
+    """``bits`` (one of ``allowed``: 4 or 8 by default) as an int; ``KVConfigError`` naming ``name`` otherwise."""
+    if isinstance(bits, bool) or not isinstance(bits, numbers.Integral) or int(bits) not in allowed:
+        raise KVConfigError(f"{name} must be one of {allowed}; got {bits!r}")
     return int(bits)
 
 
@@ -102,12 +104,37 @@ def _code_spec(bits: int, rows: int, dim: int) -> PartSpec:
 
 
 def _check_even(mode: str, bits: int, dim: int) -> None:
-    if bits == 4 and dim % 2:
-        raise KVShapeError(f"{mode} packs two int4 codes a byte along D: D must be even; got D={dim}")
+    if bits == 4:
+        check_even(mode, dim)
+
+
+def _dequantized(parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
+    codes, scale, zero = parts
+    dim = 2 * codes.shape[-1] if codes.dtype == torch.uint8 else codes.shape[-1]
+    return dequantize_zero(codes, scale, zero, dim, dtype)
+
+
+def encode_with_sink(
+    codec: BlockCodec,
+    x: torch.Tensor,
+    first_block: int,
+    encode_sink_block: Callable[[torch.Tensor], tuple[torch.Tensor, ...]],
+) -> tuple[torch.Tensor, ...]:
+    """A KIVI key codec's ``encode_blocks``: ``codec.encode(x)``, except that with its ``exact_sink``
+    block 0 (``first_block == 0``) is coded by ``encode_sink_block(block [..., 1, r, D])``, which
+    takes the block's first token as the zero point of every channel."""
+    if not codec.exact_sink or first_block != 0 or x.shape[-2] == 0:
+        return codec.encode(x)
+    r = codec.block_size
+    head = encode_sink_block(to_blocks(x[..., :r, :], r))
+    if x.shape[-2] == r:
+        return head
+    rest = codec.encode(x[..., r:, :])
+    return tuple(torch.cat([a, b], dim=-3) for a, b in zip(head, rest, strict=True))
 
 
 @dataclass(frozen=True)
-class TokenIntCodec(BlockCodec):
+class TokenIntCodec(TokenRows, RowAffine):
     """Blocks of ``r`` tokens, each token in asymmetric ``bits``-bit codes with its own fp16 scale
     and zero point (a group over the channels of one token): :class:`KIVICodec`'s value codec.
 
@@ -119,7 +146,6 @@ class TokenIntCodec(BlockCodec):
     """
 
     mode: ClassVar[str] = "token-int"
-    synthesis_is_identity: ClassVar[bool] = True
 
     block_size: int = 64
     bits: int = 4
@@ -129,36 +155,17 @@ class TokenIntCodec(BlockCodec):
     def __post_init__(self) -> None:
         object.__setattr__(self, "block_size", check_block_size(self.block_size))
         object.__setattr__(self, "bits", check_bits("bits", self.bits))
-        raw_window, window_bits = check_window_options(self.raw_window, self.window_bits)
-        object.__setattr__(self, "raw_window", raw_window)
-        object.__setattr__(self, "window_bits", window_bits)
+        set_window_fields(self)
 
     @property
     def int4_zero_nibble(self) -> bool:  # type: ignore[override]
         return self.bits == 4
 
-    @property
-    def rows(self) -> int:
-        return self.block_size
-
-    @property
-    def lossless(self) -> bool:
-        return False
-
     def part_specs(self, dim: int) -> tuple[PartSpec, ...]:
-        r = self.block_size
-        return (
-            _code_spec(self.bits, r, dim),
-            PartSpec("scales", (r, 1), torch.float16),
-            PartSpec("zeros", (r, 1), torch.float16),
-        )
+        return row_affine_specs(_code_spec(self.bits, self.block_size, dim), self.block_size)
 
     def check_dim(self, dim: int) -> None:
         _check_even(self.mode, self.bits, dim)
-
-    def synthesis_matrix(self, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
-        """The identity ``[r, r]``: the stored rows are the block's tokens."""
-        return torch.eye(self.block_size, dtype=dtype, device=device)
 
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """``x [..., n*r, D]`` -> ``(codes [..., n, r, D/2 or D], fp16 scales, fp16 zeros [..., n, r, 1])``."""
@@ -167,9 +174,7 @@ class TokenIntCodec(BlockCodec):
     def stored_rows(self, parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
         """The tokens ``[..., n, r, D]`` in ``dtype``."""
         self.check_parts(parts)
-        codes, scale, zero = parts
-        dim = 2 * codes.shape[-1] if codes.dtype == torch.uint8 else codes.shape[-1]
-        return dequantize_zero(codes, scale, zero, dim, dtype)
+        return _dequantized(parts, dtype)
 
     def row_segments(
         self, parts: tuple[torch.Tensor, ...]
@@ -178,18 +183,9 @@ class TokenIntCodec(BlockCodec):
         self.check_parts(parts)
         return (parts[0],), parts[1][..., 0].float()
 
-    def row_offsets(self, parts: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
-        """fp32 ``[..., n, r]``: each token's zero point."""
-        self.check_parts(parts)
-        return parts[2][..., 0].float()
-
-    def decode(self, parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
-        """Parts for ``n`` blocks -> ``[..., n*r, D]`` in ``dtype``."""
-        return to_output(from_blocks(self.stored_rows(parts, torch.float32)), dtype)
-
 
 @dataclass(frozen=True)
-class KIVICodec(BlockCodec):
+class KIVICodec(TokenRows, ChannelAffine):
     """Keys in ``key_bits`` per (block, channel), values in ``value_bits`` per token (KIVI's split).
 
     This object codes the keys: blocks of ``r`` tokens in asymmetric codes with an fp16 scale and
@@ -212,7 +208,6 @@ class KIVICodec(BlockCodec):
     """
 
     mode: ClassVar[str] = "kivi"
-    synthesis_is_identity: ClassVar[bool] = True
 
     block_size: int = 64
     key_bits: int = 4
@@ -227,9 +222,7 @@ class KIVICodec(BlockCodec):
             raise KVConfigError(f"exact_sink must be a bool; got {self.exact_sink!r}")
         object.__setattr__(self, "key_bits", check_bits("key_bits", self.key_bits))
         object.__setattr__(self, "value_bits", check_bits("value_bits", self.value_bits))
-        raw_window, window_bits = check_window_options(self.raw_window, self.window_bits)
-        object.__setattr__(self, "raw_window", raw_window)
-        object.__setattr__(self, "window_bits", window_bits)
+        set_window_fields(self)
 
     @property
     def value_codec(self) -> TokenIntCodec:  # type: ignore[override]
@@ -240,28 +233,12 @@ class KIVICodec(BlockCodec):
     def int4_zero_nibble(self) -> bool:  # type: ignore[override]
         return self.key_bits == 4
 
-    @property
-    def rows(self) -> int:
-        return self.block_size
-
-    @property
-    def lossless(self) -> bool:
-        return False
-
     def part_specs(self, dim: int) -> tuple[PartSpec, ...]:
-        return (
-            _code_spec(self.key_bits, self.block_size, dim),
-            PartSpec("scales", (1, dim), torch.float16),
-            PartSpec("zeros", (1, dim), torch.float16),
-        )
+        return channel_affine_specs(_code_spec(self.key_bits, self.block_size, dim), dim)
 
     def check_dim(self, dim: int) -> None:
         _check_even(self.mode, self.key_bits, dim)
         self.value_codec.check_dim(dim)
-
-    def synthesis_matrix(self, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
-        """The identity ``[r, r]``: the stored rows are the block's tokens."""
-        return torch.eye(self.block_size, dtype=dtype, device=device)
 
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Keys ``x [..., n*r, D]`` -> ``(codes, fp16 scales, fp16 zeros [..., n, 1, D])``; every block
@@ -271,21 +248,15 @@ class KIVICodec(BlockCodec):
     def encode_blocks(self, x: torch.Tensor, first_block: int) -> tuple[torch.Tensor, ...]:
         """:meth:`encode`, except that with :attr:`exact_sink` block 0 (``first_block == 0``) takes
         its first token as the zero point of every channel."""
-        if not self.exact_sink or first_block != 0 or x.shape[-2] == 0:
-            return self.encode(x)
-        r = self.block_size
-        head = quantize_zero(to_blocks(x[..., :r, :], r), self.key_bits, dim=-2, zero_at=x[..., None, :1, :])
-        if x.shape[-2] == r:
-            return head
-        rest = self.encode(x[..., r:, :])
-        return tuple(torch.cat([a, b], dim=-3) for a, b in zip(head, rest, strict=True))
+        return encode_with_sink(self, x, first_block, self._encode_sink_block)
+
+    def _encode_sink_block(self, block: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return quantize_zero(block, self.key_bits, dim=-2, zero_at=block[..., :1, :])
 
     def stored_rows(self, parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
         """The key tokens ``[..., n, r, D]`` in ``dtype``."""
         self.check_parts(parts)
-        codes, scale, zero = parts
-        dim = 2 * codes.shape[-1] if codes.dtype == torch.uint8 else codes.shape[-1]
-        return dequantize_zero(codes, scale, zero, dim, dtype)
+        return _dequantized(parts, dtype)
 
     def row_segments(
         self, parts: tuple[torch.Tensor, ...]
@@ -293,12 +264,3 @@ class KIVICodec(BlockCodec):
         """``((codes as stored,), None)``: no row scale (see :meth:`channel_affine`)."""
         self.check_parts(parts)
         return (parts[0],), None
-
-    def channel_affine(self, parts: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """fp32 ``(scales, zeros)``, each ``[..., n, D]``."""
-        self.check_parts(parts)
-        return parts[1][..., 0, :].float(), parts[2][..., 0, :].float()
-
-    def decode(self, parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
-        """Key parts for ``n`` blocks -> ``[..., n*r, D]`` in ``dtype``."""
-        return to_output(from_blocks(self.stored_rows(parts, torch.float32)), dtype)

@@ -40,10 +40,11 @@ from typing import ClassVar
 import torch
 from kvspec import KVConfigError, KVShapeError
 
-from .base import BlockCodec, PartSpec, check_block_size, from_blocks, to_blocks, to_output
-from .kivi import dequantize_zero, quantize_zero
+from .affine import ChannelAffine, RowAffine, TokenRows, channel_affine_specs, row_affine_specs
+from .base import PartSpec, check_block_size, to_blocks
+from .kivi import check_bits, dequantize_zero, encode_with_sink, quantize_zero
 from .quant import _pack_int4, packed_width
-from .tail import check_window_options
+from .tail import set_window_fields
 
 __all__ = [
     "ROTATED_BITS",
@@ -74,9 +75,7 @@ _GAUSS_STEP = {2: 0.9957, 3: 0.5860, 4: 0.3352}
 
 
 def _check_bits(name: str, bits: object) -> int:
-    if isinstance(bits, bool) or not isinstance(bits, numbers.Integral) or int(bits) not in ROTATED_BITS:
-        raise KVConfigError(f"{name} must be one of {ROTATED_BITS}; got {bits!r}")
-    return int(bits)
+    return check_bits(name, bits, ROTATED_BITS)
 
 
 def _check_flag(name: str, value: object) -> bool:
@@ -221,6 +220,11 @@ def _dim_of(codes: torch.Tensor, bits: int) -> int:
     return {2: 4 * width, 3: 8 * width // 3, 4: 2 * width, 8: width}[bits]
 
 
+def _dequantized(parts: tuple[torch.Tensor, ...], bits: int, dtype: torch.dtype) -> torch.Tensor:
+    codes, scale, zero = parts
+    return dequantize_bits(codes, scale, zero, bits, _dim_of(codes, bits)).to(dtype)
+
+
 def _kernel_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """The codes as the kernels read them: packed int4 and int8 as stored, 2 and 3 bits widened to int8."""
     return codes if bits in (4, 8) else unpack_codes(codes, bits, _dim_of(codes, bits))
@@ -272,7 +276,7 @@ def _check_seed(seed: object) -> int:
 
 
 @dataclass(frozen=True)
-class RotatedTokenIntCodec(_Rotated, BlockCodec):
+class RotatedTokenIntCodec(_Rotated, TokenRows, RowAffine):
     """Values: each token rotated (``x @ M``), then ``bits``-bit asymmetric codes with an fp16 scale
     and zero point per token; :class:`RotatedKIVICodec`'s value codec.
 
@@ -287,7 +291,6 @@ class RotatedTokenIntCodec(_Rotated, BlockCodec):
     """
 
     mode: ClassVar[str] = "token-int-rot"
-    synthesis_is_identity: ClassVar[bool] = True
 
     block_size: int = 64
     bits: int = 4
@@ -300,9 +303,7 @@ class RotatedTokenIntCodec(_Rotated, BlockCodec):
     def __post_init__(self) -> None:
         object.__setattr__(self, "block_size", check_block_size(self.block_size))
         object.__setattr__(self, "bits", _check_bits("bits", self.bits))
-        raw_window, window_bits = check_window_options(self.raw_window, self.window_bits)
-        object.__setattr__(self, "raw_window", raw_window)
-        object.__setattr__(self, "window_bits", window_bits)
+        set_window_fields(self)
         object.__setattr__(self, "rotate", _check_flag("rotate", self.rotate))
         object.__setattr__(self, "seed", _check_seed(self.seed))
         object.__setattr__(self, "range_fit", _check_fit(self.range_fit))
@@ -315,28 +316,11 @@ class RotatedTokenIntCodec(_Rotated, BlockCodec):
         # packed codes of 2 to 4 bits use every byte value
         return self.bits != 8
 
-    @property
-    def rows(self) -> int:
-        return self.block_size
-
-    @property
-    def lossless(self) -> bool:
-        return False
-
     def part_specs(self, dim: int) -> tuple[PartSpec, ...]:
-        r = self.block_size
-        return (
-            _code_spec(self.bits, r, dim),
-            PartSpec("scales", (r, 1), torch.float16),
-            PartSpec("zeros", (r, 1), torch.float16),
-        )
+        return row_affine_specs(_code_spec(self.bits, self.block_size, dim), self.block_size)
 
     def check_dim(self, dim: int) -> None:
         _check_packable(self.mode, "bits", self.bits, dim)
-
-    def synthesis_matrix(self, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
-        """The identity ``[r, r]``: the stored rows are the block's (rotated) tokens."""
-        return torch.eye(self.block_size, dtype=dtype, device=device)
 
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """``x [..., n*r, D]`` -> ``(codes, fp16 scales, fp16 zeros [..., n, r, 1])`` of ``x @ M``."""
@@ -345,8 +329,7 @@ class RotatedTokenIntCodec(_Rotated, BlockCodec):
     def stored_rows(self, parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
         """The rotated tokens ``x @ M`` as stored: ``[..., n, r, D]`` in ``dtype``."""
         self.check_parts(parts)
-        codes, scale, zero = parts
-        return dequantize_bits(codes, scale, zero, self.bits, _dim_of(codes, self.bits)).to(dtype)
+        return _dequantized(parts, self.bits, dtype)
 
     def row_segments(
         self, parts: tuple[torch.Tensor, ...]
@@ -355,18 +338,9 @@ class RotatedTokenIntCodec(_Rotated, BlockCodec):
         self.check_parts(parts)
         return (_kernel_codes(parts[0], self.bits),), parts[1][..., 0].float()
 
-    def row_offsets(self, parts: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
-        """fp32 ``[..., n, r]``: each token's zero point."""
-        self.check_parts(parts)
-        return parts[2][..., 0].float()
-
-    def decode(self, parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
-        """Parts for ``n`` blocks -> the tokens ``[..., n*r, D]`` in ``dtype`` (rotated back)."""
-        return to_output(from_blocks(self._unrotate(self.stored_rows(parts, torch.float32))), dtype)
-
 
 @dataclass(frozen=True)
-class RotatedKIVICodec(_Rotated, BlockCodec):
+class RotatedKIVICodec(_Rotated, TokenRows, ChannelAffine):
     """Keys rotated then coded per (block, channel), values rotated then coded per token.
 
     This object codes the keys; :attr:`value_codec` is the :class:`RotatedTokenIntCodec` of the
@@ -390,7 +364,6 @@ class RotatedKIVICodec(_Rotated, BlockCodec):
     """
 
     mode: ClassVar[str] = "kivi-rot"
-    synthesis_is_identity: ClassVar[bool] = True
 
     block_size: int = 64
     key_bits: int = 4
@@ -408,9 +381,7 @@ class RotatedKIVICodec(_Rotated, BlockCodec):
         object.__setattr__(self, "exact_sink", _check_flag("exact_sink", self.exact_sink))
         object.__setattr__(self, "key_bits", _check_bits("key_bits", self.key_bits))
         object.__setattr__(self, "value_bits", _check_bits("value_bits", self.value_bits))
-        raw_window, window_bits = check_window_options(self.raw_window, self.window_bits)
-        object.__setattr__(self, "raw_window", raw_window)
-        object.__setattr__(self, "window_bits", window_bits)
+        set_window_fields(self)
         object.__setattr__(self, "rotate_keys", _check_flag("rotate_keys", self.rotate_keys))
         object.__setattr__(self, "rotate_values", _check_flag("rotate_values", self.rotate_values))
         object.__setattr__(self, "seed", _check_seed(self.seed))
@@ -436,29 +407,13 @@ class RotatedKIVICodec(_Rotated, BlockCodec):
     def int4_zero_nibble(self) -> bool:  # type: ignore[override]
         return self.key_bits != 8
 
-    @property
-    def rows(self) -> int:
-        return self.block_size
-
-    @property
-    def lossless(self) -> bool:
-        return False
-
     def part_specs(self, dim: int) -> tuple[PartSpec, ...]:
-        return (
-            _code_spec(self.key_bits, self.block_size, dim),
-            PartSpec("scales", (1, dim), torch.float16),
-            PartSpec("zeros", (1, dim), torch.float16),
-        )
+        return channel_affine_specs(_code_spec(self.key_bits, self.block_size, dim), dim)
 
     def check_dim(self, dim: int) -> None:
         """``KVShapeError`` when keys or values of head dimension ``dim`` cannot be stored."""
         _check_packable(self.mode, "key_bits", self.key_bits, dim)
         self.value_codec.check_dim(dim)
-
-    def synthesis_matrix(self, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
-        """The identity ``[r, r]``: the stored rows are the block's (rotated) tokens."""
-        return torch.eye(self.block_size, dtype=dtype, device=device)
 
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Keys ``x [..., n*r, D]`` -> ``(codes, fp16 scales, fp16 zeros [..., n, 1, D])`` of ``x @ M``;
@@ -470,21 +425,16 @@ class RotatedKIVICodec(_Rotated, BlockCodec):
     def encode_blocks(self, x: torch.Tensor, first_block: int) -> tuple[torch.Tensor, ...]:
         """:meth:`encode`, except that with :attr:`exact_sink` block 0 (``first_block == 0``) takes
         its first (rotated) token as the zero point of every channel."""
-        if not self.exact_sink or first_block != 0 or x.shape[-2] == 0:
-            return self.encode(x)
-        r = self.block_size
-        head = self._rotate(to_blocks(x[..., :r, :], r))
-        first = quantize_bits(head, self.key_bits, -2, zero_at=head[..., :1, :], fit=self.range_fit)
-        if x.shape[-2] == r:
-            return first
-        rest = self.encode(x[..., r:, :])
-        return tuple(torch.cat([a, b], dim=-3) for a, b in zip(first, rest, strict=True))
+        return encode_with_sink(self, x, first_block, self._encode_sink_block)
+
+    def _encode_sink_block(self, block: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        head = self._rotate(block)
+        return quantize_bits(head, self.key_bits, -2, zero_at=head[..., :1, :], fit=self.range_fit)
 
     def stored_rows(self, parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
         """The rotated key tokens ``x @ M`` as stored: ``[..., n, r, D]`` in ``dtype``."""
         self.check_parts(parts)
-        codes, scale, zero = parts
-        return dequantize_bits(codes, scale, zero, self.key_bits, _dim_of(codes, self.key_bits)).to(dtype)
+        return _dequantized(parts, self.key_bits, dtype)
 
     def row_segments(
         self, parts: tuple[torch.Tensor, ...]
@@ -492,12 +442,3 @@ class RotatedKIVICodec(_Rotated, BlockCodec):
         """``((codes,), None)``: no row scale (see :meth:`channel_affine`)."""
         self.check_parts(parts)
         return (_kernel_codes(parts[0], self.key_bits),), None
-
-    def channel_affine(self, parts: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """fp32 ``(scales, zeros)``, each ``[..., n, D]`` (per channel of the rotated basis)."""
-        self.check_parts(parts)
-        return parts[1][..., 0, :].float(), parts[2][..., 0, :].float()
-
-    def decode(self, parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
-        """Key parts for ``n`` blocks -> the keys ``[..., n*r, D]`` in ``dtype`` (rotated back)."""
-        return to_output(from_blocks(self._unrotate(self.stored_rows(parts, torch.float32))), dtype)

@@ -25,7 +25,15 @@ from kvspec import KVConfigError
 
 from .base import PartSpec, check_finite_part
 
-__all__ = ["TailCoder", "RawTail", "Uint8Tail", "tail_coder", "check_window_options", "TAIL_BITS"]
+__all__ = [
+    "TailCoder",
+    "RawTail",
+    "Uint8Tail",
+    "tail_coder",
+    "check_window_options",
+    "set_window_fields",
+    "TAIL_BITS",
+]
 
 #: the ``window_bits`` values a codec accepts: None (raw) or 8
 TAIL_BITS = (None, 8)
@@ -122,3 +130,11 @@ def check_window_options(raw_window: object, window_bits: object) -> tuple[int, 
             f"window_bits must be one of {TAIL_BITS} (None: the tail in the input dtype); got {bits!r}"
         )
     return int(raw_window), None if bits is None else int(bits)
+
+
+def set_window_fields(codec: object) -> None:
+    """A frozen codec's ``raw_window`` and ``window_bits`` fields checked (:func:`check_window_options`)
+    and normalized in place: for its ``__post_init__``."""
+    raw_window, window_bits = check_window_options(codec.raw_window, codec.window_bits)
+    object.__setattr__(codec, "raw_window", raw_window)
+    object.__setattr__(codec, "window_bits", window_bits)

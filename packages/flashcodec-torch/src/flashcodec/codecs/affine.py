@@ -1,0 +1,88 @@
+"""What the codecs whose stored rows are asymmetric codes (``code * scale + zero``) share.
+
+A codec here stores, per block, one array of codes and an fp16 scale and zero point either per
+channel (``[1, D]``: :class:`~flashcodec.codecs.ChannelInt4Codec`, the keys of the KIVI codecs) or
+per stored row (``[R, 1]``: :class:`~flashcodec.codecs.ZeroPointJPEGCodec`, the values of the KIVI
+codecs). :class:`ChannelAffine` and :class:`RowAffine` hand those to the attention kernels;
+:class:`TokenRows` is a codec whose stored rows are the block's tokens (``A`` the identity).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from kvspec import KVShapeError
+
+from .base import BlockCodec, PartSpec, from_blocks, to_output
+
+__all__ = [
+    "TokenRows",
+    "ChannelAffine",
+    "RowAffine",
+    "channel_affine_specs",
+    "row_affine_specs",
+    "check_even",
+]
+
+
+def channel_affine_specs(codes: PartSpec, dim: int) -> tuple[PartSpec, ...]:
+    """``(codes, scales [1, D] fp16, zeros [1, D] fp16)``: a scale and zero point per channel."""
+    return codes, PartSpec("scales", (1, dim), torch.float16), PartSpec("zeros", (1, dim), torch.float16)
+
+
+def row_affine_specs(codes: PartSpec, rows: int) -> tuple[PartSpec, ...]:
+    """``(codes, scales [R, 1] fp16, zeros [R, 1] fp16)``: a scale and zero point per stored row."""
+    return codes, PartSpec("scales", (rows, 1), torch.float16), PartSpec("zeros", (rows, 1), torch.float16)
+
+
+def check_even(mode: str, dim: int) -> None:
+    """``KVShapeError`` when packed int4 codes (two a byte along ``D``) cannot hold ``dim`` channels."""
+    if dim % 2:
+        raise KVShapeError(f"{mode} packs two int4 codes a byte along D: D must be even; got D={dim}")
+
+
+class TokenRows(BlockCodec):
+    """A lossy codec whose stored rows are the block's tokens: ``R = r`` and ``A`` the identity, so
+    the kernels skip the synthesis product. :meth:`decode` is :meth:`stored_rows` in fp32 through
+    :meth:`_unrotate` (the identity here; a codec storing ``x @ M`` turns the rows back)."""
+
+    synthesis_is_identity: ClassVar[bool] = True
+
+    @property
+    def rows(self) -> int:
+        return self.block_size
+
+    @property
+    def lossless(self) -> bool:
+        return False
+
+    def synthesis_matrix(self, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
+        """The identity ``[r, r]``: the stored rows are the block's tokens."""
+        return torch.eye(self.block_size, dtype=dtype, device=device)
+
+    def _unrotate(self, y: torch.Tensor) -> torch.Tensor:
+        return y
+
+    def decode(self, parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Parts for ``n`` blocks -> the tokens ``[..., n*r, D]`` in ``dtype``."""
+        return to_output(from_blocks(self._unrotate(self.stored_rows(parts, torch.float32))), dtype)
+
+
+class ChannelAffine(BlockCodec):
+    """Parts ``(codes, scales [1, D], zeros [1, D])``: the per-channel step goes to the kernels."""
+
+    def channel_affine(self, parts: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """fp32 ``(scales, zeros)``, each ``[..., n, D]``: token ``t`` of block ``b`` is
+        ``(A @ rows)[t] * scales[b] + zeros[b]``."""
+        self.check_parts(parts)
+        return parts[1][..., 0, :].float(), parts[2][..., 0, :].float()
+
+
+class RowAffine(BlockCodec):
+    """Parts ``(codes, scales [R, 1], zeros [R, 1])``: each stored row's zero point goes to the kernels."""
+
+    def row_offsets(self, parts: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
+        """fp32 ``[..., n, R]``: the zero point added to every element of each stored row."""
+        self.check_parts(parts)
+        return parts[2][..., 0].float()
