@@ -105,7 +105,8 @@ def test_values_are_never_rebuilt():
 
     spied = replace(store, value_latents=spy)
     q = mx.random.normal((1, 8, 1, D), key=mx.random.key(6))
-    out = latent_attention(q, spied, 0.2, None, chunk=16)
+    # the latents reader (the packed one reads the codes itself: test_packed_attention.py)
+    out = latent_attention(q, spied, 0.2, None, chunk=16, packed=False)
     assert reads == [(0, 16), (16, 32), (32, 48), (48, 64)]
     assert rel_err(out, reference(q, cache, 0.2, None)) < TOL
     # with exact first tokens, those are read from the exact rows and the codes from after them
@@ -114,7 +115,7 @@ def test_values_are_never_rebuilt():
     )
     store = sunk.latent_store()
     reads.clear()
-    out = latent_attention(q, replace(store, value_latents=spy), 0.2, None, chunk=16)
+    out = latent_attention(q, replace(store, value_latents=spy), 0.2, None, chunk=16, packed=False)
     assert reads == [(4, 20), (20, 36), (36, 52), (52, 64)]
     assert rel_err(out, reference(q, sunk, 0.2, None)) < TOL
 

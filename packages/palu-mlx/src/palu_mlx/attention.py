@@ -13,6 +13,14 @@ the whole 16-bit history for every attention call and hands it to SDPA. Here ins
   through the latents; each chunk of ``chunk`` tokens is decoded, rebuilt, rotated and scored,
   and the chunks are combined with an online softmax (running max, running sum). Peak memory
   is one chunk of keys, not the history.
+* **Packed rows are unpacked here, for all heads at once.** When the store hands over the packed
+  rows of fixed quantizers (:class:`PackedRows`, the ``palu_bits`` coders), a chunk's codes are
+  read with one float32 product that gathers each channel's two bytes (exact: integers below
+  2^16), one cast, one mask; the quantizer steps and the offsets are folded into the key
+  projection and applied to the value sums once, and RoPE is applied as two products with a
+  cosine and a sine table of the chunk's token offsets (the chunk's start angle goes into the
+  queries), so no transcendental runs per step. The codes are never turned into latents and the
+  values never rebuilt.
 
 :func:`route_attention` makes an mlx-lm model use this: the model families whose attention
 module calls ``mlx_lm.models.base.scaled_dot_product_attention`` through a module-level name
@@ -31,12 +39,22 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models import base as mlx_base
 
 from .lowrank import GroupProjection, reconstruct
 from .rope import Rotary
 
-__all__ = ["LatentStore", "latent_attention", "routed_sdpa", "route_attention", "unroute_attention", "CHUNK"]
+__all__ = [
+    "LatentStore",
+    "PackedRows",
+    "latent_attention",
+    "routed_sdpa",
+    "route_attention",
+    "unroute_attention",
+    "CHUNK",
+    "PACKED_CHUNK",
+]
 
 #: key tokens rebuilt at once. Measured on the embedded model at 2,048 and 8,192 tokens (bf16,
 #: palu-1.5bit, this CPU): 256 with each chunk evaluated before the next keeps one decode step's
@@ -44,9 +62,39 @@ __all__ = ["LatentStore", "latent_attention", "routed_sdpa", "route_attention", 
 #: 1,024 without, and was no slower than either
 CHUNK = 256
 
+#: key tokens unpacked at once on the packed path (:class:`PackedRows`); see
+#: ``benchmarks/palu/decode_speed.py`` for the measurement behind it
+PACKED_CHUNK = 1024
+
 # masked scores: finite, so a chunk whose keys are all masked for a row gives exp(0)=1 terms
 # that the next unmasked chunk's correction factor exp(-1e30 - m) wipes out (no NaN)
 _MASKED = -1e30
+
+#: bytes of the bfloat16 scale in front of a packed row with ``token_scale``
+_SCALE_BYTES = 2
+#: entries kept by each of the small memos below (layouts and RoPE tables; cleared when full)
+_MAX_MEMO = 64
+
+
+@dataclass(frozen=True)
+class PackedRows:
+    """One tensor's codes as :class:`~palu_mlx.coders.fixed.FixedQuantCoder` packs them.
+
+    Attributes:
+        rows: ``[B, H, n, bytes]`` uint8 with ``n`` at least the store's ``length`` (a grown
+            buffer; rows past ``length`` are never read): per token and head, with
+            ``token_scale`` a bfloat16 scale in the first two bytes, then the codes of the
+            channels, ``widths[c]`` bits each, packed from the lowest bit of the first byte on.
+        widths: bits of each latent channel, 1 to 8.
+        steps: ``[H, r]`` float32 quantizer steps; a code ``c`` of width ``w`` is the latent
+            ``(c + 0.5 - 2^w / 2) * step`` (times the row's scale).
+        token_scale: whether rows start with the scale.
+    """
+
+    rows: mx.array
+    widths: tuple[int, ...]
+    steps: mx.array
+    token_scale: bool
 
 
 @dataclass(frozen=True)
@@ -68,6 +116,10 @@ class LatentStore:
             exactly (rotated), or None; read from here, not from the codes.
         recent_values: ``[B, H, n, Dv]`` their values, or None.
         recent_start: the first of those tokens (``length`` when there are none).
+        packed_keys: the key codes as packed rows, or None; with ``packed_values`` it lets
+            :func:`latent_attention` unpack them itself (the packed path) instead of calling
+            ``key_latents`` / ``value_latents``.
+        packed_values: the value codes as packed rows, or None.
     """
 
     heads: int
@@ -82,6 +134,8 @@ class LatentStore:
     recent_keys: mx.array | None = None
     recent_values: mx.array | None = None
     recent_start: int | None = None
+    packed_keys: PackedRows | None = None
+    packed_values: PackedRows | None = None
 
     @property
     def coded_stop(self) -> int:
@@ -121,22 +175,43 @@ def _chunk_mask(mask: Any, start: int, stop: int, n_queries: int, length: int, r
 
 
 def latent_attention(
-    queries: mx.array, store: LatentStore, scale: float, mask: Any = None, chunk: int = CHUNK
+    queries: mx.array,
+    store: LatentStore,
+    scale: float,
+    mask: Any = None,
+    chunk: int | None = None,
+    packed: bool | None = None,
 ) -> mx.array:
     """Scaled dot-product attention of ``queries [B, Hq, L, D]`` over ``store``'s tokens.
 
     Equals ``softmax(q kᵀ * scale + mask) v`` with the rebuilt keys and values (up to float32
     rounding); ``Hq`` must be a multiple of the KV head count (grouped-query attention).
-    Returns ``[B, Hq, L, Dv]`` in the queries' dtype.
+    ``chunk``: key tokens read at once (None: :data:`PACKED_CHUNK` on the packed path,
+    :data:`CHUNK` otherwise). ``packed``: None reads the packed rows when the store has them
+    (:class:`PackedRows`), else the latents; False always reads the latents; True requires
+    the packed rows. Returns ``[B, Hq, L, Dv]`` in the queries' dtype.
     """
+    has_packed = store.packed_keys is not None and store.packed_values is not None
+    if packed is None:
+        packed = has_packed
+    elif not isinstance(packed, bool):
+        raise TypeError(f"packed={packed!r} must be None, True or False")
+    elif packed and not has_packed:
+        raise ValueError("packed=True needs a store with packed_keys and packed_values; this one has none")
+    if chunk is None:
+        chunk = PACKED_CHUNK if packed else CHUNK
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"chunk={chunk!r} must be a positive int (key tokens read at once)")
     b, hq, n_q, d = queries.shape
     h = store.heads
     rep = hq // h
     rows = rep * n_q
     q = (queries.astype(mx.float32) * scale).reshape(b, h, rows, d)
+    reader = _PackedReader(store, q, chunk) if packed else _LatentReader(store, q)
     # the running max starts at the masked-score floor and the sums at zero, so the first chunk
     # goes through the same update as every other (its correction factor is exp(floor - max) = 0)
-    running_max, running_sum, acc = mx.array(_MASKED), mx.array(0.0), mx.array(0.0)
+    running_max, running_sum = mx.array(_MASKED), mx.array(0.0)
+    accs = [mx.array(0.0) for _ in range(reader.n_acc)]
     # the exact prefix (attention sinks) is one more chunk whose values are full rows, not latents
     exact_sum, exact_acc = mx.array(0.0), mx.array(0.0)
     m = store.exact
@@ -152,13 +227,14 @@ def latent_attention(
     several = coded_stop - m > chunk
     for start in range(m, coded_stop, chunk):
         stop = min(coded_stop, start + chunk)
-        scores = q @ store.keys(start, stop).swapaxes(-1, -2)  # [B, H, rows, c]
-        scores = _masked_scores(scores, mask, start, stop, store, b, rep, n_q)
+        scores = _masked_scores(reader.scores(start, stop), mask, start, stop, store, b, rep, n_q)
         new_max = mx.maximum(running_max, mx.max(scores, axis=-1, keepdims=True))
         p = mx.exp(scores - new_max)
         correction = mx.exp(running_max - new_max)
         running_sum = running_sum * correction + mx.sum(p, axis=-1, keepdims=True)
-        acc = acc * correction + p @ store.value_latents(start, stop)
+        accs = [
+            acc * correction + part for acc, part in zip(accs, reader.weighted(p, start, stop), strict=True)
+        ]
         if m:
             exact_sum, exact_acc = exact_sum * correction, exact_acc * correction
         running_max = new_max
@@ -166,7 +242,8 @@ def latent_attention(
             # MLX would otherwise build every chunk's graph and may hold all their transients at
             # once; evaluating chunk by chunk keeps one chunk's keys alive (a sync point, so a
             # model wrapped in mx.compile cannot run multi-chunk attention)
-            mx.eval(running_max, running_sum, acc)
+            mx.eval(running_max, running_sum, *accs)
+    acc = reader.latent_sum(accs)  # Σ p L_v over the coded tokens, [B, H, rows, r_v] (or a scalar 0)
     recent = store.recent_keys is not None and coded_stop < store.length
     if recent:
         # the newest tokens, exact: one more chunk whose values are full rows
@@ -194,6 +271,219 @@ def latent_attention(
         # back to values: (p L_v) V_vᵀ + μ_v, per head group (the heads of a group share a projection)
         out = reconstruct(latent_out, store.value_projection, mx.float32)  # [B, H, rows, Dv]
     return out.reshape(b, hq, n_q, out.shape[-1]).astype(queries.dtype)
+
+
+class _LatentReader:
+    """A chunk's scores and weighted values from the store's float32 latents (any coder)."""
+
+    n_acc = 1
+
+    def __init__(self, store: LatentStore, q: mx.array):
+        self.store, self.q = store, q
+
+    def scores(self, start: int, stop: int) -> mx.array:
+        return self.q @ self.store.keys(start, stop).swapaxes(-1, -2)  # [B, H, rows, c]
+
+    def weighted(self, p: mx.array, start: int, stop: int) -> list[mx.array]:
+        return [p @ self.store.value_latents(start, stop)]
+
+    def latent_sum(self, accs: list[mx.array]) -> mx.array:
+        return accs[0]
+
+
+def _per_head(per_group: mx.array, heads: int) -> mx.array:
+    """``[G, ...]`` -> ``[H, ...]``: each head gets its group's array (heads are grouped contiguously)."""
+    groups = per_group.shape[0]
+    return per_group if groups == heads else mx.repeat(per_group, heads // groups, axis=0)
+
+
+@dataclass(frozen=True)
+class _Unpacking:
+    """How to read one layout of packed rows: ``codes = floor(bytes @ gather) & mask``."""
+
+    gather: mx.array  # [bytes, r] float32: 2^-shift on a channel's first byte, 2^(8-shift) on the next
+    mask: mx.array  # [r] uint32, 2^w - 1
+    offset: np.ndarray  # [r] float64, 0.5 - 2^w / 2: the latent is (code + offset) * step
+    token_scale: bool
+
+
+_UNPACKINGS: dict[tuple[tuple[int, ...], bool], _Unpacking] = {}
+
+
+def _unpacking(rows: PackedRows) -> _Unpacking:
+    key = (tuple(int(w) for w in rows.widths), bool(rows.token_scale))
+    found = _UNPACKINGS.get(key)
+    if found is None:
+        widths = np.array(key[0], dtype=np.int64)
+        lead = _SCALE_BYTES if key[1] else 0
+        start = np.concatenate([[0], np.cumsum(widths)[:-1]])
+        n_bytes = lead + -(-int(widths.sum()) // 8)
+        if rows.rows.shape[-1] != n_bytes:
+            raise ValueError(
+                f"packed rows of {rows.rows.shape[-1]} bytes do not match widths {list(key[0])} "
+                f"(token_scale={key[1]}): {n_bytes} bytes"
+            )
+        gather = np.zeros((n_bytes, len(widths)), dtype=np.float32)
+        for c, (first, shift) in enumerate(zip(lead + start // 8, start % 8, strict=True)):
+            # a code of at most 8 bits starting at bit `shift` of byte `first` lies in that byte and
+            # the next: their value as a 16-bit number, shifted right, is exact in float32
+            gather[first, c] = 2.0**-shift
+            if first + 1 < n_bytes:
+                gather[first + 1, c] = 2.0 ** (8 - shift)
+        found = _Unpacking(
+            gather=mx.array(gather),
+            mask=mx.array((1 << widths) - 1, dtype=mx.uint32),
+            offset=0.5 - (1 << widths) / 2.0,
+            token_scale=key[1],
+        )
+        if len(_UNPACKINGS) >= _MAX_MEMO:
+            _UNPACKINGS.clear()
+        _UNPACKINGS[key] = found
+    return found
+
+
+def _unpack(rows: mx.array, unpacking: _Unpacking) -> tuple[mx.array, mx.array | None]:
+    """Packed rows ``[B, H, c, bytes]`` -> integer codes ``[B, H, c, r]`` float32 and the rows'
+    scales ``[B, H, c, 1]`` float32 (None without ``token_scale``)."""
+    spread = rows.astype(mx.float32) @ unpacking.gather  # each channel's two bytes, shifted
+    codes = (spread.astype(mx.uint32) & unpacking.mask).astype(mx.float32)  # the cast floors (>= 0)
+    if not unpacking.token_scale:
+        return codes, None
+    scale = mx.contiguous(rows[..., :_SCALE_BYTES]).view(mx.bfloat16).astype(mx.float32)
+    return codes, scale
+
+
+class _RopeTables:
+    """A RoPE written as two fixed tables and a per-chunk query matrix.
+
+    With ``c_i, s_i`` the cosines and sines of the angles at token offset ``i`` inside a chunk that
+    starts at position ``p``, and ``q'`` the query with its channel pairs swapped as RoPE's
+    rotate-half swaps them (signed), angle addition gives
+    ``q · R_(p+i) k = (k ∘ c_i) · (q ∘ c_p + q' ∘ s_p) + (k ∘ s_i) · (q' ∘ c_p - q ∘ s_p)``: the
+    position-dependent part is the table ``[c_i, s_i]``, the same for every chunk and layer, and
+    the chunk's start angle goes into the queries (:meth:`queries`).
+    """
+
+    def __init__(self, rotary: Rotary, d: int, n: int):
+        half = rotary.dims // 2
+        pairs = np.arange(half)
+        self.first, self.second = (2 * pairs, 2 * pairs + 1) if rotary.traditional else (pairs, pairs + half)
+        self.inv_freq = np.asarray(rotary.inv_freq, dtype=np.float64)
+        self.d = d
+        cos, sin = self._cos_sin(np.arange(n))
+        #: ``[n, 2, D]`` float32: cos (1 on channels RoPE leaves alone) and sin (0 there) per offset
+        self.table = mx.array(np.stack([cos, sin], axis=1).astype(np.float32))
+        # rotate-half: out_a = x_a cos - x_b sin, out_b = x_b cos + x_a sin, so the sine terms
+        # of q · R x are x_a q_b - x_b q_a: q' = q @ swap puts q_b at a and -q_a at b
+        swap = np.zeros((d, d))
+        swap[self.second, self.first] = 1.0
+        swap[self.first, self.second] = -1.0
+        self.swap = swap
+        self._starts: dict[int, mx.array] = {}
+
+    def _cos_sin(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``[len, D]`` float64 cos and sin at ``positions`` (float64 angles: exact at any position)."""
+        angle = positions[:, None] * self.inv_freq[None, :]
+        cos, sin = np.ones((len(positions), self.d)), np.zeros((len(positions), self.d))
+        cos[:, self.first], cos[:, self.second] = np.cos(angle), np.cos(angle)
+        sin[:, self.first], sin[:, self.second] = np.sin(angle), np.sin(angle)
+        return cos, sin
+
+    def queries(self, position: int) -> mx.array:
+        """``[D, 2D]`` float32: ``q @`` it is ``[q ∘ c_p + q' ∘ s_p, q' ∘ c_p - q ∘ s_p]`` for a chunk at ``position``."""
+        found = self._starts.get(position)
+        if found is None:
+            cos, sin = (x[0] for x in self._cos_sin(np.array([position])))
+            eye = np.eye(self.d)
+            found = mx.array(
+                np.concatenate([eye * cos + self.swap * sin, self.swap * cos - eye * sin], axis=1).astype(
+                    np.float32
+                )
+            )
+            if len(self._starts) >= _MAX_MEMO:
+                self._starts.clear()
+            self._starts[position] = found
+        return found
+
+
+_ROPE_TABLES: dict[tuple, _RopeTables] = {}
+
+
+def _rope_tables(rotary: Rotary, d: int, n: int) -> _RopeTables:
+    """The tables of ``rotary`` for ``n`` token offsets and head dim ``d``, made once per process and
+    RoPE (``n x 2 x D`` float32, whatever the context length)."""
+    key = (np.asarray(rotary.inv_freq, dtype=np.float32).tobytes(), rotary.dims, rotary.traditional, d, n)
+    found = _ROPE_TABLES.get(key)
+    if found is None:
+        found = _RopeTables(rotary, d, n)
+        if len(_ROPE_TABLES) >= _MAX_MEMO:
+            _ROPE_TABLES.clear()
+        _ROPE_TABLES[key] = found
+    return found
+
+
+class _PackedReader:
+    """A chunk's scores and weighted values straight from :class:`PackedRows` (fixed quantizers).
+
+    Keys: ``k_t = σ_t (c_t W + o) + μ`` with the codes ``c_t``, ``W = diag(step) Vᵀ`` and
+    ``o = (offset ∘ step) Vᵀ`` per head, so the steps and offsets cost nothing per token. Values:
+    ``Σ_t p_t L_t = (Σ_t p_t σ_t c_t + offset Σ_t p_t σ_t) ∘ step``, applied once after the last chunk.
+    """
+
+    n_acc = 2
+
+    def __init__(self, store: LatentStore, q: mx.array, chunk: int):
+        keys, values = store.packed_keys, store.packed_values
+        h, d = store.heads, q.shape[-1]
+        self.store, self.q = store, q
+        self.keys, self.values = _unpacking(keys), _unpacking(values)
+        kproj = store.key_projection
+        synth = _per_head(kproj.synthesis.astype(mx.float32), h).swapaxes(-1, -2)  # [H, r, D]
+        k_steps = keys.steps.astype(mx.float32)  # [H, r]
+        self.w = k_steps[:, :, None] * synth
+        self.o = (mx.array(self.keys.offset.astype(np.float32)) * k_steps)[:, None, :] @ synth  # [H, 1, D]
+        self.mean = _per_head(kproj.mean.astype(mx.float32), h)[:, None, :]  # [H, 1, D]
+        self.v_steps = values.steps.astype(mx.float32)[:, None, :]  # [H, 1, r_v]
+        self.v_offset = mx.array(self.values.offset.astype(np.float32))
+        self.rope = None
+        if store.rotary is not None:
+            # tables for as many offsets as a chunk reads, in powers of two (a few sizes per process)
+            span = min(chunk, max(16, 1 << max(0, store.coded_stop - store.exact - 1).bit_length()))
+            self.rope = _rope_tables(store.rotary, d, span)
+
+    def scores(self, start: int, stop: int) -> mx.array:
+        codes, sigma = _unpack(self.store.packed_keys.rows[..., start:stop, :], self.keys)
+        sigma_t = None if sigma is None else sigma.swapaxes(-1, -2)  # [B, H, 1, c]
+        if self.rope is None:
+            # no rotation: the projection folds into the queries, q kᵀ = σ ((q Wᵀ) cᵀ + q·o) + q·μ
+            coded = (self.q @ self.w.swapaxes(-1, -2)) @ codes.swapaxes(-1, -2)
+            coded = coded + self.q @ self.o.swapaxes(-1, -2)
+            coded = coded if sigma_t is None else coded * sigma_t
+            return coded + self.q @ self.mean.swapaxes(-1, -2)
+        n, rows = stop - start, self.q.shape[2]
+        table = self.rope.table[:n]  # [c, 2, D]
+        query = self.q @ self.rope.queries(start)  # [B, H, rows, 2D]
+        keys = codes @ self.w  # [B, H, c, D]: c W, the key before o, σ and μ
+        turned = (keys[..., None, :] * table).reshape(*keys.shape[:-1], 2 * keys.shape[-1])
+        coded = query @ turned.swapaxes(-1, -2)
+        # o and μ are the same for every token: their rotated dot products need only the table
+        # (one small product for both) instead of two more passes over the keys
+        both = mx.concatenate([mx.tile(self.o, 2), mx.tile(self.mean, 2)], axis=-2)  # [H, 2, 2D]
+        fixed = (query[..., None, :, :] * both[:, :, None, :]).reshape(
+            *query.shape[:2], 2 * rows, query.shape[-1]
+        )
+        fixed = fixed @ table.reshape(n, -1).T  # [B, H, 2 rows, c]: o's rows, then μ's
+        coded = coded + fixed[..., :rows, :]
+        return (coded if sigma_t is None else coded * sigma_t) + fixed[..., rows:, :]
+
+    def weighted(self, p: mx.array, start: int, stop: int) -> list[mx.array]:
+        codes, sigma = _unpack(self.store.packed_values.rows[..., start:stop, :], self.values)
+        if sigma is not None:
+            p = p * sigma.swapaxes(-1, -2)
+        return [p @ codes, mx.sum(p, axis=-1, keepdims=True)]
+
+    def latent_sum(self, accs: list[mx.array]) -> mx.array:
+        return (accs[0] + accs[1] * self.v_offset) * self.v_steps
 
 
 def _masked_scores(

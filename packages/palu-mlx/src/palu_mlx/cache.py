@@ -39,7 +39,7 @@ from collections.abc import Callable
 import mlx.core as mx
 from kvspec import KVConfigError, KVDataError, KVShapeError
 
-from .attention import LatentStore
+from .attention import LatentStore, PackedRows
 from .coders.base import LatentCoder, compact_dtype, projection_dtype
 from .coders.fixed import FixedQuantCoder
 from .coders.hilo import fit_mixed_bit
@@ -279,6 +279,8 @@ class PaluKVCache(CacheLayer):
             recent_keys=recent[0],
             recent_values=recent[1],
             recent_start=lo if lo < hi else None,
+            packed_keys=_packed_rows(self._key_codes, self._key_coder),
+            packed_values=_packed_rows(self._value_codes, self._value_coder),
         )
 
     def _reconstruct(self, buffers, coder: LatentCoder, projection: GroupProjection, n: int) -> mx.array:
@@ -597,6 +599,13 @@ def _check_coded_with(coded: object, config: KVCacheConfig, fitted: bool, owner:
                 f"{owner}: meta_state config {name}={getattr(config, name)!r}, but the state's codes were made "
                 f"with {name}={coded[name]!r}; allowed: {coded[name]!r} (a fitted cache keeps how it coded)"
             )
+
+
+def _packed_rows(buffers: dict[str, mx.array], coder: LatentCoder) -> PackedRows | None:
+    """The codes of fixed quantizers as attention unpacks them itself; None for other coders."""
+    if not isinstance(coder, FixedQuantCoder):
+        return None
+    return PackedRows(buffers["codes"], coder.widths, coder.steps, coder.token_scale)
 
 
 def _fixed_widths(coder: LatentCoder | None) -> list[int] | None:

@@ -28,7 +28,7 @@ import mlx.core as mx
 import numpy as np
 from kvspec import KVConfigError, KVDataError, KVShapeError
 
-from .attention import LatentStore
+from .attention import LatentStore, PackedRows
 from .calibration.file import Calibration, TensorCalibration
 from .coders.fixed import GAUSSIAN_STEP, TOKEN_SCALE_BYTES, FixedQuantCoder, token_scales
 from .config import DEFAULT_PALU_BITS, KVCacheConfig
@@ -164,6 +164,7 @@ class CalibratedKVCache(CacheLayer):
         if self._key_codes is None:
             return None
         key_codes, value_codes = self._key_codes, self._value_codes
+        key, value = self._key.coder, self._value.coder
         m = self._sinks.count(self.offset)
         lo, hi = self._recent.span(self.offset, m)
         recent = self._recent.rows(lo, hi) if lo < hi else (None, None)
@@ -180,6 +181,8 @@ class CalibratedKVCache(CacheLayer):
             recent_keys=recent[0],
             recent_values=recent[1],
             recent_start=lo if lo < hi else None,
+            packed_keys=PackedRows(key_codes, key.widths, key.steps, key.token_scale),
+            packed_values=PackedRows(value_codes, value.widths, value.steps, value.token_scale),
         )
 
     # ---------------------------------------------------------------- state

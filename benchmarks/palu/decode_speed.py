@@ -1,0 +1,186 @@
+"""palu-mlx's decode speed on the real model beside mlx-lm's caches, side by side in one process.
+
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 \\
+        hatch run bench:python benchmarks/palu/decode_speed.py               # 1,024 and 2,048 tokens
+    ... decode_speed.py --contexts 2048 --rounds 7 --steps 6 --out /tmp/scout.json
+
+Writes ``benchmarks/results/palu_decode_speed.json``. On the real model (kvbench's named
+``smollm2-135m`` unless ``--model`` says otherwise), computed in float32 with its keys and values
+rounded to bfloat16 before they are cached (``palu_mlx.compare.load_model(...,
+compute_dtype="float32")``, as ``palu-mlx compare --compute-dtype float32`` runs it: on Linux,
+MLX's CPU wheel multiplies float32 through the preloaded OpenBLAS and bfloat16 without a BLAS):
+
+* the model prefills each context once with mlx-lm's ``KVCache`` (kvbench's held-out text,
+  repeated if short); every candidate cache is then filled from those keys and values in
+  512-token chunks, as a chunked prefill hands them over (palu fits on the first chunk);
+* candidates take turns (A B C ... A B C ...): each round, every candidate decodes ``--steps``
+  tokens, one model call each, and is trimmed back to the context afterwards, so every round of
+  every candidate runs at the same context length; the load average is recorded per round;
+* per candidate: the median and the best round's tokens/s, and its tokens/s over mlx-lm's
+  ``QuantizedKVCache(bits=4, group_size=64)``'s **in the same round**, as the median over rounds
+  (the machine is shared; pairing by round cancels most of the drift);
+* ``palu-2.5bit-scaled`` (the default tier, fitted on the sequence) runs twice: its attention
+  reading the packed codes (``packed``, what ``latent_attention`` does by default) and reading
+  the coder's float32 latents, ``CHUNK`` tokens at a time (``latents``, the path every coder
+  had before the packed one; the same cache objects, so the same bytes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+from kvbench.models import default_text_path
+from kvbench.results import environment_stamp, results_path, write_json
+from mlx_lm.models.cache import KVCache, QuantizedKVCache
+from palu_mlx import KVCacheBuilder, attention
+from palu_mlx.builder import model_kv_dims
+from palu_mlx.compare import load_model, tier_config
+
+OUT = results_path("palu_decode_speed.json")
+CHUNK = 512
+TIER = "palu-2.5bit-scaled"
+
+
+def stamp() -> dict:
+    return {
+        **environment_stamp(["palu-mlx", "kvbench", "mlx", "mlx-lm"]),
+        "command": " ".join(["python benchmarks/palu/decode_speed.py", *sys.argv[1:]]),
+    }
+
+
+def context_kv(model: Any, tokens: mx.array) -> list[tuple[mx.array, mx.array]]:
+    """Each layer's rotated keys and values after a chunked prefill of ``tokens [1, S]``."""
+    cache = [KVCache() for _ in model.layers]
+    for start in range(0, tokens.shape[1], CHUNK):
+        mx.eval(model(tokens[:, start : start + CHUNK], cache=cache))
+    kv = [(c.keys[..., : c.offset, :], c.values[..., : c.offset, :]) for c in cache]
+    mx.eval(kv)
+    return kv
+
+
+def fill(caches: list[Any], kv: list[tuple[mx.array, mx.array]]) -> list[Any]:
+    """Hand each layer's keys and values to its cache in prefill-sized chunks."""
+    for cache, (keys, values) in zip(caches, kv, strict=True):
+        for start in range(0, keys.shape[2], CHUNK):
+            out = cache.update_and_fetch(
+                keys[..., start : start + CHUNK, :], values[..., start : start + CHUNK, :]
+            )
+            # palu returns the rebuilt history lazily: evaluate what it holds, not that
+            mx.eval(cache.held_arrays() if hasattr(cache, "held_arrays") else out)
+    return caches
+
+
+def caches_for(model: Any) -> dict[str, Callable[[], list[Any]]]:
+    head_dim, n_kv = model_kv_dims(model)
+    config = tier_config(TIER, head_dim, n_kv)
+    return {
+        "baseline": lambda: [KVCache() for _ in model.layers],
+        "mlx-lm-q4": lambda: [QuantizedKVCache(group_size=64, bits=4) for _ in model.layers],
+        "mlx-lm-q8": lambda: [QuantizedKVCache(group_size=64, bits=8) for _ in model.layers],
+        TIER: lambda: KVCacheBuilder.for_model(model, config),
+    }
+
+
+def decode(model: Any, cache: list[Any], token: mx.array, steps: int, path: str | None) -> float:
+    """Seconds for ``steps`` decode steps (each evaluated), the cache trimmed back afterwards."""
+    original = attention.latent_attention
+    if path == "latents":
+        # the routed attention calls the module's latent_attention: the same caches, the latents read
+        attention.latent_attention = functools.partial(original, packed=False)
+    try:
+        start = time.perf_counter()
+        for _ in range(steps):
+            mx.eval(model(token, cache=cache))
+        elapsed = time.perf_counter() - start
+    finally:
+        attention.latent_attention = original
+    for layer in cache:
+        layer.trim(steps)
+    return elapsed
+
+
+def measure_context(model: Any, kv: list[tuple[mx.array, mx.array]], steps: int, rounds: int) -> dict:
+    factories = caches_for(model)
+    built = {name: fill(make(), kv) for name, make in factories.items()}
+    runs: dict[str, tuple[list[Any], str | None]] = {
+        "baseline": (built["baseline"], None),
+        "mlx-lm-q4": (built["mlx-lm-q4"], None),
+        "mlx-lm-q8": (built["mlx-lm-q8"], None),
+        f"{TIER} (packed)": (built[TIER], "packed"),
+        f"{TIER} (latents)": (built[TIER], "latents"),
+    }
+    token = mx.array([[11]])
+    for cache, path in runs.values():  # warm-up: graph shapes, buffer growth, tables
+        decode(model, cache, token, 2, path)
+    speeds: dict[str, list[float]] = {name: [] for name in runs}
+    loads = []
+    for _ in range(rounds):
+        loads.append(round(os.getloadavg()[0], 2))
+        for name, (cache, path) in runs.items():
+            speeds[name].append(steps / decode(model, cache, token, steps, path))
+    q4 = speeds["mlx-lm-q4"]
+    out = {"load_average_per_round": loads, "candidates": {}}
+    for name, (cache, _) in runs.items():
+        tps = speeds[name]
+        out["candidates"][name] = {
+            "held_bytes": int(sum(layer.nbytes for layer in cache)),
+            "tokens_per_s_median": round(statistics.median(tps), 3),
+            "tokens_per_s_best": round(max(tps), 3),
+            "tokens_per_s_rounds": [round(x, 3) for x in tps],
+            "vs_q4_median_of_rounds": round(
+                statistics.median(a / b for a, b in zip(tps, q4, strict=True)), 3
+            ),
+            "vs_q4_best": round(max(tps) / max(q4), 3),
+        }
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--model", default=None, help="kvbench model name or directory (default: the real model)"
+    )
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048])
+    parser.add_argument("--steps", type=int, default=6, help="decode steps per candidate per round")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", default=str(OUT))
+    args = parser.parse_args(argv)
+    model, tokenizer, info = load_model(args.model, "bfloat16", "float32")
+    text_tokens = tokenizer.encode(default_text_path().read_text(encoding="utf-8"))
+    result: dict[str, Any] = {
+        **stamp(),
+        "model": info,
+        "tier": TIER,
+        "fill_chunk": CHUNK,
+        "steps": args.steps,
+        "rounds": args.rounds,
+        "packed_chunk": attention.PACKED_CHUNK,
+        "latents_chunk": attention.CHUNK,
+        "contexts": {},
+    }
+    for n in args.contexts:
+        tokens = mx.array((text_tokens * (n // len(text_tokens) + 1))[:n])[None]
+        kv = context_kv(model, tokens)
+        result["contexts"][str(n)] = measure_context(model, kv, args.steps, args.rounds)
+        del kv
+        for name, row in result["contexts"][str(n)]["candidates"].items():
+            print(
+                f"{n:>6} {name:<32} {row['tokens_per_s_median']:8.2f} tok/s  "
+                f"x q4 {row['vs_q4_median_of_rounds']:.3f}  held {row['held_bytes'] / 2**20:.2f} MiB",
+                flush=True,
+            )
+    write_json(args.out, result)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
