@@ -9,6 +9,7 @@ codecs). :class:`ChannelAffine` and :class:`RowAffine` hand those to the attenti
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from typing import ClassVar
 
 import torch
@@ -17,6 +18,7 @@ from kvspec import KVShapeError
 from .base import BlockCodec, PartSpec, from_blocks, to_output
 
 __all__ = [
+    "AffineCodes",
     "TokenRows",
     "ChannelAffine",
     "RowAffine",
@@ -69,8 +71,32 @@ class TokenRows(BlockCodec):
         return to_output(from_blocks(self._unrotate(self.stored_rows(parts, torch.float32))), dtype)
 
 
-class ChannelAffine(BlockCodec):
+class AffineCodes(BlockCodec):
+    """Parts ``(codes, scales, zeros)``: :meth:`stored_rows` is :meth:`_dequantize` after the check,
+    and the kernels read the codes as :meth:`_kernel_codes` gives them (as stored, here)."""
+
+    @abstractmethod
+    def _dequantize(self, parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
+        """``codes * scale + zero`` ``[..., n, R, D]`` in ``dtype``, for checked ``parts``."""
+
+    def _kernel_codes(self, codes: torch.Tensor) -> torch.Tensor:
+        return codes
+
+    def stored_rows(self, parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The stored rows ``[..., n, R, D]`` in ``dtype``: codes times their scale plus their zero point."""
+        self.check_parts(parts)
+        return self._dequantize(parts, dtype)
+
+
+class ChannelAffine(AffineCodes):
     """Parts ``(codes, scales [1, D], zeros [1, D])``: the per-channel step goes to the kernels."""
+
+    def row_segments(
+        self, parts: tuple[torch.Tensor, ...]
+    ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
+        """``((codes,), None)``: no row scale (see :meth:`channel_affine`)."""
+        self.check_parts(parts)
+        return (self._kernel_codes(parts[0]),), None
 
     def channel_affine(self, parts: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """fp32 ``(scales, zeros)``, each ``[..., n, D]``: token ``t`` of block ``b`` is
@@ -79,8 +105,15 @@ class ChannelAffine(BlockCodec):
         return parts[1][..., 0, :].float(), parts[2][..., 0, :].float()
 
 
-class RowAffine(BlockCodec):
-    """Parts ``(codes, scales [R, 1], zeros [R, 1])``: each stored row's zero point goes to the kernels."""
+class RowAffine(AffineCodes):
+    """Parts ``(codes, scales [R, 1], zeros [R, 1])``: each stored row's scale and zero point go to the kernels."""
+
+    def row_segments(
+        self, parts: tuple[torch.Tensor, ...]
+    ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
+        """``((codes,), fp32 scales [..., n, R])``; the zero points are :meth:`row_offsets`."""
+        self.check_parts(parts)
+        return (self._kernel_codes(parts[0]),), parts[1][..., 0].float()
 
     def row_offsets(self, parts: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
         """fp32 ``[..., n, R]``: the zero point added to every element of each stored row."""

@@ -73,15 +73,7 @@ class ChannelInt4Codec(TokenRows, ChannelAffine):
         """``x [..., n*r, D]`` -> ``(uint8 codes [..., n, r, D/2], fp16 scales, fp16 zeros [..., n, 1, D])``."""
         return quantize_int4_zero(to_blocks(x, self.block_size), dim=-2)
 
-    def stored_rows(self, parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
+    def _dequantize(self, parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
         """The tokens ``[..., n, r, D]`` in ``dtype`` (codes times the channel's scale plus its zero)."""
-        self.check_parts(parts)
         q, scale, zero = parts
         return dequantize_int4_zero(q, scale, zero, 2 * q.shape[-1], dtype)
-
-    def row_segments(
-        self, parts: tuple[torch.Tensor, ...]
-    ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
-        """``((packed codes,), None)``: the codes as stored, no row scale (see :meth:`channel_affine`)."""
-        self.check_parts(parts)
-        return (parts[0],), None

@@ -109,20 +109,10 @@ class ZeroPointJPEGCodec(RowAffine):
         coeffs = torch.matmul(self.analysis_matrix(cdt, x.device), blocks.to(cdt))
         return quantize_int4_zero(coeffs)
 
-    def stored_rows(self, parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
+    def _dequantize(self, parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
         """Coefficients ``[..., n, K, D]`` in ``dtype`` (codes times scale plus zero)."""
-        self.check_parts(parts)
         q, scale, zero = parts
         return dequantize_int4_zero(q, scale, zero, 2 * q.shape[-1], dtype)
-
-    def row_segments(
-        self, parts: tuple[torch.Tensor, ...]
-    ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
-        """``((packed coeffs,), fp32 scales [..., n, K])``: the codes as stored; the zero points
-        come from :meth:`row_offsets`."""
-        self.check_parts(parts)
-        q, scale, _ = parts
-        return (q,), scale[..., 0].float()
 
     def decode(self, parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
         """Parts for ``n`` blocks -> ``[..., n*r, D]`` in ``dtype`` (one batched GEMM in fp32)."""

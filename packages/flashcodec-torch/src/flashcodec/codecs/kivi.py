@@ -171,17 +171,9 @@ class TokenIntCodec(TokenRows, RowAffine):
         """``x [..., n*r, D]`` -> ``(codes [..., n, r, D/2 or D], fp16 scales, fp16 zeros [..., n, r, 1])``."""
         return quantize_zero(to_blocks(x, self.block_size), self.bits, dim=-1)
 
-    def stored_rows(self, parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
+    def _dequantize(self, parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
         """The tokens ``[..., n, r, D]`` in ``dtype``."""
-        self.check_parts(parts)
         return _dequantized(parts, dtype)
-
-    def row_segments(
-        self, parts: tuple[torch.Tensor, ...]
-    ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
-        """``((codes as stored,), fp32 scales [..., n, r])``; the zero points are :meth:`row_offsets`."""
-        self.check_parts(parts)
-        return (parts[0],), parts[1][..., 0].float()
 
 
 @dataclass(frozen=True)
@@ -253,14 +245,6 @@ class KIVICodec(TokenRows, ChannelAffine):
     def _encode_sink_block(self, block: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return quantize_zero(block, self.key_bits, dim=-2, zero_at=block[..., :1, :])
 
-    def stored_rows(self, parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
+    def _dequantize(self, parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
         """The key tokens ``[..., n, r, D]`` in ``dtype``."""
-        self.check_parts(parts)
         return _dequantized(parts, dtype)
-
-    def row_segments(
-        self, parts: tuple[torch.Tensor, ...]
-    ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
-        """``((codes as stored,), None)``: no row scale (see :meth:`channel_affine`)."""
-        self.check_parts(parts)
-        return (parts[0],), None

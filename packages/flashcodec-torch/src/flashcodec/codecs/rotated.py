@@ -326,17 +326,12 @@ class RotatedTokenIntCodec(_Rotated, TokenRows, RowAffine):
         """``x [..., n*r, D]`` -> ``(codes, fp16 scales, fp16 zeros [..., n, r, 1])`` of ``x @ M``."""
         return quantize_bits(self._rotate(to_blocks(x, self.block_size)), self.bits, -1, fit=self.range_fit)
 
-    def stored_rows(self, parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
+    def _dequantize(self, parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
         """The rotated tokens ``x @ M`` as stored: ``[..., n, r, D]`` in ``dtype``."""
-        self.check_parts(parts)
         return _dequantized(parts, self.bits, dtype)
 
-    def row_segments(
-        self, parts: tuple[torch.Tensor, ...]
-    ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
-        """``((codes,), fp32 scales [..., n, r])``; the zero points are :meth:`row_offsets`."""
-        self.check_parts(parts)
-        return (_kernel_codes(parts[0], self.bits),), parts[1][..., 0].float()
+    def _kernel_codes(self, codes: torch.Tensor) -> torch.Tensor:
+        return _kernel_codes(codes, self.bits)
 
 
 @dataclass(frozen=True)
@@ -431,14 +426,9 @@ class RotatedKIVICodec(_Rotated, TokenRows, ChannelAffine):
         head = self._rotate(block)
         return quantize_bits(head, self.key_bits, -2, zero_at=head[..., :1, :], fit=self.range_fit)
 
-    def stored_rows(self, parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
+    def _dequantize(self, parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
         """The rotated key tokens ``x @ M`` as stored: ``[..., n, r, D]`` in ``dtype``."""
-        self.check_parts(parts)
         return _dequantized(parts, self.key_bits, dtype)
 
-    def row_segments(
-        self, parts: tuple[torch.Tensor, ...]
-    ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
-        """``((codes,), None)``: no row scale (see :meth:`channel_affine`)."""
-        self.check_parts(parts)
-        return (_kernel_codes(parts[0], self.key_bits),), None
+    def _kernel_codes(self, codes: torch.Tensor) -> torch.Tensor:
+        return _kernel_codes(codes, self.key_bits)
