@@ -111,6 +111,9 @@ def spare_blocks(block_size: int) -> int:
 #: at most 15 empty slots beyond what a fixed ``r + raw_window`` buffer would
 TAIL_STEP = 16
 
+#: the attributes of a stream an append may change: saved before it, put back by its undo
+_APPEND_STATE = ("_archive", "_tail", "n_blocks", "tail_len", "_view", "view_blocks", "_view_version")
+
 
 def tail_slots(tokens: int, full: int) -> int:
     """Tail buffer slots for ``0 <= tokens < full`` tail tokens, ``full`` being ``r + raw_window``:
@@ -375,15 +378,7 @@ class CodecStream:
         # buffers, or installs new tail buffers: restoring the counts, the buffer references and
         # that tail copy restores the stream. The view's trusted part (its first view_blocks
         # blocks) is never written by a read that follows.
-        saved = (
-            self._archive,
-            self._tail,
-            self.n_blocks,
-            self.tail_len,
-            self._view,
-            self.view_blocks,
-            self._view_version,
-        )
+        saved = tuple(getattr(self, name) for name in _APPEND_STATE)
         trusted = self._view_is_trusted()
         overwritten = (
             tuple(p.clone() for p in self.tail_parts(0, self.tail_len))
@@ -393,15 +388,8 @@ class CodecStream:
 
         def undo() -> None:
             view = self._view
-            (
-                self._archive,
-                self._tail,
-                self.n_blocks,
-                self.tail_len,
-                self._view,
-                self.view_blocks,
-                self._view_version,
-            ) = saved
+            for name, value in zip(_APPEND_STATE, saved, strict=True):
+                setattr(self, name, value)
             if overwritten is not None:
                 self._write_tail(0, overwritten)
             if trusted and self._view is view and view is not None:
