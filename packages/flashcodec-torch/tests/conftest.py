@@ -68,21 +68,47 @@ def embedded_model():
     ).eval(), AutoTokenizer.from_pretrained(path)
 
 
-def tiny_qwen3(seed: int = 0, dtype: torch.dtype = torch.float32, max_positions: int = 512):
-    """A random 2-layer Qwen3 (4 query / 2 KV heads of 16), the same weights for the same seed; needs
-    transformers (imported here, so test files that skip without it can still import this module)."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+#: the special token ids of a tiny model that generates (pad for batches, eos to stop)
+TOKEN_IDS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
+
+def tiny_model(
+    kind: str = "qwen3",
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    *,
+    layers: int = 2,
+    kv_heads: int = 2,
+    max_positions: int = 512,
+    **config,
+):
+    """A random ``kind`` ("qwen3" or "llama") causal LM in eval mode: ``layers`` layers, hidden size 64,
+    4 query / ``kv_heads`` KV heads of 16, vocabulary 128; the same weights for the same seed.
+    ``config``: further fields of its transformers config (sliding windows, :data:`TOKEN_IDS`, ...).
+    Needs transformers (imported here, so test files that skip without it can still import this module)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    common = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_positions,
+        **config,
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        config = Qwen3Config(
-            vocab_size=128,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            max_position_embeddings=max_positions,
-        )
-        return Qwen3ForCausalLM(config).eval().to(dtype)
+        if kind == "qwen3":
+            model = Qwen3ForCausalLM(Qwen3Config(head_dim=16, **common))
+        elif kind == "llama":
+            model = LlamaForCausalLM(LlamaConfig(**common))
+        else:
+            raise ValueError(f"kind must be 'qwen3' or 'llama'; got {kind!r}")
+    return model.eval().to(dtype)
+
+
+def tiny_qwen3(seed: int = 0, dtype: torch.dtype = torch.float32, max_positions: int = 512):
+    """A random 2-layer Qwen3 (4 query / 2 KV heads of 16), the same weights for the same seed."""
+    return tiny_model("qwen3", seed, dtype, max_positions=max_positions)

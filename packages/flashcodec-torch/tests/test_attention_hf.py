@@ -13,6 +13,7 @@ import torch
 
 pytest.importorskip("transformers")
 
+from conftest import TOKEN_IDS, tiny_model  # noqa: E402
 from flashcodec import CodecStream  # noqa: E402
 from flashcodec.hf import (  # noqa: E402
     FlashCodecCache,
@@ -26,13 +27,7 @@ from flashcodec.hf import codec_attention as ca  # noqa: E402
 from flashcodec.peak_memory import PeakMemory
 from flashcodec.tiers import TIERS, tier, tier_names  # noqa: E402
 from kvspec import KVConfigError  # noqa: E402
-from transformers import (  # noqa: E402
-    DynamicCache,
-    LlamaConfig,
-    LlamaForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-)
+from transformers import DynamicCache  # noqa: E402
 
 NEW = 64
 GREEDY = dict(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
@@ -52,23 +47,7 @@ def embedded(embedded_model):
 
 
 def tiny(kind="qwen3", seed=0, kv_heads=2):
-    common = dict(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=512,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        if kind == "qwen3":
-            return Qwen3ForCausalLM(Qwen3Config(head_dim=16, **common)).eval()
-        return LlamaForCausalLM(LlamaConfig(**common)).eval()
+    return tiny_model(kind, seed, kv_heads=kv_heads, **TOKEN_IDS)
 
 
 def no_views(cache: FlashCodecCache) -> bool:

@@ -10,10 +10,10 @@ import torch
 
 pytest.importorskip("transformers")
 
+from conftest import tiny_model  # noqa: E402
 from flashcodec import JPEGCodec, PNGCodec  # noqa: E402
 from flashcodec.hf import Calibration, FlashCodecCache, calibrate  # noqa: E402
 from kvspec import KVConfigError  # noqa: E402
-from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 
 CANDIDATES = {
     "int8": JPEGCodec(8, 8, quant_bits=8),
@@ -23,19 +23,7 @@ CANDIDATES = {
 
 
 def tiny(layers=3):
-    config = Qwen3Config(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        return Qwen3ForCausalLM(config).eval()
+    return tiny_model(layers=layers)
 
 
 @pytest.fixture(scope="module")

@@ -19,11 +19,12 @@ import torch
 
 pytest.importorskip("transformers")
 
+from conftest import TOKEN_IDS, tiny_model  # noqa: E402
 from flashcodec import CodecKVCache, JPEGCodec, PNGCodec  # noqa: E402
 from flashcodec.hf import FlashCodecCache, FlashCodecLayer  # noqa: E402
 from flashcodec.hf.requirements import check_layer_api  # noqa: E402
 from kvspec import KVConfigError, KVShapeError, KVTrimError  # noqa: E402
-from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
+from transformers import DynamicCache, Qwen3ForCausalLM  # noqa: E402
 from transformers.cache_utils import DynamicSlidingWindowLayer, LinearAttentionLayer  # noqa: E402
 
 
@@ -35,27 +36,16 @@ def make_hybrid_model():
 
 def tiny_qwen3(layer_types=None, sliding_window=None, seed=0) -> Qwen3ForCausalLM:
     """A seeded random 4-layer Qwen3 (GQA 4/2 heads, head_dim 16), float32, eval mode."""
-    n = len(layer_types) if layer_types else 4
-    config = Qwen3Config(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=n,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=256,
+    return tiny_model(
+        seed=seed,
+        layers=len(layer_types) if layer_types else 4,
+        max_positions=256,
         layer_types=list(layer_types) if layer_types else None,
         use_sliding_window=sliding_window is not None,
         sliding_window=sliding_window,
         max_window_layers=0,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
+        **TOKEN_IDS,
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return Qwen3ForCausalLM(config).eval()
 
 
 def kv(b=2, h=2, s=11, d=16, seed=0, dtype=torch.float32):

@@ -16,31 +16,18 @@ import torch
 pytest.importorskip("transformers")
 
 import flashcodec  # noqa: E402
+from conftest import TOKEN_IDS, tiny_model  # noqa: E402
 from flashcodec import JPEGCodec, PNGCodec  # noqa: E402
 from flashcodec.hf import FlashCodecCache, apply_flash_codec, get_flash_codec_patch, remove_flash_codec  # noqa: E402
 from kvspec import KVConfigError  # noqa: E402
-from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
+from transformers import DynamicCache, Qwen3ForCausalLM  # noqa: E402
 
 GEN = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False)
 
 
 def tiny_qwen3(seed=0) -> Qwen3ForCausalLM:
-    config = Qwen3Config(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=256,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return Qwen3ForCausalLM(config).eval()
+    """A seeded random 4-layer Qwen3 that generates (its special tokens set)."""
+    return tiny_model(seed=seed, layers=4, max_positions=256, **TOKEN_IDS)
 
 
 @pytest.fixture(scope="module")

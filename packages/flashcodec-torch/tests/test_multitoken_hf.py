@@ -16,7 +16,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from conftest import CODECS  # noqa: E402
+from conftest import CODECS, TOKEN_IDS, tiny_model  # noqa: E402
 from flashcodec.hf import (  # noqa: E402
     FlashCodecCache,
     apply_codec_attention,
@@ -25,7 +25,6 @@ from flashcodec.hf import (  # noqa: E402
     remove_flash_codec,
 )
 from flashcodec.stream import SPARE_BLOCKS  # noqa: E402
-from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 
 PROMPT = (
     "The os module provides a portable way of using operating system dependent functionality. "
@@ -36,22 +35,7 @@ PROMPT = (
 
 
 def tiny(seed=0):
-    config = Qwen3Config(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=2048,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return Qwen3ForCausalLM(config).eval()
+    return tiny_model(seed=seed, max_positions=2048, **TOKEN_IDS)
 
 
 def resident_bound(layer) -> int:
