@@ -35,7 +35,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
 import numpy as np
@@ -221,15 +221,7 @@ class Settings:
     memory_points: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        for name in (
-            "windows",
-            "context_tokens",
-            "scored_tokens",
-            "new_tokens",
-            "speed_rounds",
-            "speed_steps",
-            "prompt_count",
-        ):
+        for name in COUNT_SETTINGS:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise CompareError(f"--{name.replace('_', '-')}={value!r} must be a positive integer")
@@ -266,6 +258,10 @@ class Settings:
             "prompt_count": self.prompt_count,
             "memory_points": list(self.memory_points),
         }
+
+
+#: the settings that count something (every ``int`` field of :class:`Settings`): each at least 1
+COUNT_SETTINGS = tuple(f.name for f in fields(Settings) if f.type == "int")
 
 
 def text_windows(tokens: Sequence[int], settings: Settings) -> list[list[int]]:
