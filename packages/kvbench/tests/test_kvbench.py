@@ -5,6 +5,7 @@ harness."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
@@ -114,8 +115,8 @@ class ToyRunner:
         return " ".join(map(str, tokens))
 
 
-def candidates(events=None):
-    import contextlib
+def recording_context(events):
+    """A candidate's ``context``: appends "enter" and "exit" to ``events`` around its measurement."""
 
     @contextlib.contextmanager
     def ctx():
@@ -123,6 +124,11 @@ def candidates(events=None):
         yield
         events.append("exit")
 
+    return ctx
+
+
+def candidates(events=None):
+    ctx = recording_context(events)
     return [
         Candidate("baseline", "baseline", "exact", lambda: ToyCache()),
         Candidate(

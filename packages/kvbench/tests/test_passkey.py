@@ -3,7 +3,6 @@ there once, exact-match scoring, resuming skips finished pairs, bad inputs raise
 
 from __future__ import annotations
 
-import contextlib
 import math
 import re
 
@@ -22,6 +21,7 @@ from kvbench.passkey import (
 )
 from kvbench.protocol import Candidate
 from kvbench.results import CompareError
+from test_kvbench import recording_context
 
 
 class WordTokenizer:
@@ -112,12 +112,7 @@ class FakeCache:
 
 
 def cands(tok, events=None, baseline_forgets=False):
-    @contextlib.contextmanager
-    def ctx():
-        events.append("enter")
-        yield
-        events.append("exit")
-
+    ctx = recording_context(events)
     return [
         Candidate("baseline", "baseline", "keeps all", lambda: FakeCache(tok, baseline_forgets)),
         Candidate(
