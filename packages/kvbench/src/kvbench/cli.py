@@ -20,7 +20,7 @@ from kvspec import KVSpecError
 
 from .checks import check_token_lists
 from .models import default_text_path
-from .protocol import Candidate, Runner, Settings, measure, text_windows
+from .protocol import COUNT_SETTINGS, Candidate, Runner, Settings, measure, text_windows
 from .report import emit, require_matplotlib
 from .results import CompareError, build_result, text_digest
 
@@ -132,68 +132,39 @@ def add_common_arguments(
         help=f"comma-separated peer caches (default: all): {', '.join(peers)}; 'none' for no peer. "
         "A peer whose package is not installed is reported as absent, with the error",
     )
-    parser.add_argument(
-        "--windows", type=int, default=defaults.windows, help=f"held-out windows (default {defaults.windows})"
-    )
-    parser.add_argument(
-        "--context-tokens",
-        type=int,
-        default=defaults.context_tokens,
-        help=f"prefilled tokens per window (default {defaults.context_tokens})",
-    )
-    parser.add_argument(
+
+    def count(option: str, default: int, text: str) -> None:
+        parser.add_argument(option, type=int, default=default, help=f"{text} (default {default})")
+
+    count("--windows", defaults.windows, "held-out windows")
+    count("--context-tokens", defaults.context_tokens, "prefilled tokens per window")
+    count(
         "--scored-tokens",
-        type=int,
-        default=defaults.scored_tokens,
-        help=f"teacher-forced, scored tokens per window after the context (default {defaults.scored_tokens})",
+        defaults.scored_tokens,
+        "teacher-forced, scored tokens per window after the context",
     )
-    parser.add_argument(
+    count(
         "--long-context",
-        type=int,
-        default=2048,
-        help="tokens per window of the long-context run (context + scored), capped at the model's "
-        "positions; 0 skips the run (default 2048)",
+        2048,
+        "tokens per window of the long-context run (context + scored), capped at the model's "
+        "positions; 0 skips the run",
     )
-    parser.add_argument(
-        "--long-windows", type=int, default=2, help="windows of the long-context run (default 2)"
-    )
-    parser.add_argument(
-        "--long-scored-tokens",
-        type=int,
-        default=256,
-        help="scored tokens at the end of each long-context window (default 256)",
-    )
+    count("--long-windows", 2, "windows of the long-context run")
+    count("--long-scored-tokens", 256, "scored tokens at the end of each long-context window")
     parser.add_argument(
         "--no-memory-curve",
         action="store_true",
         help="skip the long run's memory curve (a chunked prefill of every cache up to the window, "
         "read at powers of two): the chart then has no memory panel",
     )
-    parser.add_argument(
-        "--new-tokens",
-        type=int,
-        default=defaults.new_tokens,
-        help=f"greedy tokens per prompt (default {defaults.new_tokens})",
-    )
-    parser.add_argument(
+    count("--new-tokens", defaults.new_tokens, "greedy tokens per prompt")
+    count(
         "--prompt-count",
-        type=int,
-        default=defaults.prompt_count,
-        help="without --prompt/--prompts: greedy prompts taken from the first windows' contexts "
-        f"(default {defaults.prompt_count})",
+        defaults.prompt_count,
+        "without --prompt/--prompts: greedy prompts taken from the first windows' contexts",
     )
-    parser.add_argument(
-        "--speed-rounds",
-        type=int,
-        default=defaults.speed_rounds,
-        help=f"round-robin timing rounds (default {defaults.speed_rounds})",
-    )
-    parser.add_argument(
-        "--speed-steps",
-        type=int,
-        default=defaults.speed_steps,
-        help=f"timed one-token calls per round (default {defaults.speed_steps})",
-    )
+    count("--speed-rounds", defaults.speed_rounds, "round-robin timing rounds")
+    count("--speed-steps", defaults.speed_steps, "timed one-token calls per round")
     parser.add_argument(
         "--noise-floor",
         action="store_true",
@@ -342,15 +313,7 @@ def run_compare(harness: Harness, argv: Sequence[str] | None = None) -> int:
         return _list(harness)
     tiers = parse_selection(args.tiers, tier_names, "--tiers")
     peers = parse_selection(args.peers, peer_names, "--peers")
-    short = Settings(
-        windows=args.windows,
-        context_tokens=args.context_tokens,
-        scored_tokens=args.scored_tokens,
-        new_tokens=args.new_tokens,
-        speed_rounds=args.speed_rounds,
-        speed_steps=args.speed_steps,
-        prompt_count=args.prompt_count,
-    )
+    short = Settings(**{name: getattr(args, name) for name in COUNT_SETTINGS})
     text, text_path = load_eval_text(args.text)
     prompt_texts = load_prompts(args.prompt, args.prompts)
     if args.plot:
