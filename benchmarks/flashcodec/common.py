@@ -89,3 +89,47 @@ def log_probs(model, cache, window: list[int], context: int) -> torch.Tensor:
     for token in window[context:-1]:
         out.append(model(input_ids=torch.tensor([[token]]), past_key_values=cache).logits[0, -1])
     return torch.stack(out).float().log_softmax(-1)
+
+
+@torch.no_grad()
+def exact_windows(model_name: str, windows: int, context: int, scored: int) -> tuple[object, list[tuple]]:
+    """The model (``kvbench.models.resolve_model(model_name)``, bf16, eval) and, for each of ``windows``
+    consecutive windows of ``context + scored`` tokens of kvbench's held-out text, ``(tokens [1, S],
+    per-layer exact context K/V, exact log-probabilities fp32 [scored, vocab] of one forward of the
+    scored tokens)``: the reference of a one-forward quality check (:func:`score_replaced_kv`)."""
+    from kvbench.models import default_text_path, resolve_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+    path = resolve_model(model_name)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    ids = AutoTokenizer.from_pretrained(path).encode(
+        default_text_path().read_text(), add_special_tokens=False
+    )
+    size = context + scored
+    out = []
+    for i in range(windows):
+        w = torch.tensor(ids[i * size : (i + 1) * size])[None]
+        cache = DynamicCache(config=model.config)
+        model(w[:, :context], past_key_values=cache, use_cache=True)
+        kv = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+        logits = model(w[:, context:], past_key_values=cache, use_cache=True).logits
+        out.append((w, kv, logits.float().log_softmax(-1)[0]))
+    return model, out
+
+
+@torch.no_grad()
+def score_replaced_kv(model, windows: list[tuple], context: int, replace) -> tuple[float, float]:
+    """``(KL mean, top-1 agreement)`` of one forward of each window's scored tokens over its context
+    K/V replaced layer by layer (``replace(layer, k, v) -> (k, v)``) against the exact log-probabilities
+    of :func:`exact_windows`: ``KL(exact || replaced)`` and the share of positions whose argmax agrees."""
+    from transformers import DynamicCache
+
+    kls, agree = [], []
+    for w, kv, base in windows:
+        cache = DynamicCache(config=model.config)
+        for i, (k, v) in enumerate(kv):
+            cache.update(*replace(i, k, v), i)
+        lp = model(w[:, context:], past_key_values=cache, use_cache=True).logits.float().log_softmax(-1)[0]
+        kls.append((base.exp() * (base - lp)).sum(-1))
+        agree.append((base.argmax(-1) == lp.argmax(-1)).float())
+    return float(torch.cat(kls).mean()), float(torch.cat(agree).mean())

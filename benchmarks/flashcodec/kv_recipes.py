@@ -32,9 +32,8 @@ import sys
 import time
 
 import torch
-from common import stamp
+from common import exact_windows, score_replaced_kv, stamp
 from flashcodec.codecs.kivi import dequantize_zero, quantize_zero
-from kvbench.models import default_text_path, resolve_model
 from kvbench.results import results_path, write_json
 
 BLOCK = 64
@@ -146,45 +145,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(results_path("flashcodec_kv_recipes.json")))
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
-
-    path = resolve_model(args.model)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
-    ids = AutoTokenizer.from_pretrained(path).encode(
-        default_text_path().read_text(), add_special_tokens=False
-    )
-    size = args.context + args.scored
-    windows = [torch.tensor(ids[i * size : (i + 1) * size])[None] for i in range(args.windows)]
-    exact = []
-    with torch.no_grad():
-        for w in windows:
-            cache = DynamicCache(config=model.config)
-            model(w[:, : args.context], past_key_values=cache, use_cache=True)
-            kv = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
-            logits = model(w[:, args.context :], past_key_values=cache, use_cache=True).logits
-            exact.append((kv, logits.float().log_softmax(-1)[0]))
+    model, windows = exact_windows(args.model, args.windows, args.context, args.scored)
     rows = []
     for label, keys, values, sink in RECIPES:
         t0 = time.perf_counter()
         apply = recipe_fn(keys, values, sink, args.window)
-        kls, agree = [], []
-        with torch.no_grad():
-            for w, (kv, base) in zip(windows, exact, strict=True):
-                cache = DynamicCache(config=model.config)
-                for i, (k, v) in enumerate(kv):
-                    cache.update(*apply(k, v), i)
-                lp = model(w[:, args.context :], past_key_values=cache, use_cache=True).logits
-                lp = lp.float().log_softmax(-1)[0]
-                kls.append((base.exp() * (base - lp)).sum(-1))
-                agree.append((base.argmax(-1) == lp.argmax(-1)).float())
+        kl, top1 = score_replaced_kv(model, windows, args.context, lambda _, k, v, apply=apply: apply(k, v))
         row = {
             "name": label,
             "keys": {"group": keys[0], "bits": keys[1], "hadamard": keys[2]},
             "values": {"group": values[0], "bits": values[1], "hadamard": values[2]},
             "first_key_exact": sink,
             "bits_per_element": (bits_of(keys) + bits_of(values)) / 2,
-            "kl_mean": float(torch.cat(kls).mean()),
-            "top1_agreement": float(torch.cat(agree).mean()),
+            "kl_mean": kl,
+            "top1_agreement": top1,
         }
         rows.append(row)
         print(

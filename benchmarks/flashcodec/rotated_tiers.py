@@ -34,7 +34,7 @@ from pathlib import Path
 
 import flashcodec.tiers as tiers_module
 import torch
-from common import stamp
+from common import exact_windows, score_replaced_kv, stamp
 from flashcodec.codecs import BlockCodec, KIVICodec
 from flashcodec.codecs.rotated import RotatedKIVICodec
 from kvbench.results import results_path, write_json
@@ -179,50 +179,32 @@ def run_compare(names: list[str], out: Path, model: str | None, long_windows: in
     print(f"wrote {out}")
 
 
-@torch.no_grad()
 def run_quick(names: list[str], args: argparse.Namespace) -> None:
     from flashcodec import CodecKVCache
-    from kvbench.models import default_text_path, resolve_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-    path = resolve_model(args.model or "smollm2-135m")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
-    ids = AutoTokenizer.from_pretrained(path).encode(
-        default_text_path().read_text(), add_special_tokens=False
-    )
-    size = args.context + args.scored
-    windows = [torch.tensor(ids[i * size : (i + 1) * size])[None] for i in range(args.windows)]
-    exact = []
-    for w in windows:
-        cache = DynamicCache(config=model.config)
-        model(w[:, : args.context], past_key_values=cache, use_cache=True)
-        kv = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
-        logits = model(w[:, args.context :], past_key_values=cache, use_cache=True).logits
-        exact.append((kv, logits.float().log_softmax(-1)[0]))
+    model, windows = exact_windows(args.model or "smollm2-135m", args.windows, args.context, args.scored)
     rows = []
     for name in names:
         t0 = time.perf_counter()
         codec = _codec(name)
-        kls, agree, held, raw = [], [], 0, 0
-        for w, (kv, base) in zip(windows, exact, strict=True):
-            cache = DynamicCache(config=model.config)
-            for i, (k, v) in enumerate(kv):
-                coded = CodecKVCache(codec=codec)
-                keys, values = coded.update_and_fetch(k, v)
-                cache.update(keys.clone(), values.clone(), i)
-                st = coded.storage_bytes()
-                held, raw = held + st.held, raw + st.raw
-            lp = model(w[:, args.context :], past_key_values=cache, use_cache=True).logits
-            lp = lp.float().log_softmax(-1)[0]
-            kls.append((base.exp() * (base - lp)).sum(-1))
-            agree.append((base.argmax(-1) == lp.argmax(-1)).float())
+        held, raw = 0, 0
+
+        def through_codec(_: int, k: torch.Tensor, v: torch.Tensor, codec=codec) -> tuple:
+            nonlocal held, raw
+            coded = CodecKVCache(codec=codec)
+            keys, values = coded.update_and_fetch(k, v)
+            st = coded.storage_bytes()
+            held, raw = held + st.held, raw + st.raw
+            return keys.clone(), values.clone()
+
+        kl, top1 = score_replaced_kv(model, windows, args.context, through_codec)
         row = {
             "name": name,
             "description": _describe(name, codec),
             "codec": repr(codec),
             "bytes_x_raw": held / raw,
-            "kl_mean": float(torch.cat(kls).mean()),
-            "top1_agreement": float(torch.cat(agree).mean()),
+            "kl_mean": kl,
+            "top1_agreement": top1,
         }
         rows.append(row)
         print(
