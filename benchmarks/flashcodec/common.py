@@ -9,6 +9,8 @@ parses and checks ``--tiers`` with :func:`flashcodec.tiers.tier`.
 from __future__ import annotations
 
 import argparse
+import json
+import tempfile
 from pathlib import Path
 
 import torch
@@ -133,3 +135,16 @@ def score_replaced_kv(model, windows: list[tuple], context: int, replace) -> tup
         kls.append((base.exp() * (base - lp)).sum(-1))
         agree.append((base.argmax(-1) == lp.argmax(-1)).float())
     return float(torch.cat(kls).mean()), float(torch.cat(agree).mean())
+
+
+def compare_result(cli: list[str], compare_json: Path | None = None) -> dict:
+    """The result dict of ``flashcodec compare <cli>``, run in this process into a temporary JSON
+    file, or read from ``compare_json`` (a run saved earlier); ``SystemExit`` when compare fails."""
+    if compare_json is None:
+        from flashcodec.compare import main
+
+        compare_json = Path(tempfile.mkdtemp()) / "compare.json"
+        code = main([*cli, "--json", str(compare_json)])
+        if code:
+            raise SystemExit(f"flashcodec compare exited with {code}")
+    return json.loads(compare_json.read_text())

@@ -27,16 +27,14 @@ hf-hqq-q4 at reduced sizes (the command is recorded), its rows copied here.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from common import log_probs, stamp
+from common import compare_result, log_probs, stamp
 from flashcodec import JPEGCodec
 from flashcodec.codecs import MixedJPEGCodec, ZeroPointJPEGCodec
 from flashcodec.codecs.quant import (
@@ -262,14 +260,7 @@ KEPT = ("name", "kv_ratio", "resident_ratio", "kl_mean", "top1_agreement", "ppl_
 
 def compare(compare_json: Path | None) -> dict:
     """Run (or, given ``compare_json``, read) ``flashcodec compare`` with :data:`COMPARE_ARGS`."""
-    if compare_json is None:
-        from flashcodec.compare import main
-
-        compare_json = Path(tempfile.mkdtemp()) / "compare.json"
-        code = main([*COMPARE_ARGS, "--json", str(compare_json)])
-        if code:
-            raise SystemExit(f"flashcodec compare exited with {code}")
-    result = json.loads(compare_json.read_text())
+    result = compare_result(COMPARE_ARGS, compare_json)
     return {
         "command": "python -m flashcodec.compare " + " ".join(COMPARE_ARGS),
         "stamp": result.get("stamp"),

@@ -17,12 +17,10 @@ The figures it adds per row (against hqq 4-bit, in the same run):
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import tempfile
 from pathlib import Path
 
-from common import tier_list
+from common import compare_result, tier_list
 from kvbench.results import results_path, write_json
 
 #: the tiers measured by default: the new split codecs, and the per-channel tier they replace
@@ -77,15 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     cli = ["--tiers", ",".join(args.tiers), *COMPARE_ARGS]
     if args.model:
         cli = ["--model", args.model, *cli]
-    path = args.compare_json
-    if path is None:
-        from flashcodec.compare import main as compare_main
-
-        path = Path(tempfile.mkdtemp()) / "compare.json"
-        code = compare_main([*cli, "--json", str(path)])
-        if code:
-            raise SystemExit(f"flashcodec compare exited with {code}")
-    result = json.loads(path.read_text())
+    result = compare_result(cli, args.compare_json)
     result["command"] = "python -m flashcodec.compare " + " ".join(cli)
     result["summary_long"] = summarize(result)
     write_json(args.out, result)

@@ -25,16 +25,14 @@ Two protocols:
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import flashcodec.tiers as tiers_module
 import torch
-from common import exact_windows, score_replaced_kv, stamp
+from common import compare_result, exact_windows, score_replaced_kv, stamp
 from flashcodec.codecs import BlockCodec, KIVICodec
 from flashcodec.codecs.rotated import RotatedKIVICodec
 from kvbench.results import results_path, write_json
@@ -147,8 +145,6 @@ QUICK_TIERS = ",".join(
 
 
 def run_compare(names: list[str], out: Path, model: str | None, long_windows: int = 1) -> None:
-    from flashcodec.compare import main as compare_main
-
     for name in names:
         register(name.removesuffix("-mf"))
     args = list(COMPARE_ARGS)
@@ -156,12 +152,8 @@ def run_compare(names: list[str], out: Path, model: str | None, long_windows: in
     cli = ["--tiers", ",".join(names), *args]
     if model:
         cli = ["--model", model, *cli]
-    path = Path(tempfile.mkdtemp()) / "compare.json"
     t0 = time.perf_counter()
-    code = compare_main([*cli, "--json", str(path)])
-    if code:
-        raise SystemExit(f"flashcodec compare exited with {code}")
-    result = json.loads(path.read_text())
+    result = compare_result(cli)
     result["command"] = (
         f"python benchmarks/flashcodec/rotated_tiers.py --tiers {','.join(names)} --long-windows {long_windows}"
     )
