@@ -37,6 +37,17 @@ DEFAULT_OUT = results_path("real_kv_stats.json")
 KVSPEC_SOURCE_DATA = REPO_ROOT / "packages" / "kvspec" / "src" / "kvspec" / "data"
 HELDOUT_LABEL = "kvbench/data/heldout.txt"
 
+
+def read_text(text_file: Path | None) -> tuple[str, str]:
+    """``(text, label)`` of ``--text-file``: kvbench's held-out text (labelled :data:`HELDOUT_LABEL`)
+    when None, else the file (labelled by its path)."""
+    if text_file is None:
+        from kvbench.models import default_text_path
+
+        return default_text_path().read_text(encoding="utf-8"), HELDOUT_LABEL
+    return Path(text_file).read_text(encoding="utf-8"), str(text_file)
+
+
 __all__ = [
     "attention_layer_indices",
     "capture_kv",
@@ -285,13 +296,7 @@ def main(argv: list[str] | None = None) -> dict:
         from kvbench.models import embedded_model_path
 
         args.model = str(embedded_model_path())
-    if args.text_file is None:
-        from kvbench.models import default_text_path
-
-        text_path, text_label = default_text_path(), HELDOUT_LABEL
-    else:
-        text_path, text_label = args.text_file, str(args.text_file)
-    text = Path(text_path).read_text(encoding="utf-8")
+    text, text_label = read_text(args.text_file)
 
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(args.model)

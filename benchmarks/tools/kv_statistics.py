@@ -46,6 +46,7 @@ from capture_kv import (
     capture_kv_with_pre_rope,
     dct_low_energy_fraction,
     rank_for_energy_per_group,
+    read_text,
     var_delta_ratio,
 )
 from kvbench.results import environment_stamp, results_path, write_json
@@ -543,13 +544,7 @@ def measure(args, argv) -> dict:
         raise SystemExit("more --name / --note than --model")
     names += [Path(m).name for m in args.model[len(names) :]]
     notes += [None] * (len(args.model) - len(notes))
-    if args.text_file is None:
-        from kvbench.models import default_text_path
-
-        text_path, text_label = default_text_path(), HELDOUT_LABEL
-    else:
-        text_path, text_label = args.text_file, str(args.text_file)
-    text = Path(text_path).read_text(encoding="utf-8")
+    text, text_label = read_text(args.text_file)
     torch.manual_seed(0)
     models = [
         run_model(p, n, note or None, text, args) for p, n, note in zip(args.model, names, notes, strict=True)
