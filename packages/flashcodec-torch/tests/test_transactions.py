@@ -38,6 +38,24 @@ def _fail_on_values(monkeypatch, method: str) -> None:
     monkeypatch.setattr(CodecStream, method, failing)
 
 
+def _check_failure_changes_nothing(cache, monkeypatch, method: str, call) -> None:
+    """``call()``, with ``CodecStream.<method>`` failing on the values stream, raises and leaves
+    ``cache`` (a flashcodec cache of either API) exactly as it was."""
+    before = snapshot(cache)
+    _fail_on_values(monkeypatch, method)
+    with pytest.raises(_OutOfMemory):
+        call()
+    assert snapshot(cache) == before
+
+
+def _check_next_append_as_twin(cache: CodecKVCache, twin: CodecKVCache, tokens: int, monkeypatch) -> None:
+    """Without the failure, the next append gives ``cache`` what it gives ``twin`` (never failed)."""
+    monkeypatch.undo()
+    k, v = random_walk(s=tokens, seed=2), random_walk(s=tokens, d=8, seed=3)
+    ours, theirs = cache.update_and_fetch(k, v), twin.update_and_fetch(k, v)
+    assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
+
+
 def _cache(tier: str) -> CodecKVCache:
     cache = CodecKVCache(codec=CODECS[tier], initial_blocks=1)
     cache.update_and_fetch(random_walk(s=13), random_walk(s=13, d=8, seed=1))
@@ -47,16 +65,14 @@ def _cache(tier: str) -> CodecKVCache:
 @pytest.mark.parametrize("tier", ["png-keep1", "jpeg-k2-int8", "jpeg-k8-int4"])
 def test_values_allocation_failure_leaves_both_streams(tier, monkeypatch):
     cache, twin = _cache(tier), _cache(tier)
-    before = snapshot(cache)
-    _fail_on_values(monkeypatch, "prepare_append")
-    with pytest.raises(_OutOfMemory):
-        cache.update_and_fetch(random_walk(s=11, seed=2), random_walk(s=11, d=8, seed=3))
-    assert snapshot(cache) == before
+    _check_failure_changes_nothing(
+        cache,
+        monkeypatch,
+        "prepare_append",
+        lambda: cache.update_and_fetch(random_walk(s=11, seed=2), random_walk(s=11, d=8, seed=3)),
+    )
     assert cache.keys.n_blocks == cache.values.n_blocks
-    monkeypatch.undo()
-    k, v = random_walk(s=11, seed=2), random_walk(s=11, d=8, seed=3)
-    ours, theirs = cache.update_and_fetch(k, v), twin.update_and_fetch(k, v)
-    assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
+    _check_next_append_as_twin(cache, twin, 11, monkeypatch)
 
 
 @pytest.mark.parametrize("tier", ["png-keep1", "jpeg-k2-int8"])
@@ -65,28 +81,27 @@ def test_read_failure_after_the_append_undoes_it(tier, tokens, monkeypatch):
     # the keys' read succeeds (its view may grow), the values' read runs out of memory: the
     # append is undone and the keys' view is back to what it was
     cache, twin = _cache(tier), _cache(tier)
-    before = snapshot(cache)
-    _fail_on_values(monkeypatch, "_ensure_view")
-    with pytest.raises(_OutOfMemory):
-        cache.update_and_fetch(random_walk(s=tokens, seed=2), random_walk(s=tokens, d=8, seed=3))
-    assert snapshot(cache) == before
-    monkeypatch.undo()
-    k, v = random_walk(s=tokens, seed=2), random_walk(s=tokens, d=8, seed=3)
-    ours, theirs = cache.update_and_fetch(k, v), twin.update_and_fetch(k, v)
-    assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
+    _check_failure_changes_nothing(
+        cache,
+        monkeypatch,
+        "_ensure_view",
+        lambda: cache.update_and_fetch(random_walk(s=tokens, seed=2), random_walk(s=tokens, d=8, seed=3)),
+    )
+    _check_next_append_as_twin(cache, twin, tokens, monkeypatch)
 
 
 def test_forward_failure_keeps_the_old_tokens(monkeypatch):
     cache = _cache("png-keep1")
     before = snapshot(cache)
-    _fail_on_values(monkeypatch, "prepare_append")
-    with pytest.raises(_OutOfMemory):
+
+    def forward():
         cache.forward(random_walk(s=20, seed=4), random_walk(s=20, d=8, seed=5))
-    assert snapshot(cache) == before
+
+    _check_failure_changes_nothing(cache, monkeypatch, "prepare_append", forward)
     monkeypatch.undo()
-    _fail_on_values(monkeypatch, "_ensure_view")  # now the read after the fill fails
-    with pytest.raises(_OutOfMemory):
-        cache.forward(random_walk(s=20, seed=4), random_walk(s=20, d=8, seed=5))
+    _check_failure_changes_nothing(
+        cache, monkeypatch, "_ensure_view", forward
+    )  # the read after the fill fails
     assert snapshot(cache) == before
 
 
@@ -100,11 +115,7 @@ def test_forward_failure_keeps_the_old_tokens(monkeypatch):
 def test_edit_failure_leaves_both_streams(method, call, monkeypatch):
     cache = _cache("jpeg-k2-int8")
     cache.release_view()  # the crop must decode the block it cuts into (an allocation)
-    before = snapshot(cache)
-    _fail_on_values(monkeypatch, method)
-    with pytest.raises(_OutOfMemory):
-        call(cache)
-    assert snapshot(cache) == before
+    _check_failure_changes_nothing(cache, monkeypatch, method, lambda: call(cache))
 
 
 def test_state_is_a_copy():
@@ -237,11 +248,7 @@ def test_transformers_cache_edits_are_all_or_nothing(method, call, monkeypatch):
     cache.update(random_walk(s=13, seed=2), random_walk(s=13, d=8, seed=3), 1)
     for layer in cache.layers:
         layer.codec_cache.release_view()  # so the crop decodes (allocates) the block it cuts into
-    before = snapshot(cache)
-    _fail_on_values(monkeypatch, method)
-    with pytest.raises(_OutOfMemory):
-        call(cache)
-    assert snapshot(cache) == before
+    _check_failure_changes_nothing(cache, monkeypatch, method, lambda: call(cache))
 
 
 def test_failed_update_of_a_native_layer_leaves_it_as_it_was():
