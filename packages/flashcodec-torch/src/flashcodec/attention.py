@@ -113,6 +113,17 @@ def coded_rows(stream: CodecStream) -> CodedRows:
     )
 
 
+def _additive(mask: torch.Tensor, name: str) -> torch.Tensor:
+    """A bool mask (True = attend) as additive fp32 (0 visible, -inf hidden); a floating-point mask
+    as it is; ``KVDtypeError`` naming ``name`` for any other dtype."""
+    if mask.dtype == torch.bool:
+        zero = torch.zeros((), dtype=torch.float32, device=mask.device)
+        return torch.where(mask, zero, torch.full_like(zero, -math.inf))
+    if not mask.is_floating_point():
+        raise KVDtypeError(f"{name} must be bool or floating point; got {mask.dtype}")
+    return mask
+
+
 def additive_key_mask(key_mask: torch.Tensor | None, batch: int, seq_len: int) -> torch.Tensor | None:
     """Validate ``key_mask`` and return it as additive fp32 ``[B, S]`` (0 visible, -inf hidden).
 
@@ -127,13 +138,7 @@ def additive_key_mask(key_mask: torch.Tensor | None, batch: int, seq_len: int) -
         raise KVShapeError(
             f"key_mask must have shape [B, S] = {(batch, seq_len)}; got {tuple(key_mask.shape)}"
         )
-    if key_mask.dtype == torch.bool:
-        zero = torch.zeros((), dtype=torch.float32, device=key_mask.device)
-        mask = torch.where(key_mask, zero, torch.full_like(zero, -math.inf))
-    elif not key_mask.is_floating_point():
-        raise KVDtypeError(f"key_mask must be bool or floating point; got {key_mask.dtype}")
-    else:
-        mask = key_mask.float()
+    mask = _additive(key_mask, "key_mask").float()
     if mask.numel():
         # a row with no visible key has no softmax: it would come back NaN
         hidden = torch.isneginf(mask).all(dim=-1) | torch.isnan(mask).any(dim=-1)
@@ -347,12 +352,7 @@ def _prefill_mask(mask: object, batch: int, heads: int, s: int, total: int, devi
             f"attn_mask must have shape [B, 1 or Hq, s, S] = [{batch}, 1 or {heads}, {s}, {total}]; "
             f"got {tuple(mask.shape)}"
         )
-    if mask.dtype == torch.bool:
-        zero = torch.zeros((), dtype=torch.float32, device=mask.device)
-        mask = torch.where(mask, zero, torch.full_like(zero, -math.inf))
-    elif not mask.is_floating_point():
-        raise KVDtypeError(f"attn_mask must be bool or floating point; got {mask.dtype}")
-    return mask.to(device=device, dtype=torch.float32)
+    return _additive(mask, "attn_mask").to(device=device, dtype=torch.float32)
 
 
 def _check_step(name: str, step: object, stream: CodecStream, s: int) -> None:
