@@ -19,6 +19,8 @@ MLX's CPU wheel multiplies float32 through the preloaded OpenBLAS and bfloat16 w
 * per candidate: the median and the best round's tokens/s, and its tokens/s over mlx-lm's
   ``QuantizedKVCache(bits=4, group_size=64)``'s **in the same round**, as the median over rounds
   (the machine is shared; pairing by round cancels most of the drift);
+* per candidate also the bytes its caches hold, and one decode step's allocator peak over the
+  memory allocated just before the step (the step's transient arrays: activations, attention);
 * ``palu-2.5bit-scaled`` (the default tier, fitted on the sequence) runs twice: its attention
   reading the packed codes (``packed``, what ``latent_attention`` does by default) and reading
   the coder's float32 latents, ``CHUNK`` tokens at a time (``latents``, the path every coder
@@ -118,8 +120,14 @@ def measure_context(model: Any, kv: list[tuple[mx.array, mx.array]], steps: int,
         f"{TIER} (latents)": (built[TIER], "latents"),
     }
     token = mx.array([[11]])
-    for cache, path in runs.values():  # warm-up: graph shapes, buffer growth, tables
+    peaks = {}
+    for name, (cache, path) in runs.items():  # warm-up: graph shapes, buffer growth, tables
         decode(model, cache, token, 2, path)
+        # one step's transient: the allocator's peak over what was allocated before the step
+        before = mx.get_active_memory()
+        mx.reset_peak_memory()
+        decode(model, cache, token, 1, path)
+        peaks[name] = max(0, mx.get_peak_memory() - before)
     speeds: dict[str, list[float]] = {name: [] for name in runs}
     loads = []
     for _ in range(rounds):
@@ -132,6 +140,7 @@ def measure_context(model: Any, kv: list[tuple[mx.array, mx.array]], steps: int,
         tps = speeds[name]
         out["candidates"][name] = {
             "held_bytes": int(sum(layer.nbytes for layer in cache)),
+            "step_peak_over_active_bytes": int(peaks[name]),
             "tokens_per_s_median": round(statistics.median(tps), 3),
             "tokens_per_s_best": round(max(tps), 3),
             "tokens_per_s_rounds": [round(x, 3) for x in tps],
