@@ -93,20 +93,29 @@ def log_probs(model, cache, window: list[int], context: int) -> torch.Tensor:
     return torch.stack(out).float().log_softmax(-1)
 
 
+def model_and_text(path: str | Path):
+    """``(model, ids)``: the model at ``path`` in bf16, eval mode, and kvbench's held-out text as
+    its token ids (no special tokens added)."""
+    from kvbench.models import default_text_path
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    ids = AutoTokenizer.from_pretrained(path).encode(
+        default_text_path().read_text(), add_special_tokens=False
+    )
+    return model, ids
+
+
 @torch.no_grad()
 def exact_windows(model_name: str, windows: int, context: int, scored: int) -> tuple[object, list[tuple]]:
     """The model (``kvbench.models.resolve_model(model_name)``, bf16, eval) and, for each of ``windows``
     consecutive windows of ``context + scored`` tokens of kvbench's held-out text, ``(tokens [1, S],
     per-layer exact context K/V, exact log-probabilities fp32 [scored, vocab] of one forward of the
     scored tokens)``: the reference of a one-forward quality check (:func:`score_replaced_kv`)."""
-    from kvbench.models import default_text_path, resolve_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+    from kvbench.models import resolve_model
+    from transformers import DynamicCache
 
-    path = resolve_model(model_name)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
-    ids = AutoTokenizer.from_pretrained(path).encode(
-        default_text_path().read_text(), add_special_tokens=False
-    )
+    model, ids = model_and_text(resolve_model(model_name))
     size = context + scored
     out = []
     for i in range(windows):

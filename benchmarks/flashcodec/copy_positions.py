@@ -30,13 +30,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from common import log_probs, stamp, tier_list
+from common import log_probs, model_and_text, stamp, tier_list
 from flashcodec.hf import FlashCodecCache, apply_codec_attention, remove_codec_attention
 from flashcodec.tiers import tier
-from kvbench.models import default_text_path, embedded_model_path
+from kvbench.models import embedded_model_path
 from kvbench.protocol import BOOTSTRAP_RESAMPLES, Settings, text_windows
 from kvbench.results import results_path, weights_digest, write_json
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, QuantizedCache
+from transformers import DynamicCache, QuantizedCache
 
 DEFAULT_TIERS = "jpeg-k8-int4z-w96i8-mf,chan64-int4-w64i8-mf"
 PEER = "hf-hqq-q4"
@@ -85,10 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     path = embedded_model_path()
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
-    tokens = AutoTokenizer.from_pretrained(path).encode(
-        default_text_path().read_text(), add_special_tokens=False
-    )
+    model, tokens = model_and_text(path)
     settings = Settings(
         windows=args.windows,
         context_tokens=args.context_tokens,

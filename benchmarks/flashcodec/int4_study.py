@@ -34,7 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from common import compare_result, log_probs, stamp
+from common import compare_result, log_probs, model_and_text, stamp
 from flashcodec import JPEGCodec
 from flashcodec.codecs import MixedJPEGCodec, ZeroPointJPEGCodec
 from flashcodec.codecs.quant import (
@@ -43,7 +43,7 @@ from flashcodec.codecs.quant import (
     quantize_int4,
     quantize_int4_zero,
 )
-from kvbench.models import default_text_path, embedded_model_path
+from kvbench.models import embedded_model_path
 from kvbench.results import results_path, write_json
 
 Quantizer = Callable[[torch.Tensor], torch.Tensor]  # fp32 [B, H, n*r, D] -> its reconstruction
@@ -189,13 +189,10 @@ def score(base: list[torch.Tensor], got: list[torch.Tensor], windows: list[list[
 
 
 def factors(args: argparse.Namespace) -> dict:
-    from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, QuantizedCache
+    from transformers import DynamicCache, QuantizedCache
 
     path = embedded_model_path()
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
-    ids = AutoTokenizer.from_pretrained(path).encode(
-        default_text_path().read_text(), add_special_tokens=False
-    )
+    model, ids = model_and_text(path)
     size = args.context + args.scored
     windows = [ids[i * size : (i + 1) * size] for i in range(args.windows)]
     base = [log_probs(model, DynamicCache(config=model.config), w, args.context) for w in windows]
