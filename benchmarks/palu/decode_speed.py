@@ -21,6 +21,8 @@ MLX's CPU wheel multiplies float32 through the preloaded OpenBLAS and bfloat16 w
   (the machine is shared; pairing by round cancels most of the drift);
 * per candidate also the bytes its caches hold, and one decode step's allocator peak over the
   memory allocated just before the step (the step's transient arrays: activations, attention);
+* ``--chunks``: the packed path also run reading that many tokens at a time (what
+  ``palu_mlx.attention.PACKED_CHUNK`` was chosen from);
 * ``palu-2.5bit-scaled`` (the default tier, fitted on the sequence) runs twice: its attention
   reading the packed codes (``packed``, what ``latent_attention`` does by default) and reading
   the coder's float32 latents, ``CHUNK`` tokens at a time (``latents``, the path every coder
@@ -92,11 +94,17 @@ def caches_for(model: Any) -> dict[str, Callable[[], list[Any]]]:
 
 
 def decode(model: Any, cache: list[Any], token: mx.array, steps: int, path: str | None) -> float:
-    """Seconds for ``steps`` decode steps (each evaluated), the cache trimmed back afterwards."""
+    """Seconds for ``steps`` decode steps (each evaluated), the cache trimmed back afterwards.
+
+    ``path``: None for mlx-lm's caches; ``"packed"`` (palu's default), ``"latents"``, or
+    ``"packed:<n>"`` (the packed path reading ``n`` tokens at a time).
+    """
     original = attention.latent_attention
+    # the routed attention calls the module's latent_attention: the same caches, another reader
     if path == "latents":
-        # the routed attention calls the module's latent_attention: the same caches, the latents read
         attention.latent_attention = functools.partial(original, packed=False)
+    elif path is not None and path.startswith("packed:"):
+        attention.latent_attention = functools.partial(original, packed=True, chunk=int(path[7:]))
     try:
         start = time.perf_counter()
         for _ in range(steps):
@@ -109,7 +117,9 @@ def decode(model: Any, cache: list[Any], token: mx.array, steps: int, path: str 
     return elapsed
 
 
-def measure_context(model: Any, kv: list[tuple[mx.array, mx.array]], steps: int, rounds: int) -> dict:
+def measure_context(
+    model: Any, kv: list[tuple[mx.array, mx.array]], steps: int, rounds: int, chunks: list[int]
+) -> dict:
     factories = caches_for(model)
     built = {name: fill(make(), kv) for name, make in factories.items()}
     runs: dict[str, tuple[list[Any], str | None]] = {
@@ -119,6 +129,8 @@ def measure_context(model: Any, kv: list[tuple[mx.array, mx.array]], steps: int,
         f"{TIER} (packed)": (built[TIER], "packed"),
         f"{TIER} (latents)": (built[TIER], "latents"),
     }
+    for n in chunks:
+        runs[f"{TIER} (packed, chunk {n})"] = (built[TIER], f"packed:{n}")
     token = mx.array([[11]])
     peaks = {}
     for name, (cache, path) in runs.items():  # warm-up: graph shapes, buffer growth, tables
@@ -160,6 +172,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048])
     parser.add_argument("--steps", type=int, default=6, help="decode steps per candidate per round")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--chunks",
+        type=int,
+        nargs="*",
+        default=[512, 2048],
+        help="also run the packed path at these chunk sizes",
+    )
     parser.add_argument("--out", default=str(OUT))
     args = parser.parse_args(argv)
     model, tokenizer, info = load_model(args.model, "bfloat16", "float32")
@@ -178,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     for n in args.contexts:
         tokens = mx.array((text_tokens * (n // len(text_tokens) + 1))[:n])[None]
         kv = context_kv(model, tokens)
-        result["contexts"][str(n)] = measure_context(model, kv, args.steps, args.rounds)
+        result["contexts"][str(n)] = measure_context(model, kv, args.steps, args.rounds, args.chunks)
         del kv
         for name, row in result["contexts"][str(n)]["candidates"].items():
             print(

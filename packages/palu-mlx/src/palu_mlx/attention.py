@@ -62,9 +62,13 @@ __all__ = [
 #: 1,024 without, and was no slower than either
 CHUNK = 256
 
-#: key tokens unpacked at once on the packed path (:class:`PackedRows`); see
-#: ``benchmarks/palu/decode_speed.py`` for the measurement behind it
+#: key tokens unpacked at once on the packed path (:class:`PackedRows`) for decode queries:
+#: ``benchmarks/palu/decode_speed.py`` runs 512, 1,024 and 2,048 on the real model (tokens/s and
+#: one step's transient; larger chunks were no faster and hold more)
 PACKED_CHUNK = 1024
+#: score elements per head a packed chunk may hold (float32: 1 MiB): a long query block (prefill)
+#: reads fewer tokens at once, down to :data:`CHUNK`, so its transient stays near the latents path's
+_SCORES_PER_CHUNK = 1 << 18
 
 # masked scores: finite, so a chunk whose keys are all masked for a row gives exp(0)=1 terms
 # that the next unmasked chunk's correction factor exp(-1e30 - m) wipes out (no NaN)
@@ -186,8 +190,8 @@ def latent_attention(
 
     Equals ``softmax(q kᵀ * scale + mask) v`` with the rebuilt keys and values (up to float32
     rounding); ``Hq`` must be a multiple of the KV head count (grouped-query attention).
-    ``chunk``: key tokens read at once (None: :data:`PACKED_CHUNK` on the packed path,
-    :data:`CHUNK` otherwise). ``packed``: None reads the packed rows when the store has them
+    ``chunk``: key tokens read at once (None: :data:`PACKED_CHUNK` on the packed path, fewer
+    for long query blocks, down to :data:`CHUNK`; :data:`CHUNK` otherwise). ``packed``: None reads the packed rows when the store has them
     (:class:`PackedRows`), else the latents; False always reads the latents; True requires
     the packed rows. Returns ``[B, Hq, L, Dv]`` in the queries' dtype.
     """
@@ -198,8 +202,9 @@ def latent_attention(
         raise TypeError(f"packed={packed!r} must be None, True or False")
     elif packed and not has_packed:
         raise ValueError("packed=True needs a store with packed_keys and packed_values; this one has none")
+    rows = (queries.shape[1] // store.heads) * queries.shape[2]
     if chunk is None:
-        chunk = PACKED_CHUNK if packed else CHUNK
+        chunk = min(PACKED_CHUNK, max(CHUNK, _SCORES_PER_CHUNK // rows)) if packed else CHUNK
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"chunk={chunk!r} must be a positive int (key tokens read at once)")
     b, hq, n_q, d = queries.shape
