@@ -31,6 +31,7 @@ from hypothesis import strategies as st
 from kvspec import KVSpecError
 from mlx_lm.models.cache import KVCache
 from palu_mlx import NaiveQuantKVCache, load_prompt_cache, naive_roundtrip, save_prompt_cache
+from palu_mlx.state_checks import STATE_META
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
@@ -161,7 +162,10 @@ def _bad_update(draw, cache):
 
 
 def _tampered_state(draw, cache):
+    # meta_state comes with the call here, so the state's own meta_state record is set aside
+    # (from_state uses the caller's, as for palu's own files and older mlx-lm versions)
     state, (settings, runtime) = dict(cache.state), cache.meta_state
+    state.pop(STATE_META, None)
     runtime = json.loads(runtime)
     kinds = ["offset", "class", "drop array", "extra array", "shape"]
     floats = [n for n, a in state.items() if a.size and a.dtype in (mx.float16, mx.bfloat16, mx.float32)]
@@ -191,8 +195,9 @@ def _tampered_state(draw, cache):
         if runtime["key_segments"] is None:
             runtime["key_segments"] = 5
     elif kind == "drop array":
-        state.pop(draw(st.sampled_from(sorted(state))) if state else None, None)
-        if not state and not cache.state:
+        if state:
+            state.pop(draw(st.sampled_from(sorted(state))))
+        else:  # nothing to drop from an empty cache: a stray array instead
             state["stray"] = mx.zeros(1)
     elif kind == "extra array":
         state[draw(st.text(min_size=1, max_size=6).filter(lambda n: n not in state))] = mx.zeros(2)
