@@ -43,13 +43,15 @@ from typing import Any
 import mlx.core as mx
 from kvbench.models import default_text_path
 from kvbench.results import environment_stamp, results_path, write_json
+
+# the same prefill and cache filling as the long-context decode benchmark beside this script
+from long_decode import CHUNK, context_kv, fill
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 from palu_mlx import KVCacheBuilder, attention
 from palu_mlx.builder import model_kv_dims
 from palu_mlx.compare import load_model, tier_config
 
 OUT = results_path("palu_decode_speed.json")
-CHUNK = 512
 TIER = "palu-2.5bit-scaled"
 
 
@@ -58,28 +60,6 @@ def stamp() -> dict:
         **environment_stamp(["palu-mlx", "kvbench", "mlx", "mlx-lm"]),
         "command": " ".join(["python benchmarks/palu/decode_speed.py", *sys.argv[1:]]),
     }
-
-
-def context_kv(model: Any, tokens: mx.array) -> list[tuple[mx.array, mx.array]]:
-    """Each layer's rotated keys and values after a chunked prefill of ``tokens [1, S]``."""
-    cache = [KVCache() for _ in model.layers]
-    for start in range(0, tokens.shape[1], CHUNK):
-        mx.eval(model(tokens[:, start : start + CHUNK], cache=cache))
-    kv = [(c.keys[..., : c.offset, :], c.values[..., : c.offset, :]) for c in cache]
-    mx.eval(kv)
-    return kv
-
-
-def fill(caches: list[Any], kv: list[tuple[mx.array, mx.array]]) -> list[Any]:
-    """Hand each layer's keys and values to its cache in prefill-sized chunks."""
-    for cache, (keys, values) in zip(caches, kv, strict=True):
-        for start in range(0, keys.shape[2], CHUNK):
-            out = cache.update_and_fetch(
-                keys[..., start : start + CHUNK, :], values[..., start : start + CHUNK, :]
-            )
-            # palu returns the rebuilt history lazily: evaluate what it holds, not that
-            mx.eval(cache.held_arrays() if hasattr(cache, "held_arrays") else out)
-    return caches
 
 
 def caches_for(model: Any) -> dict[str, Callable[[], list[Any]]]:
