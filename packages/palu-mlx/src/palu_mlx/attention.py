@@ -40,6 +40,7 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
+from kvspec import KVConfigError, KVDataError
 from mlx_lm.models import base as mlx_base
 
 from .lowrank import GroupProjection, reconstruct
@@ -167,7 +168,7 @@ def _chunk_mask(mask: Any, start: int, stop: int, n_queries: int, length: int, r
         return None
     if isinstance(mask, str):
         if mask != "causal":
-            raise ValueError(f"mask={mask!r}: the only string mask is 'causal'")
+            raise KVConfigError(f"mask={mask!r}: the only string mask is 'causal'")
         query_pos = mx.arange(length - n_queries, length)[:, None]
         return mx.arange(start, stop)[None, :] <= query_pos  # [L, c]
     m = mask[..., start:stop]
@@ -201,12 +202,12 @@ def latent_attention(
     elif not isinstance(packed, bool):
         raise TypeError(f"packed={packed!r} must be None, True or False")
     elif packed and not has_packed:
-        raise ValueError("packed=True needs a store with packed_keys and packed_values; this one has none")
+        raise KVConfigError("packed=True needs a store with packed_keys and packed_values; this one has none")
     rows = (queries.shape[1] // store.heads) * queries.shape[2]
     if chunk is None:
         chunk = min(PACKED_CHUNK, max(CHUNK, _SCORES_PER_CHUNK // rows)) if packed else CHUNK
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-        raise ValueError(f"chunk={chunk!r} must be a positive int (key tokens read at once)")
+        raise KVConfigError(f"chunk={chunk!r} must be a positive int (key tokens read at once)")
     b, hq, n_q, d = queries.shape
     h = store.heads
     rep = hq // h
@@ -324,7 +325,7 @@ def _unpacking(rows: PackedRows) -> _Unpacking:
         start = np.concatenate([[0], np.cumsum(widths)[:-1]])
         n_bytes = lead + -(-int(widths.sum()) // 8)
         if rows.rows.shape[-1] != n_bytes:
-            raise ValueError(
+            raise KVDataError(
                 f"packed rows of {rows.rows.shape[-1]} bytes do not match widths {list(key[0])} "
                 f"(token_scale={key[1]}): {n_bytes} bytes"
             )
