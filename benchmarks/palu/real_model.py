@@ -3,6 +3,7 @@
     hatch run bench:python benchmarks/palu/real_model.py                       # every candidate
     hatch run bench:python benchmarks/palu/real_model.py --only palu-2.5bit-scaled   # one, resumable
     hatch run bench:python benchmarks/palu/real_model.py --context 1024 --out /tmp/scout.json
+    hatch run bench:python benchmarks/palu/real_model.py --sensitivity PROFILE --only palu-2.5bit-scaled+sens
 
 Writes ``benchmarks/results/palu_real_model.json``. On Linux preload OpenBLAS
 (``LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3``): the model computes in
@@ -25,6 +26,10 @@ The protocol (a lighter cousin of kvbench's, which decodes the scored tokens one
   uncompressed bfloat16 K/V and over mlx-lm's ``QuantizedKVCache(bits=4, group_size=64)``'s
   in the same run. Calibrated candidates (``+cal``, with ``--calibration``) hold their
   per-model constants apart, like the weights.
+* ``--sensitivity`` (a profile written by ``benchmarks/palu/sensitivity.py``, from palu's
+  calibration text) adds the tiers of ``palu_mlx.tiers.SENSITIVITY_TIERS`` (``+sens``): bits per
+  layer, keys against values, spread by the model's measured sensitivity; their rows record the
+  profile's sha256.
 
 Results are written after every candidate; a rerun skips candidates already in the file with
 the same settings (``--only`` runs one), so a long run can be cut into short ones.
@@ -52,6 +57,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache
 from palu_mlx import KVCacheBuilder
 from palu_mlx.builder import model_kv_dims
 from palu_mlx.compare import load_model, tier_config
+from palu_mlx.tiers import SENSITIVITY_TIERS
 
 OUT = results_path("palu_real_model.json")
 #: palu tiers run by default, and the tiers also run calibrated when --calibration is given
@@ -65,7 +71,9 @@ ABLATION = {
 PEERS = {"mlx-lm-q8": 8, "mlx-lm-q4": 4}
 
 
-def candidates(model: Any, calibration: str | None) -> dict[str, tuple[Callable[[], list[Any]], dict]]:
+def candidates(
+    model: Any, calibration: str | None, sensitivity: str | None = None
+) -> dict[str, tuple[Callable[[], list[Any]], dict]]:
     """name -> (cache factory, description of its configuration)."""
     head_dim, n_kv = model_kv_dims(model)
     out: dict[str, tuple[Callable[[], list[Any]], dict]] = {
@@ -87,6 +95,21 @@ def candidates(model: Any, calibration: str | None) -> dict[str, tuple[Callable[
             out[f"{tier}+cal"] = (
                 lambda cal=cal: KVCacheBuilder.for_model(model, cal),
                 dataclasses.asdict(cal),
+            )
+    if sensitivity is not None:
+        digest = hashlib.sha256(Path(sensitivity).read_bytes()).hexdigest()
+        for name in SENSITIVITY_TIERS:
+            config = tier_config(name, head_dim, n_kv, sensitivity)
+            layers = [c.config for c in KVCacheBuilder.for_model(model, config)]
+            out[name] = (
+                lambda config=config: KVCacheBuilder.for_model(model, config),
+                {
+                    **dataclasses.asdict(config),
+                    "profile_sha256": digest,
+                    "layer_bits": [c.palu_bits for c in layers],
+                    "layer_key_weights": [c.palu_key_weight for c in layers],
+                    "layer_value_weights": [c.palu_value_weight for c in layers],
+                },
             )
     base = tier_config("palu-3bit", head_dim, n_kv)
     for name, fields in ABLATION.items():
@@ -128,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--windows", type=int, default=1)
     parser.add_argument("--step", type=int, default=32, help="scored tokens read per call")
     parser.add_argument("--calibration", default=None, help="a palu-mlx calibrate file: adds +cal rows")
+    parser.add_argument(
+        "--sensitivity", default=None, help="a sensitivity profile of the model: adds +sens rows"
+    )
     parser.add_argument("--only", default=None, help="comma-separated candidates to run (default: all)")
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args(argv)
@@ -155,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     result = json.loads(args.out.read_text()) if args.out.exists() else {}
     if result.get("setup") != setup:
         result = {"setup": setup, "rows": {}}
-    cands = candidates(model, args.calibration)
+    cands = candidates(model, args.calibration, args.sensitivity)
     wanted = list(cands) if args.only is None else ["baseline", *args.only.split(",")]
     unknown = [n for n in wanted if n not in cands]
     if unknown:

@@ -29,6 +29,7 @@ stored through their own ``state`` / ``from_state`` the way mlx-lm does it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import warnings
@@ -45,6 +46,7 @@ from mlx_lm.models import cache as mlx_cache
 from .attention import route_attention, unroute_attention
 from .baseline import NaiveQuantKVCache
 from .batch import BatchedLayerCache
+from .budgets import SensitivityProfile
 from .cache import PaluKVCache
 from .calibrated import CalibratedKVCache, calibrated_caches
 from .calibration.file import Calibration
@@ -180,8 +182,9 @@ class KVCacheBuilder:
                 for i, c in enumerate(defaults)
             ]
         else:
+            configs = _layer_configs(model, config, len(defaults))
             caches = [
-                KVCacheBuilder.make_layer_cache(config, allocation_policy, _at(rotaries, i), shard)
+                KVCacheBuilder.make_layer_cache(configs[i], allocation_policy, _at(rotaries, i), shard)
                 if type(c) in replaceable
                 else c
                 for i, c in enumerate(defaults)
@@ -231,6 +234,38 @@ class KVCacheBuilder:
 
 
 _CALIBRATIONS: dict[tuple[str, float], Calibration] = {}
+_PROFILES: dict[tuple[str, float], SensitivityProfile] = {}
+
+
+def load_profile(path: str) -> SensitivityProfile:
+    """:meth:`SensitivityProfile.load`, remembered per (path, modification time)."""
+    try:
+        key = (os.path.abspath(path), os.path.getmtime(path))
+    except OSError as exc:
+        raise KVConfigError(f"palu_sensitivity={path!r} cannot be read: {exc}") from None
+    if key not in _PROFILES:
+        _PROFILES[key] = SensitivityProfile.load(path)
+    return _PROFILES[key]
+
+
+def _layer_configs(model: nn.Module, config: KVCacheConfig, n_layers: int) -> list[KVCacheConfig]:
+    """Each layer's config: ``config`` itself, or with ``palu_sensitivity`` the layer's share of the
+    bits and its key / value weights from the model's profile (:meth:`SensitivityProfile.allocate`)."""
+    if config.method != "palu" or config.palu_sensitivity is None:
+        return [config] * n_layers
+    profile = load_profile(config.palu_sensitivity)
+    profile.check_model(model)
+    coders = profile.allocate(config.coder_bits, config.palu_token_scale)
+    return [
+        dataclasses.replace(
+            config,
+            palu_sensitivity=None,
+            palu_bits=coder.bits,
+            palu_key_weight=coder.key_weight,
+            palu_value_weight=coder.value_weight,
+        )
+        for coder in coders
+    ]
 
 
 def load_calibration(path: str) -> Calibration:

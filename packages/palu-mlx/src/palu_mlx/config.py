@@ -99,6 +99,16 @@ class KVCacheConfig:
             all layers at ``palu_bits`` (:data:`DEFAULT_PALU_BITS` when None); rank, energy, hi/lo and
             group-size fields
             are then unused. A file made for another model raises ``KVConfigError``.
+        palu_sensitivity: path of a sensitivity profile (:class:`~palu_mlx.budgets.SensitivityProfile`,
+            written beside the model by ``benchmarks/palu/sensitivity.py``). When set,
+            ``KVCacheBuilder.for_model`` spreads ``palu_bits`` (the average) over the layers and
+            between keys and values by the model's measured sensitivity: each layer's cache gets
+            this config with its own ``palu_bits``, ``palu_key_weight`` and ``palu_value_weight``
+            (and ``palu_sensitivity`` None). Water-filling fitted at the prefill only; a profile
+            made for a model of another shape raises ``KVConfigError``.
+        palu_key_weight, palu_value_weight: what a unit of squared error in a key (value) latent
+            channel costs, positive numbers (water-filling only): the layer's water-filling level
+            runs over the channel variances times these. 1 and 1 (the default): keys and values alike.
         palu_quantize_values: False keeps value latents unquantized (input dtype; fp16
             for fp16 models), still low-rank.
         palu_min_fit_tokens: tokens held exactly before the projections are fitted;
@@ -149,6 +159,9 @@ class KVCacheConfig:
     palu_quantize_values: bool = True
     palu_bits: float | None = None
     palu_calibration: str | None = None
+    palu_sensitivity: str | None = None
+    palu_key_weight: float = 1.0
+    palu_value_weight: float = 1.0
     palu_min_fit_tokens: int | None = None
     palu_check_finite: bool = True
     palu_pre_rope: bool = True
@@ -209,6 +222,18 @@ class KVCacheConfig:
             not isinstance(self.palu_calibration, str) or not self.palu_calibration
         ):
             raise KVConfigError(f"palu_calibration={self.palu_calibration!r} must be None or a file path")
+        if isinstance(self.palu_sensitivity, os.PathLike):
+            object.__setattr__(self, "palu_sensitivity", os.fspath(self.palu_sensitivity))
+        if self.palu_sensitivity is not None and (
+            not isinstance(self.palu_sensitivity, str) or not self.palu_sensitivity
+        ):
+            raise KVConfigError(
+                f"palu_sensitivity={self.palu_sensitivity!r} must be None or a file path (a sensitivity profile)"
+            )
+        for name in ("palu_key_weight", "palu_value_weight"):
+            w = getattr(self, name)
+            if not _is_real(w) or not math.isfinite(w) or w <= 0:
+                raise KVConfigError(f"{name}={w!r} must be a finite number > 0 (a water-filling weight)")
         if not isinstance(self.palu_quantize_values, bool):
             raise KVConfigError(f"palu_quantize_values={self.palu_quantize_values!r} must be True or False")
         if self.palu_min_fit_tokens is not None and (
@@ -240,11 +265,29 @@ class KVCacheConfig:
             )
         if self.naive_group_size not in (32, 64, 128) or not _is_int(self.naive_group_size):
             raise KVConfigError(f"naive_group_size={self.naive_group_size!r} must be 32, 64 or 128")
+        weighted = (self.palu_key_weight, self.palu_value_weight) != (1.0, 1.0)
+        if (weighted or self.palu_sensitivity is not None) and self.uses_split:
+            raise KVConfigError(
+                "palu_sensitivity and the palu_key_weight / palu_value_weight water-filling weights need the "
+                "water-filling coder (palu_bits); this config asks for the rank + hi/lo split"
+            )
+        if self.palu_sensitivity is not None and self.palu_calibration is not None:
+            raise KVConfigError(
+                f"palu_sensitivity={self.palu_sensitivity!r} and palu_calibration={self.palu_calibration!r}: "
+                "the sensitivity budgets are for caches fitted at the prefill; allowed: one of them"
+            )
 
     def _take_coder(self, coder: Any) -> None:
         """Write ``coder``'s fields (``coder=`` given): each choosing field must be unset or agree."""
         if isinstance(coder, WaterFilling):
             owned = {"palu_bits": coder.bits, "palu_token_scale": coder.token_scale}
+            for name, w in (("palu_key_weight", coder.key_weight), ("palu_value_weight", coder.value_weight)):
+                if getattr(self, name) not in (1.0, w):
+                    raise KVConfigError(
+                        f"coder={coder!r} and {name}={getattr(self, name)!r} both set the weight; allowed: "
+                        f"one of them ({name} left at 1, or equal to the coder's)"
+                    )
+                owned[name] = w
         elif isinstance(coder, HiLoSplit):
             owned = {
                 "palu_hi_bit": coder.hi_bit,
@@ -352,7 +395,7 @@ def _coder(config: KVCacheConfig) -> HiLoSplit | WaterFilling:
     if config.palu_bits is None and any(v is not None for v in split):
         return HiLoSplit(config.hi_bit, config.lo_bit, config.hi_fraction)
     bits = DEFAULT_PALU_BITS if config.palu_bits is None else config.palu_bits
-    return WaterFilling(bits, config.palu_token_scale)
+    return WaterFilling(bits, config.palu_token_scale, config.palu_key_weight, config.palu_value_weight)
 
 
 # A property set after the class is made: the dataclass decorator takes every annotated class

@@ -30,12 +30,24 @@ from .config import DEFAULT_RECENT_TOKENS as RECENT_TOKENS
 from .config import DEFAULT_SINK_TOKENS as SINK_TOKENS
 from .config import REFERENCE_SPLIT, UNQUANTIZED_BITS, KVCacheConfig
 
-__all__ = ["Tier", "TIERS", "CALIBRATED_TIERS", "CALIBRATED_SUFFIX", "CALIBRATIONS", "tier"]
+__all__ = [
+    "Tier",
+    "TIERS",
+    "CALIBRATED_TIERS",
+    "CALIBRATED_SUFFIX",
+    "SENSITIVITY_TIERS",
+    "SENSITIVITY_SUFFIX",
+    "CALIBRATIONS",
+    "tier",
+]
 
-#: what a tier may need: ``"model"``, a ``palu-mlx calibrate`` file made for the model it runs on
-CALIBRATIONS: tuple[str, ...] = ("model",)
+#: what a tier may need: ``"model"``, a ``palu-mlx calibrate`` file made for the model it runs on;
+#: ``"sensitivity"``, a sensitivity profile of that model (:mod:`palu_mlx.budgets`)
+CALIBRATIONS: tuple[str, ...] = ("model", "sensitivity")
 #: the end of a calibrated twin's name (``palu-2.5bit-scaled+cal``)
 CALIBRATED_SUFFIX = "+cal"
+#: the end of a sensitivity-budget twin's name (``palu-2.5bit-scaled+sens``)
+SENSITIVITY_SUFFIX = "+sens"
 
 
 @dataclass(frozen=True)
@@ -69,15 +81,25 @@ class Tier:
             )
 
     def with_calibration(self, path: str) -> Tier:
-        """This calibrated tier bound to ``path``, a ``palu-mlx calibrate`` file for the model it runs on.
+        """This calibrated tier bound to ``path``, the file for the model it runs on: a ``palu-mlx
+        calibrate`` file (``calibration="model"``) or a sensitivity profile (``"sensitivity"``).
 
-        Its config gets ``palu_calibration=path`` and its description names the file. Raises
-        ``KVConfigError`` on a tier that needs no calibration or a path that is not a non-empty str.
+        Its config gets ``palu_calibration=path`` (``palu_sensitivity=path``) and its description
+        names the file. Raises ``KVConfigError`` on a tier that needs no calibration or a path that
+        is not a non-empty str.
         """
         if self.calibration is None:
             raise KVConfigError(f"tier {self.name!r} needs no calibration; only calibrated tiers take a file")
         if not isinstance(path, str) or not path:
-            raise KVConfigError(f"path={path!r} must be a non-empty str (a palu-mlx calibrate file)")
+            what = "a palu-mlx calibrate file" if self.calibration == "model" else "a sensitivity profile"
+            raise KVConfigError(f"path={path!r} must be a non-empty str ({what})")
+        if self.calibration == "sensitivity":
+            description = self.description.removesuffix(_UNBOUND_SENSITIVITY)
+            return dataclasses.replace(
+                self,
+                description=f"{description}; bits per layer from the sensitivity profile {Path(path).name}",
+                config=dataclasses.replace(self.config, palu_sensitivity=path),
+            )
         description = self.description.removesuffix(_UNBOUND_NOTE)
         return dataclasses.replace(
             self,
@@ -186,11 +208,40 @@ CALIBRATED_TIERS: dict[str, Tier] = {
 }
 
 
+#: what a sensitivity twin's description adds until a profile is bound (:meth:`Tier.with_calibration`)
+_UNBOUND_SENSITIVITY = "; bits per layer, keys against values, from the model's sensitivity profile"
+
+
+def _sensitivity_twin(base: Tier) -> Tier:
+    return Tier(
+        base.name + SENSITIVITY_SUFFIX,
+        base.description + _UNBOUND_SENSITIVITY,
+        base.config,
+        calibration="sensitivity",
+    )
+
+
+#: name -> :class:`Tier` whose bits are spread over the layers, and between keys and values, by a
+#: sensitivity profile of the model (``<tier>+sens``; :mod:`palu_mlx.budgets`), one per tier of
+#: :data:`TIERS` with a bit budget and a per-token scale, in its order. Not in :data:`TIERS`: the
+#: conformance suite has no model to profile.
+SENSITIVITY_TIERS: dict[str, Tier] = {
+    t.name: t
+    for t in (
+        _sensitivity_twin(base)
+        for base in TIERS.values()
+        if base.config.palu_bits is not None and base.config.palu_token_scale
+    )
+}
+
+
 def tier(name: str) -> Tier:
-    """The tier called ``name`` (in :data:`TIERS` or :data:`CALIBRATED_TIERS`); raises ``KVConfigError``
-    (a ``ValueError``) naming the allowed names."""
+    """The tier called ``name`` (in :data:`TIERS`, :data:`CALIBRATED_TIERS` or
+    :data:`SENSITIVITY_TIERS`); raises ``KVConfigError`` (a ``ValueError``) naming the allowed names."""
     try:
-        return TIERS[name] if name in TIERS else CALIBRATED_TIERS[name]
+        if name in TIERS:
+            return TIERS[name]
+        return CALIBRATED_TIERS[name] if name in CALIBRATED_TIERS else SENSITIVITY_TIERS[name]
     except (KeyError, TypeError):
-        allowed = ", ".join([*TIERS, *CALIBRATED_TIERS])
+        allowed = ", ".join([*TIERS, *CALIBRATED_TIERS, *SENSITIVITY_TIERS])
         raise KVConfigError(f"tier={name!r} is not a palu tier; allowed: {allowed}") from None

@@ -27,7 +27,7 @@ from .base import Fitted, compact_dtype
 from .fixed import GAUSSIAN_STEP, FixedQuantCoder
 from .hilo import fit_mixed_bit
 
-__all__ = ["WaterFilling", "DEFAULT_PALU_BITS"]
+__all__ = ["WaterFilling", "DEFAULT_PALU_BITS", "fit_variances", "fixed_coder"]
 
 #: code bits per element of a config that names neither ``palu_bits`` nor the hi/lo split: the
 #: smallest uncalibrated tier (``palu-2.5bit-scaled``: water-filling, per-token scales, the first
@@ -45,10 +45,17 @@ class WaterFilling:
         bits: code bits per original K/V element, a number in ``(0, 8]``.
         token_scale: store one bfloat16 scale per token and head so that no channel of 2 bits or
             more clips (:func:`~palu_mlx.coders.fixed.token_scales`); False: fixed ranges only.
+        key_weight, value_weight: what a unit of squared error in a key (value) channel costs, a
+            positive number: the water-filling level runs over the channel variances times these,
+            so the tensor whose error moves the model's output more gets more of the layer's bits
+            (:mod:`palu_mlx.budgets` sets them from a model's measured sensitivity). 1 and 1: keys
+            and values alike.
     """
 
     bits: float = DEFAULT_PALU_BITS
     token_scale: bool = True
+    key_weight: float = 1.0
+    value_weight: float = 1.0
 
     def __post_init__(self) -> None:
         b = self.bits
@@ -61,6 +68,10 @@ class WaterFilling:
             raise KVConfigError(f"WaterFilling bits={b!r} must be a number in (0, 8] (code bits per element)")
         if not isinstance(self.token_scale, bool):
             raise KVConfigError(f"WaterFilling token_scale={self.token_scale!r} must be True or False")
+        for name in ("key_weight", "value_weight"):
+            w = getattr(self, name)
+            if not isinstance(w, (int, float)) or isinstance(w, bool) or not math.isfinite(w) or w <= 0:
+                raise KVConfigError(f"WaterFilling {name}={w!r} must be a finite number > 0")
 
     def policy(self) -> WaterFillingPolicy:
         """The same budget as a mixed-bit allocation policy (water-filled segments, per-group scales)."""
@@ -103,33 +114,59 @@ class WaterFilling:
                 dtype=dtype,
                 gather=gather,
             )
-        fitted = []
-        for x in (keys, values):
-            full = x.shape[-1] if rank is None else min(rank, x.shape[-1])
-            proj = fit_group_projection(x, groups, full)
-            latents = project(x, proj)
-            head_var = mx.mean(latents * latents, axis=(0, 2))  # [H, r]; latents are centred per group
-            fitted.append((proj, np.array(head_var, dtype=np.float64)))
+        fitted = [fit_variances(x, groups, rank) for x in (keys, values)]
         dims = keys.shape[-1] + values.shape[-1]
         # the level is decided on every head's variances (all ranks' under tensor parallel)
         every = [v if gather is None else gather(v) for _, v in fitted]
-        widths = water_fill([v.mean(axis=0) for v in every], int(round(self.bits * dims)))
-        out = []
-        for (proj, head_var), w, all_var in zip(fitted, widths, every, strict=True):
-            # channels by mean variance, so the widths are non-increasing and 0-bit ones trail
-            order = np.argsort(-all_var.mean(axis=0), kind="stable")
-            w = w[order]
-            keep = max(1, int(np.count_nonzero(w)))
-            cols = mx.array(order[:keep].astype(np.int32))
-            widths_kept = tuple(max(1, int(b)) for b in w[:keep])
-            sigma = np.sqrt(np.maximum(head_var[:, order[:keep]], 1e-12))
-            steps = mx.array((sigma * np.array([GAUSSIAN_STEP[b] for b in widths_kept])).astype(np.float32))
-            proj = GroupProjection(
-                basis=mx.contiguous(mx.take(proj.basis, cols, axis=2)),
-                mean=proj.mean,
-                singular_values=mx.contiguous(mx.take(proj.singular_values, cols, axis=1)),
-            )
-            out.append(
-                (proj.astype(compact_dtype(dtype)), FixedQuantCoder(widths_kept, steps, self.token_scale))
-            )
+        weights = (self.key_weight, self.value_weight)
+        widths = water_fill(
+            [w * v.mean(axis=0) for w, v in zip(weights, every, strict=True)], self.budget(dims)
+        )
+        out = [
+            fixed_coder(proj, head_var, w, all_var, self.token_scale, dtype)
+            for (proj, head_var), w, all_var in zip(fitted, widths, every, strict=True)
+        ]
         return out[0], out[1]
+
+    def budget(self, dims: int) -> int:
+        """Code bits per token and head for keys and values of ``dims`` channels together."""
+        return int(round(self.bits * dims))
+
+
+def fit_variances(x: mx.array, groups: int, rank: int | None) -> tuple[GroupProjection, np.ndarray]:
+    """A full-rank (or ``rank``) projection of ``x [B, H, S, D]`` per head group, and each head's
+    latent channel variances ``[H, r]`` (float64) over the fit tokens."""
+    full = x.shape[-1] if rank is None else min(rank, x.shape[-1])
+    proj = fit_group_projection(x, groups, full)
+    latents = project(x, proj)
+    head_var = mx.mean(latents * latents, axis=(0, 2))  # [H, r]; latents are centred per group
+    return proj, np.array(head_var, dtype=np.float64)
+
+
+def fixed_coder(
+    proj: GroupProjection,
+    head_var: np.ndarray,
+    widths: np.ndarray,
+    all_var: np.ndarray,
+    token_scale: bool,
+    dtype: mx.Dtype,
+) -> Fitted:
+    """The projection cut to the channels ``widths`` keeps and their fixed quantizers.
+
+    ``widths [r]`` are the bits of each channel in the projection's order (0 drops it);
+    ``head_var [H, r]`` sets each head's steps; ``all_var`` (every head's variances, [H', r])
+    orders the kept channels so that the widths are non-increasing and 0-bit ones trail.
+    """
+    order = np.argsort(-all_var.mean(axis=0), kind="stable")
+    w = np.asarray(widths)[order]
+    keep = max(1, int(np.count_nonzero(w)))
+    cols = mx.array(order[:keep].astype(np.int32))
+    widths_kept = tuple(max(1, int(b)) for b in w[:keep])
+    sigma = np.sqrt(np.maximum(head_var[:, order[:keep]], 1e-12))
+    steps = mx.array((sigma * np.array([GAUSSIAN_STEP[b] for b in widths_kept])).astype(np.float32))
+    proj = GroupProjection(
+        basis=mx.contiguous(mx.take(proj.basis, cols, axis=2)),
+        mean=proj.mean,
+        singular_values=mx.contiguous(mx.take(proj.singular_values, cols, axis=1)),
+    )
+    return proj.astype(compact_dtype(dtype)), FixedQuantCoder(widths_kept, steps, token_scale)
