@@ -68,6 +68,11 @@ ABLATION = {
     "palu-3bit+sinks": dict(palu_sink_tokens=4),
     "palu-3bit+sinks+scale": dict(palu_sink_tokens=4, palu_token_scale=True),
 }
+#: the scaled tiers with keys and values weighed by relative error at the prefill (no file)
+RELATIVE = {
+    f"palu-{b}bit-scaled+rel": (f"palu-{b}bit-scaled", dict(palu_relative_error=True))
+    for b in ("3", "2.5", "2")
+}
 PEERS = {"mlx-lm-q8": 8, "mlx-lm-q4": 4}
 
 
@@ -111,6 +116,12 @@ def candidates(
                     "layer_value_weights": [c.palu_value_weight for c in layers],
                 },
             )
+    for name, (source, fields) in RELATIVE.items():
+        config = dataclasses.replace(tier_config(source, head_dim, n_kv), **fields)
+        out[name] = (
+            lambda config=config: KVCacheBuilder.for_model(model, config),
+            dataclasses.asdict(config),
+        )
     base = tier_config("palu-3bit", head_dim, n_kv)
     for name, fields in ABLATION.items():
         config = dataclasses.replace(base, **fields)

@@ -238,3 +238,32 @@ def test_sensitivity_tiers_are_twins_of_the_scaled_bit_budget_tiers():
         entry.with_calibration("")
     with pytest.raises(KVConfigError, match="needs calibration"):
         tier_config(name, 64, 3)
+
+
+# ---------------------------------------------------------------------- relative error at the prefill
+def test_relative_error_keeps_bits_on_a_small_tensor():
+    x = gaussian((1, 2, 128, 16), seed=3)
+    v = gaussian((1, 2, 128, 16), seed=4) * 0.01  # alike in shape, 100x smaller
+    spent = {}
+    for relative in (False, True):
+        cache = PaluKVCache(KVCacheConfig(palu_bits=2.0, palu_relative_error=relative, palu_sink_tokens=0))
+        cache.update_and_fetch(x, v)
+        spent[relative] = _bits(cache)
+    assert spent[False][1] <= 2  # by squared error the small values are all but dropped
+    assert spent[True] == (32, 32)  # by relative error alike tensors share alike
+    assert KVCacheConfig(palu_relative_error=True).coder_choice.relative
+
+
+@pytest.mark.parametrize(
+    ("fields", "match"),
+    [
+        ({"palu_relative_error": 1}, "palu_relative_error=1"),
+        ({"palu_relative_error": True, "palu_hi_bit": 4}, "water-filling coder"),
+        ({"palu_relative_error": True, "coder": WaterFilling(2.0)}, "both choose the weighing"),
+    ],
+)
+def test_relative_error_refuses_bad_values(fields, match):
+    with pytest.raises(KVConfigError, match=match):
+        KVCacheConfig(**fields)
+    with pytest.raises(KVConfigError, match="relative"):
+        WaterFilling(2.0, relative="yes")

@@ -109,6 +109,10 @@ class KVCacheConfig:
         palu_key_weight, palu_value_weight: what a unit of squared error in a key (value) latent
             channel costs, positive numbers (water-filling only): the layer's water-filling level
             runs over the channel variances times these. 1 and 1 (the default): keys and values alike.
+        palu_relative_error: water-filling only: each tensor's variances are divided by its total
+            variance before the level is set (:attr:`~palu_mlx.coders.WaterFilling.relative`), so keys
+            and values are weighed by relative error, computed at the prefill with no file. False
+            (the default): by squared error.
         palu_quantize_values: False keeps value latents unquantized (input dtype; fp16
             for fp16 models), still low-rank.
         palu_min_fit_tokens: tokens held exactly before the projections are fitted;
@@ -162,6 +166,7 @@ class KVCacheConfig:
     palu_sensitivity: str | None = None
     palu_key_weight: float = 1.0
     palu_value_weight: float = 1.0
+    palu_relative_error: bool = False
     palu_min_fit_tokens: int | None = None
     palu_check_finite: bool = True
     palu_pre_rope: bool = True
@@ -230,6 +235,8 @@ class KVCacheConfig:
             raise KVConfigError(
                 f"palu_sensitivity={self.palu_sensitivity!r} must be None or a file path (a sensitivity profile)"
             )
+        if not isinstance(self.palu_relative_error, bool):
+            raise KVConfigError(f"palu_relative_error={self.palu_relative_error!r} must be True or False")
         for name in ("palu_key_weight", "palu_value_weight"):
             w = getattr(self, name)
             if not _is_real(w) or not math.isfinite(w) or w <= 0:
@@ -265,10 +272,11 @@ class KVCacheConfig:
             )
         if self.naive_group_size not in (32, 64, 128) or not _is_int(self.naive_group_size):
             raise KVConfigError(f"naive_group_size={self.naive_group_size!r} must be 32, 64 or 128")
-        weighted = (self.palu_key_weight, self.palu_value_weight) != (1.0, 1.0)
+        weighted = (self.palu_key_weight, self.palu_value_weight) != (1.0, 1.0) or self.palu_relative_error
         if (weighted or self.palu_sensitivity is not None) and self.uses_split:
             raise KVConfigError(
-                "palu_sensitivity and the palu_key_weight / palu_value_weight water-filling weights need the "
+                "palu_sensitivity, palu_relative_error and the palu_key_weight / palu_value_weight water-filling "
+                "weights need the "
                 "water-filling coder (palu_bits); this config asks for the rank + hi/lo split"
             )
         if self.palu_sensitivity is not None and self.palu_calibration is not None:
@@ -288,6 +296,11 @@ class KVCacheConfig:
                         f"one of them ({name} left at 1, or equal to the coder's)"
                     )
                 owned[name] = w
+            if self.palu_relative_error and not coder.relative:
+                raise KVConfigError(
+                    f"coder={coder!r} and palu_relative_error=True both choose the weighing; allowed: one of them"
+                )
+            owned["palu_relative_error"] = coder.relative
         elif isinstance(coder, HiLoSplit):
             owned = {
                 "palu_hi_bit": coder.hi_bit,
@@ -395,7 +408,13 @@ def _coder(config: KVCacheConfig) -> HiLoSplit | WaterFilling:
     if config.palu_bits is None and any(v is not None for v in split):
         return HiLoSplit(config.hi_bit, config.lo_bit, config.hi_fraction)
     bits = DEFAULT_PALU_BITS if config.palu_bits is None else config.palu_bits
-    return WaterFilling(bits, config.palu_token_scale, config.palu_key_weight, config.palu_value_weight)
+    return WaterFilling(
+        bits,
+        config.palu_token_scale,
+        config.palu_key_weight,
+        config.palu_value_weight,
+        config.palu_relative_error,
+    )
 
 
 # A property set after the class is made: the dataclass decorator takes every annotated class
