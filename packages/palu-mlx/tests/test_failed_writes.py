@@ -7,13 +7,12 @@ import mlx.core as mx
 import numpy as np
 import palu_mlx.baseline
 import palu_mlx.cache
-import palu_mlx.calibrated
 import pytest
 from cache_snapshots import build, kv, snapshot
 from kvspec import KVConfigError
 from palu_mlx import KVCacheConfig, PaluKVCache
 
-MODULES = {"naive": palu_mlx.baseline, "palu-fitted": palu_mlx.cache, "calibrated": palu_mlx.calibrated}
+MODULES = {"naive": palu_mlx.baseline, "palu-fitted": palu_mlx.cache, "calibrated": palu_mlx.cache}
 
 
 def fail_after(module, monkeypatch, calls_allowed: int) -> None:

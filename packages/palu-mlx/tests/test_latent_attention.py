@@ -185,7 +185,9 @@ def test_calibrated_cache_equals_rebuild_then_sdpa(tmp_path, sinks):
     cache = KVCacheBuilder.for_model(model, config)[0]
     assert cache.latent_store() is None  # empty
     # the default calibration is attention-weighted: values leave the latent domain through its decoder
-    assert cache._value.projection.decoder is not None and cache._key.projection.decoder is not None
+    assert (
+        cache.source.value.projection.decoder is not None and cache.source.key.projection.decoder is not None
+    )
     keys = planted_lowrank((2, 4, 70, D), rank=6, seed=8, noise=0.05)
     cache.update_and_fetch(keys, keys * 0.5 + 1.0)
     q = mx.random.normal((2, 8, 5, D), key=mx.random.key(9))

@@ -155,7 +155,7 @@ def test_calibrated_cache_with_sinks_and_token_scale_generates_saves_and_loads(t
     prompt = mx.array(list(range(3, 50)))
     model(prompt[None], cache=caches)
     layer = caches[0]
-    assert layer._key_codes.shape[-1] == layer._key.coder.code_bytes + TOKEN_SCALE_BYTES
+    assert layer._key_codes["codes"].shape[-1] == layer.source.key.coder.code_bytes + TOKEN_SCALE_BYTES
     assert layer.nbytes == sum(a.nbytes for a in layer.held_arrays())
     file = str(tmp_path / "cache.safetensors")
     save_prompt_cache(file, caches)

@@ -47,10 +47,8 @@ def _gathered(group, arr: np.ndarray) -> list:
 def _codec(group, cache) -> list:
     out = []
     for c in cache:
-        # a PaluKVCache's fitted coders, or a CalibratedKVCache's (its _key / _value codes)
+        # a palu cache's coders (fitted at the prefill, or a calibration's)
         coders = {w: getattr(c, f"_{w}_coder", None) for w in ("key", "value")}
-        if None in coders.values() and hasattr(c, "_key"):
-            coders = {w: getattr(c, f"_{w}").coder for w in ("key", "value")}
         if None in coders.values():
             continue
         layer = {}

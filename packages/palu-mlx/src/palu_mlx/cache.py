@@ -1,6 +1,12 @@
 """PaluKVCache: an mlx-lm cache layer that stores keys and values as low-rank latent codes.
 
-Life of a layer's cache:
+Its projections and coders come from a **projection source** (:mod:`palu_mlx.projection_source`):
+fitted at the prefill (:class:`~palu_mlx.projection_source.FitAtPrefill`, the life below), or
+fixed from the first token by a calibration file
+(:class:`~palu_mlx.projection_source.FromCalibration`: :class:`~palu_mlx.calibrated.CalibratedKVCache`
+is this class with that source). Everything after the projections exist is the same code.
+
+Life of a layer's cache fitted at the prefill:
 
 1. **Exact phase.** Tokens are kept exactly (input dtype, ``[B, H, S, D]``) until
    ``palu_min_fit_tokens`` have arrived (default: the head dim ``D``). A one-token or
@@ -37,33 +43,24 @@ import json
 from collections.abc import Callable
 
 import mlx.core as mx
-from kvspec import KVConfigError, KVDataError, KVShapeError
+from kvspec import KVConfigError, KVDataError
 
 from .attention import LatentStore, PackedRows
-from .coders.base import LatentCoder, compact_dtype, projection_dtype
+from .coders.base import Fitted, LatentCoder
 from .coders.fixed import FixedQuantCoder
-from .coders.hilo import fit_mixed_bit
 from .config import KVCacheConfig
 from .distributed import HeadShard
 from .layer import CacheLayer, detached, write_rows
 from .lowrank import GroupProjection, project, reconstruct
-from .mixed_bit import BitAllocationPolicy, MixedBitCoder, check_policy
+from .mixed_bit import BitAllocationPolicy
+from .projection_source import CODED_WITH, FitAtPrefill, ProjectionSource, SavedState
 from .rope import Rotary
 from .sinks import ExactPrefix, RecentWindow, read_recent
-from .state_checks import (
-    StateArrays,
-    parse_meta_state,
-    read_config,
-    read_field,
-    read_rope,
-    read_runtime,
-    read_segments,
-    read_widths,
-    split_state,
-    with_meta,
-)
+from .state_checks import StateArrays, parse_meta_state, read_config, read_runtime, split_state, with_meta
 
-__all__ = ["PaluKVCache"]
+__all__ = ["PaluKVCache", "CODED_WITH"]
+
+PREFIXES = ("key", "value")
 
 
 class PaluKVCache(CacheLayer):
@@ -82,7 +79,9 @@ class PaluKVCache(CacheLayer):
             decides what spans heads (water-filling widths, an energy rank, a policy's allocation)
             on every rank's statistics, so the codec is one process's. None: a whole model.
 
-    ``trim`` keeps the fitted projections: trimming back below the fit point does not refit.
+    These build the projection source :class:`~palu_mlx.projection_source.FitAtPrefill`
+    (:attr:`source`); :class:`~palu_mlx.calibrated.CalibratedKVCache` builds the same cache on a
+    calibration's. ``trim`` keeps the projections: trimming back below the fit point does not refit.
     """
 
     def __init__(
@@ -92,38 +91,36 @@ class PaluKVCache(CacheLayer):
         rotary: Rotary | None = None,
         shard: HeadShard | None = None,
     ):
+        self._check_config(config)
+        self._setup(config, FitAtPrefill(config, allocation_policy, shard), rotary)
+
+    #: the source whose state layout :meth:`from_state` reads
+    _source_type: type = FitAtPrefill
+
+    @staticmethod
+    def _check_config(config: KVCacheConfig) -> None:
         if not isinstance(config, KVCacheConfig):
             raise KVConfigError(f"config must be a KVCacheConfig; got {type(config).__name__}")
         if config.method != "palu":
             raise KVConfigError(f"PaluKVCache needs config.method='palu'; got {config.method!r}")
-        if config.palu_calibration is not None:
-            raise KVConfigError(
-                f"palu_calibration={config.palu_calibration!r}: calibrated caches are built per model "
-                "by KVCacheBuilder.for_model (CalibratedKVCache), not by PaluKVCache"
-            )
-        check_policy(allocation_policy)
+
+    def _setup(self, config: KVCacheConfig, source: ProjectionSource, rotary: Rotary | None) -> None:
+        """The one initialiser behind every constructor: ``config`` already checked, ``source`` built."""
         if rotary is not None and not isinstance(rotary, Rotary):
             raise KVConfigError(f"rotary must be a palu_mlx.rope.Rotary or None; got {type(rotary).__name__}")
-        if shard is not None and not isinstance(shard, HeadShard):
-            raise KVConfigError(
-                f"shard must be a palu_mlx.distributed.HeadShard or None; got {type(shard).__name__}"
-            )
-        if shard is not None and config.palu_n_head_groups is not None:
-            raise KVConfigError(
-                f"palu_n_head_groups={config.palu_n_head_groups} under tensor parallel: each rank fits its "
-                "own heads; allowed: None (one group per KV head)"
-            )
         super().__init__()
         self.config = config
+        self.source = source
         self.rotary = rotary
-        self.shard = shard
-        self.allocation_policy = allocation_policy
+        self.shard = getattr(source, "shard", None)
+        self.allocation_policy = getattr(source, "allocation_policy", None)
         self._exact_keys: mx.array | None = None
         self._exact_values: mx.array | None = None
-        self._key_proj: GroupProjection | None = None
-        self._value_proj: GroupProjection | None = None
-        self._key_coder: LatentCoder | None = None
-        self._value_coder: LatentCoder | None = None
+        initial = source.initial()
+        (self._key_proj, self._key_coder), (self._value_proj, self._value_coder) = initial or (
+            (None, None),
+            (None, None),
+        )
         self._key_codes: dict[str, mx.array] | None = None
         self._value_codes: dict[str, mx.array] | None = None
         self._sinks = ExactPrefix(config.palu_sink_tokens)
@@ -137,22 +134,7 @@ class PaluKVCache(CacheLayer):
         return n
 
     def _check_dims(self, h: int, d: int, dv: int) -> None:
-        if self.config.head_dim is not None and d != self.config.head_dim:
-            raise KVShapeError(f"keys head dim {d} does not match config head_dim={self.config.head_dim}")
-        if self.shard is not None and h != self.shard.heads:
-            raise KVShapeError(f"keys have {h} heads; this rank's shard holds {self.shard.heads}")
-        if h % self.config.head_groups(h) != 0:
-            raise KVConfigError(
-                f"palu_n_head_groups={self.config.palu_n_head_groups} must divide the key/value head "
-                f"count {h}; allowed: a divisor of {h}"
-            )
-        if self.rotary is not None and self.rotary.dims > d:
-            raise KVShapeError(f"keys head dim {d} is smaller than the RoPE dims {self.rotary.dims}")
-        if self.config.palu_rank is not None and self.config.palu_rank > min(d, dv):
-            raise KVConfigError(
-                f"palu_rank={self.config.palu_rank} exceeds the head dims (keys {d}, values {dv}); "
-                f"allowed: 1..{min(d, dv)}"
-            )
+        self.source.check_dims(h, d, dv, self.rotary)
 
     # ------------------------------------------------------------------ update
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
@@ -168,7 +150,7 @@ class PaluKVCache(CacheLayer):
         if self._key_proj is None:
             exact_keys = write_rows(self._exact_keys, keys, prev, self.step)
             exact_values = write_rows(self._exact_values, values, prev, self.step)
-            if end >= self.config.min_fit_tokens(d):
+            if end >= self.source.fit_tokens(d):
                 self._fit(self._pre_rope(exact_keys[..., :end, :], 0), exact_values[..., :end, :], keys.dtype)
                 self._sinks = ExactPrefix(self.config.palu_sink_tokens).write(
                     exact_keys[..., :end, :], exact_values[..., :end, :], 0
@@ -213,22 +195,7 @@ class PaluKVCache(CacheLayer):
 
     def _fit(self, keys: mx.array, values: mx.array, dtype: mx.Dtype) -> None:
         """Fit projections on every held token, code them all, and switch to the latent phase."""
-        cfg = self.config
-        knobs = dict(
-            groups=cfg.head_groups(keys.shape[1]),
-            rank=cfg.palu_rank,
-            energy_threshold=cfg.energy_threshold,
-            group_size=cfg.palu_group_size,
-            quantize_values=cfg.palu_quantize_values,
-            dtype=dtype,
-            gather=None if self.shard is None else self.shard.gather,
-        )
-        if self.allocation_policy is None:
-            (key_proj, key_coder), (value_proj, value_coder) = cfg.coder_choice.fit(keys, values, **knobs)
-        else:
-            (key_proj, key_coder), (value_proj, value_coder) = fit_mixed_bit(
-                keys, values, self.allocation_policy, **knobs
-            )
+        (key_proj, key_coder), (value_proj, value_coder) = self.source.fit(keys, values, dtype)
         key_codes = self._append_codes(None, key_coder, key_proj, keys, 0)
         value_codes = self._append_codes(None, value_coder, value_proj, values, 0)
         self._key_codes, self._value_codes = key_codes, value_codes
@@ -254,8 +221,8 @@ class PaluKVCache(CacheLayer):
         return keys, values
 
     def latent_store(self) -> LatentStore | None:
-        """The latent codes for :func:`~palu_mlx.attention.latent_attention`; None before the fit."""
-        if self._key_proj is None:
+        """The latent codes for :func:`~palu_mlx.attention.latent_attention`; None before the first code."""
+        if self._key_codes is None:
             return None
 
         def latents(buffers: dict[str, mx.array], coder: LatentCoder) -> Callable[[int, int], mx.array]:
@@ -290,7 +257,8 @@ class PaluKVCache(CacheLayer):
     # ------------------------------------------------------------------ state
     @property
     def fitted(self) -> bool:
-        """Whether the projections have been fitted (the cache holds latents, not exact tokens)."""
+        """Whether the projections exist (the cache holds latents, not exact tokens): from the first
+        token with a calibration, from the fit otherwise."""
         return self._key_proj is not None
 
     @property
@@ -311,26 +279,22 @@ class PaluKVCache(CacheLayer):
 
     def _state_arrays(self) -> dict[str, mx.array]:
         n = self.offset
-        out: dict[str, mx.array] = {}
-        if self.rotary is not None:
-            out["rope.inv_freq"] = self.rotary.inv_freq
-        if self._shape is None:
-            return {k: detached(v) for k, v in out.items()}
+        rope = {} if self.rotary is None else {"rope.inv_freq": self.rotary.inv_freq}
         if self._key_proj is None:
-            out["exact_keys"] = self._exact_keys[..., :n, :]
-            out["exact_values"] = self._exact_values[..., :n, :]
+            out = dict(rope)
+            if self._shape is not None:
+                out["exact_keys"] = self._exact_keys[..., :n, :]
+                out["exact_values"] = self._exact_values[..., :n, :]
             return {k: detached(v) for k, v in out.items()}
-        for prefix, proj, codes in (
-            ("key", self._key_proj, self._key_codes),
-            ("value", self._value_proj, self._value_codes),
-        ):
-            for name, arr in proj.arrays().items():
-                out[f"{prefix}.{name}"] = arr
-            coder = self._key_coder if prefix == "key" else self._value_coder
-            for name, arr in coder.constants().items():
-                out[f"{prefix}.{name}"] = arr
-            for name, arr in codes.items():
-                out[f"{prefix}.{name}"] = arr[..., :n, :]
+        consts, codes = {}, {}
+        for prefix, proj, coder, buffers in self._tensors():
+            consts[prefix] = {f"{prefix}.{k}": a for k, a in self.source.saved_arrays(proj, coder).items()}
+            codes[prefix] = {f"{prefix}.{k}": a[..., :n, :] for k, a in (buffers or {}).items()}
+        if self.source.per_model:
+            # the model's constants first, then the sequence's codes (the calibrated layout)
+            out = {**consts["key"], **consts["value"], **rope, **codes["key"], **codes["value"]}
+        else:
+            out = {**rope, **consts["key"], **codes["key"], **consts["value"], **codes["value"]}
         m = self._sinks.count(n)
         if m:
             out["sink.keys"] = self._sinks.keys[..., :m, :]
@@ -338,18 +302,24 @@ class PaluKVCache(CacheLayer):
         out.update(self._recent.state(n)[0])
         return {k: detached(v) for k, v in out.items()}
 
+    def _fitted(self) -> tuple[Fitted, Fitted]:
+        return (self._key_proj, self._key_coder), (self._value_proj, self._value_coder)
+
+    def _tensors(self) -> tuple[tuple[str, GroupProjection, LatentCoder, dict[str, mx.array] | None], ...]:
+        return (
+            ("key", self._key_proj, self._key_coder, self._key_codes),
+            ("value", self._value_proj, self._value_coder, self._value_codes),
+        )
+
     @property
     def meta_state(self) -> tuple[str, str]:
-        """``(config JSON, runtime JSON)``: offset, shape, dtype, the segment layouts and, once fitted,
-        the config fields the codes were made with (``coded_with``, checked by :meth:`from_state`)."""
+        """``(config JSON, runtime JSON)``: offset, shape, dtype, the RoPE and the source's coder
+        fields: fitted at the prefill, the segment layouts and, once fitted, the config fields the
+        codes were made with (``coded_with``, checked by :meth:`from_state`); calibrated, the widths."""
         runtime = {
             **self._runtime(),
-            "key_segments": _segments_to_list(self._key_coder),
-            "value_segments": _segments_to_list(self._value_coder),
-            "key_fixed_widths": _fixed_widths(self._key_coder),
-            "value_fixed_widths": _fixed_widths(self._value_coder),
+            **self.source.meta(self._key_coder, self._value_coder),
             "rope": None if self.rotary is None else self.rotary.to_meta(),
-            "coded_with": None if self._key_proj is None else _coded_with(self.config),
         }
         if self._key_proj is not None and self.config.palu_recent_tokens:
             runtime["recent_start"] = self._recent.state(self.offset)[1]
@@ -367,140 +337,87 @@ class PaluKVCache(CacheLayer):
         ``meta_state=None`` (mlx-lm's ``load_prompt_cache`` passes only the state) reads it from the
         state's ``meta_state`` array and checks the state against its checksum.
 
-        Every metadata field and every array is checked first (segment layouts, offset, names,
-        shapes, dtypes, finite values): a mismatch raises ``KVDataError`` naming it. The config must
-        name every field, and a fitted state's config must agree with ``coded_with`` on every
-        field its codes depend on (:data:`CODED_WITH`): a config edited after the fit would read
-        the codes as something they are not.
+        Every metadata field and every array is checked first (segment layouts or widths, offset,
+        names, shapes, dtypes, finite values, positive steps): a mismatch raises ``KVDataError``
+        naming it. The config must name every field, and a fitted state's config must agree with
+        ``coded_with`` on every field its codes depend on (:data:`CODED_WITH`): a config edited
+        after the fit would read the codes as something they are not.
         """
         owner = f"{cls.__name__}.from_state"
         state, meta_state = split_state(state, meta_state, cls.__name__, owner)
         settings, runtime = parse_meta_state(meta_state, owner)
         offset, shape, dtype = read_runtime(runtime, cls.__name__, owner)
         config = read_config(settings, owner)
-        if allocation_policy is not None and not isinstance(allocation_policy, BitAllocationPolicy):
-            raise KVConfigError(
-                f"allocation_policy must be a BitAllocationPolicy (with .allocate) or None; "
-                f"got {type(allocation_policy).__name__}"
-            )
-        arrays = StateArrays(state, owner)
-        layout = {
-            name: read_field(runtime, name, owner)
-            for name in ("rope", "key_segments", "value_segments", "key_fixed_widths", "value_fixed_widths")
-        }
-        rope = read_rope(layout["rope"], shape[2] if shape else config.head_dim, owner)
-        rotary = None
-        if rope is not None:
-            inv_freq = arrays.take("rope.inv_freq", (rope[0] // 2,), mx.float32)
-            rotary = Rotary(detached(inv_freq), *rope)
+        saved = SavedState(config, runtime, StateArrays(state, owner), shape, dtype, owner)
+        read = cls._source_type.read_state(saved, allocation_policy)
+        arrays = saved.arrays
+        cache = cls.__new__(cls)
         try:
-            cache = cls(config, allocation_policy, rotary)
+            cls._check_config(config)
+            cache._setup(config, read.source, read.rotary)
         except KVConfigError as exc:
             raise KVDataError(f"{owner}: meta_state config: {exc}") from None
-        fitted = layout["key_segments"] is not None
-        if shape is None and any(layout[k] is not None for k in layout if k != "rope"):
-            raise KVDataError(
-                f"{owner}: meta_state of an empty cache must have null segments and fixed widths"
-            )
-        if fitted != (layout["value_segments"] is not None) or (
-            not fitted
-            and (layout["key_fixed_widths"] is not None or layout["value_fixed_widths"] is not None)
-        ):
-            raise KVDataError(
-                f"{owner}: meta_state key_segments and value_segments must be both null (before the fit) or both "
-                "set, and fixed widths need segments"
-            )
-        _check_coded_with(read_field(runtime, "coded_with", owner), config, fitted, owner)
         if shape is None:
             arrays.finish()
             return cache
         b, h, d, dv = shape
-        try:
-            cache._check_dims(h, d, dv)
-        except (KVConfigError, KVShapeError) as exc:
-            raise KVDataError(f"{owner}: meta_state shape {list(shape)}: {exc}") from None
-        if not fitted:
+        if read.fitted is None:
             exact = [
                 arrays.take(f"exact_{p}", (b, h, offset, w), dtype) for p, w in (("keys", d), ("values", dv))
             ]
             arrays.finish()
             cache._exact_keys, cache._exact_values = (write_rows(None, x, 0, cls.step) for x in exact)
         else:
-            parts = {}
-            for prefix, dim in (("key", d), ("value", dv)):
-                segments = read_segments(layout[f"{prefix}_segments"], f"{prefix}_segments", owner)
-                fixed = layout[f"{prefix}_fixed_widths"]
-                if fixed is not None:
-                    widths = read_widths(fixed, f"{prefix}_fixed_widths", owner)
-                    steps = arrays.take(f"{prefix}.steps", (h, len(widths)), mx.float32, positive=True)
-                    coder = FixedQuantCoder(widths, detached(steps), config.palu_token_scale)
-                    if coder.segments != segments:
-                        raise KVDataError(
-                            f"{owner}: meta_state {prefix}_segments {layout[f'{prefix}_segments']} do not match "
-                            f"{prefix}_fixed_widths {list(widths)}"
-                        )
-                else:
-                    coder = MixedBitCoder(segments, config.palu_group_size, dtype, compact_dtype(dtype))
-                proj_dtype = projection_dtype(coder, dtype)
-                g, r = config.head_groups(h), coder.rank
-                if r > dim:
-                    raise KVDataError(f"{owner}: meta_state {prefix} rank {r} exceeds the head dim {dim}")
-                proj = GroupProjection(
-                    basis=arrays.take(f"{prefix}.basis", (g, dim, r), proj_dtype),
-                    mean=arrays.take(f"{prefix}.mean", (g, dim), proj_dtype),
-                    singular_values=arrays.take(f"{prefix}.singular_values", (g, r), proj_dtype),
-                )
-                codes = {
+            codes = [
+                {
                     name: arrays.take(f"{prefix}.{name}", (b, h, offset, width), field_dtype)
                     for name, (width, field_dtype) in coder.field_widths().items()
                 }
-                parts[prefix] = (proj, coder, codes)
+                for prefix, (_, coder) in zip(PREFIXES, read.fitted, strict=True)
+            ]
             m = min(config.palu_sink_tokens, offset)
             sink = (
                 [arrays.take(f"sink.{p}", (b, h, m, w), dtype) for p, w in (("keys", d), ("values", dv))]
                 if m
                 else None
             )
-            recent = read_recent(
-                arrays, runtime, config.palu_recent_tokens, (b, h, d, dv), offset, dtype, owner
-            )
+            recent = read_recent(arrays, runtime, config.palu_recent_tokens, shape, offset, dtype, owner)
             arrays.finish()
             cache._recent = recent
             if sink is not None:
-                cache._sinks = ExactPrefix(config.palu_sink_tokens).write(
-                    detached(sink[0]), detached(sink[1]), 0
-                )
-            for prefix, (proj, coder, codes) in parts.items():
-                proj = GroupProjection(**{k: detached(v) for k, v in proj.arrays().items()})
-                setattr(cache, f"_{prefix}_proj", proj)
-                setattr(cache, f"_{prefix}_coder", coder)
-                setattr(
-                    cache, f"_{prefix}_codes", {k: write_rows(None, v, 0, cls.step) for k, v in codes.items()}
-                )
+                cache._sinks = cache._sinks.write(detached(sink[0]), detached(sink[1]), 0)
+            (cache._key_proj, cache._key_coder), (cache._value_proj, cache._value_coder) = read.fitted
+            cache._key_codes, cache._value_codes = (
+                {k: write_rows(None, v, 0, cls.step) for k, v in held.items()} for held in codes
+            )
         cache._shape, cache._dtype, cache.offset = shape, dtype, offset
         return cache
 
     # ------------------------------------------------------------------ measured storage
     def _held(self, which: str) -> list[mx.array]:
-        exact, proj, codes = (
-            (self._exact_keys, self._key_proj, self._key_codes)
+        """The arrays held for keys or values: exact tokens or codes, and the projections unless they
+        are the model's (``constant_nbytes``)."""
+        exact, proj, coder, codes = (
+            (self._exact_keys, self._key_proj, self._key_coder, self._key_codes)
             if which == "key"
-            else (self._exact_values, self._value_proj, self._value_codes)
+            else (self._exact_values, self._value_proj, self._value_coder, self._value_codes)
         )
         out = [] if exact is None else [exact]
-        if which == "key" and self.rotary is not None and self._shape is not None:
+        own = not self.source.per_model
+        if own and which == "key" and self.rotary is not None and self._shape is not None:
             out.append(self.rotary.inv_freq)
         if proj is not None:
-            out += list(proj.arrays().values())
-            coder = self._key_coder if which == "key" else self._value_coder
-            out += list(coder.constants().values())
+            if own:
+                out += list(proj.arrays().values())
+                out += list(coder.constants().values())
             for extra in (self._sinks.arrays(), self._recent.arrays()):
                 out += extra[:1] if which == "key" else extra[1:]
         out += list((codes or {}).values())
         return out
 
     def held_arrays(self) -> list[mx.array]:
-        """Every array the cache holds (buffers at their full grown capacity); ``nbytes`` sums these."""
+        """Every per-sequence array the cache holds (buffers at their full grown capacity); ``nbytes``
+        sums these. A calibration's projections are the model's: :attr:`constant_nbytes`."""
         return self._held("key") + self._held("value")
 
     @property
@@ -515,8 +432,20 @@ class PaluKVCache(CacheLayer):
 
     @property
     def nbytes(self) -> int:
-        """Bytes of every array held (buffers at their full grown capacity)."""
+        """Bytes of every per-sequence array held (buffers at their full grown capacity)."""
         return sum(a.nbytes for a in self.held_arrays())
+
+    @property
+    def constant_nbytes(self) -> int:
+        """Bytes of the model's constants this layer codes with (a calibration's bases, means, steps),
+        shared by every sequence; 0 when the projections are fitted per sequence (in ``nbytes``)."""
+        if not self.source.per_model:
+            return 0
+        return sum(
+            a.nbytes
+            for _, proj, coder, _ in self._tensors()
+            for a in self.source.saved_arrays(proj, coder).values()
+        )
 
     @property
     def fp16_key_bytes(self) -> int:
@@ -554,51 +483,10 @@ class PaluKVCache(CacheLayer):
         return max(key_rate, value_rate)
 
     def __repr__(self) -> str:
-        phase = f"fitted r_k={self.key_rank} r_v={self.value_rank}" if self.fitted else "exact"
+        fitted = None if self._key_proj is None else self._fitted()
+        ranks = self.source.describe(fitted)
         rope = ", pre-RoPE keys" if self.rotary is not None else ""
-        return f"PaluKVCache(offset={self.offset}, {phase}{rope})"
-
-
-#: the config fields a fitted cache's arrays depend on: how latents were projected and coded, and
-#: which tokens are held exactly; a fitted state records them (``coded_with``) so that a config
-#: edited afterwards cannot reinterpret its codes
-CODED_WITH: tuple[str, ...] = (
-    "palu_bits",
-    "palu_rank",
-    "palu_energy_threshold",
-    "palu_hi_bit",
-    "palu_lo_bit",
-    "palu_hi_fraction",
-    "palu_group_size",
-    "palu_quantize_values",
-    "palu_token_scale",
-    "palu_n_head_groups",
-    "palu_sink_tokens",
-    "palu_recent_tokens",
-)
-
-
-def _coded_with(config: KVCacheConfig) -> dict[str, object]:
-    return {name: getattr(config, name) for name in CODED_WITH}
-
-
-def _check_coded_with(coded: object, config: KVCacheConfig, fitted: bool, owner: str) -> None:
-    """KVDataError unless ``coded`` is None before the fit and, after it, names the fields of
-    :data:`CODED_WITH` with the values ``config`` has."""
-    if not fitted:
-        if coded is not None:
-            raise KVDataError(f"{owner}: meta_state coded_with={coded!r} must be null before the fit")
-        return
-    if not isinstance(coded, dict) or set(coded) != set(CODED_WITH):
-        raise KVDataError(
-            f"{owner}: meta_state coded_with={coded!r:.200} must be an object of the fields {list(CODED_WITH)}"
-        )
-    for name in CODED_WITH:
-        if coded[name] != getattr(config, name):
-            raise KVDataError(
-                f"{owner}: meta_state config {name}={getattr(config, name)!r}, but the state's codes were made "
-                f"with {name}={coded[name]!r}; allowed: {coded[name]!r} (a fitted cache keeps how it coded)"
-            )
+        return f"{type(self).__name__}(offset={self.offset}, {ranks}{rope})"
 
 
 def _packed_rows(buffers: dict[str, mx.array], coder: LatentCoder) -> PackedRows | None:
@@ -606,14 +494,3 @@ def _packed_rows(buffers: dict[str, mx.array], coder: LatentCoder) -> PackedRows
     if not isinstance(coder, FixedQuantCoder):
         return None
     return PackedRows(buffers["codes"], coder.widths, coder.steps, coder.token_scale)
-
-
-def _fixed_widths(coder: LatentCoder | None) -> list[int] | None:
-    widths = None if coder is None else coder.fixed_widths
-    return None if widths is None else list(widths)
-
-
-def _segments_to_list(coder: LatentCoder | None) -> list[list[int]] | None:
-    if coder is None:
-        return None
-    return [[s.start, s.stop, s.bits] for s in coder.segments]

@@ -1,4 +1,4 @@
-"""What palu-mlx's three cache layers share: input checks, growing buffers and the mlx-lm interface.
+"""What palu-mlx's cache layers share: input checks, growing buffers and the mlx-lm interface.
 
 :class:`CacheLayer` holds the token count, the ``(B, H, D, Dv)`` shape and the dtype fixed by
 the first ``update_and_fetch``, and implements everything that depends only on them: the
@@ -69,7 +69,8 @@ def write_rows(buffer: mx.array | None, new: mx.array, prev: int, step: int) -> 
 
 
 class CacheLayer:
-    """Base of :class:`~palu_mlx.cache.PaluKVCache`, :class:`~palu_mlx.calibrated.CalibratedKVCache`
+    """Base of :class:`~palu_mlx.cache.PaluKVCache` (and so of
+    :class:`~palu_mlx.calibrated.CalibratedKVCache`, the same cache on a calibration's projections)
     and :class:`~palu_mlx.baseline.NaiveQuantKVCache`.
 
     Subclasses call :meth:`_validate` first in ``update_and_fetch``, store the new

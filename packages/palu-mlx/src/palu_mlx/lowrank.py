@@ -97,6 +97,15 @@ class GroupProjection:
             )
         return GroupProjection(**arrays)
 
+    def leading(self, rank: int) -> GroupProjection:
+        """The first ``rank`` latent channels of this projection (contiguous copies; mean kept)."""
+        return GroupProjection(
+            basis=mx.contiguous(self.basis[:, :, :rank]),
+            mean=self.mean,
+            singular_values=mx.contiguous(self.singular_values[:, :rank]),
+            decoder=None if self.decoder is None else mx.contiguous(self.decoder[:, :, :rank]),
+        )
+
     @property
     def synthesis(self) -> mx.array:
         """``[G, D, r]``: what rebuilds the rows (the decoder, else the basis)."""

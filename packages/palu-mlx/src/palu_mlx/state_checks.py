@@ -155,10 +155,23 @@ def parse_meta_state(meta_state: Any, owner: str) -> tuple[dict[str, Any], dict[
     return out[0], out[1]
 
 
+#: KVCacheConfig fields added after states were first saved, each with the value that codes as a
+#: state saved without it was coded: such a state reads them as these (and only these may be absent)
+LATER_CONFIG_FIELDS: dict[str, Any] = {
+    "palu_sensitivity": None,
+    "palu_key_weight": 1.0,
+    "palu_value_weight": 1.0,
+}
+
+
 def read_config(settings: dict[str, Any], owner: str) -> KVCacheConfig:
     """The :class:`KVCacheConfig` saved in meta_state; it must name every field (a state written by
-    :attr:`meta_state` does), so a field dropped from it cannot silently take its default."""
+    :attr:`meta_state` does), so a field dropped from it cannot silently take its default. Fields
+    added since states were first saved (:data:`LATER_CONFIG_FIELDS`) may be absent all together:
+    an earlier state was coded as their values say."""
     if isinstance(settings, dict):
+        if not set(LATER_CONFIG_FIELDS) & set(settings):
+            settings = {**LATER_CONFIG_FIELDS, **settings}
         missing = sorted({f.name for f in fields(KVCacheConfig)} - set(settings))
         if missing:
             raise KVDataError(
@@ -282,6 +295,11 @@ class StateArrays:
 
     def __contains__(self, name: str) -> bool:
         return name in self._state
+
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        """The shape of array ``name`` before it is taken (None when there is none): for layouts whose
+        sizes are read from an array."""
+        return tuple(self._state[name].shape) if name in self._state else None
 
     def take(
         self,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -71,34 +72,11 @@ class HiLoSplit:
         """The bit allocation: :class:`~palu_mlx.mixed_bit.FixedSplitPolicy` of these widths."""
         return FixedSplitPolicy(self.hi_bit, self.lo_bit, self.hi_fraction)
 
-    def fit(
-        self,
-        keys: mx.array,
-        values: mx.array,
-        *,
-        groups: int,
-        rank: int | None,
-        energy_threshold: float,
-        group_size: int,
-        quantize_values: bool,
-        dtype: mx.Dtype,
-        gather: Callable[[np.ndarray], np.ndarray] | None = None,
-    ) -> tuple[Fitted, Fitted]:
-        """Keys' and values' projections and coders, fitted on ``keys`` / ``values`` ``[B, H, S, D]``
-        (``groups`` head groups; ``rank``, else ``energy_threshold``, sets the rank; ``gather``: see
-        :func:`fit_mixed_bit`)."""
-        return fit_mixed_bit(
-            keys,
-            values,
-            self.policy(),
-            groups=groups,
-            rank=rank,
-            energy_threshold=energy_threshold,
-            group_size=group_size,
-            quantize_values=quantize_values,
-            dtype=dtype,
-            gather=gather,
-        )
+    def fit(self, keys: mx.array, values: mx.array, **knobs: Any) -> tuple[Fitted, Fitted]:
+        """Keys' and values' projections and coders, fitted on ``keys`` / ``values`` ``[B, H, S, D]``:
+        :func:`fit_mixed_bit` with :meth:`policy` and the same keywords (``groups``, ``rank`` (else
+        ``energy_threshold``) for the rank, ``group_size``, ``quantize_values``, ``dtype``, ``gather``)."""
+        return fit_mixed_bit(keys, values, self.policy(), **knobs)
 
 
 def fit_mixed_bit(
@@ -151,11 +129,7 @@ def _fit_and_allocate(
         # the energy rank is the smallest over the groups: every rank's groups
         full = fit_group_projection(x, groups, x.shape[-1])
         chosen = select_rank(gather(np.array(full.singular_values)), energy_threshold)
-        projection = GroupProjection(
-            basis=mx.contiguous(full.basis[:, :, :chosen]),
-            mean=full.mean,
-            singular_values=mx.contiguous(full.singular_values[:, :chosen]),
-        )
+        projection = full.leading(chosen)
     else:
         projection = fit_group_projection(x, groups, rank, energy_threshold)
     spectrum = np.array(projection.singular_values)
@@ -169,9 +143,5 @@ def _fit_and_allocate(
     if segments[0].start != 0 or gaps:
         raise KVConfigError(f"policy {policy!r} gave 0 bits to a channel before a coded one: {segments!r}")
     if keep < projection.rank:
-        projection = GroupProjection(
-            basis=mx.contiguous(projection.basis[:, :, :keep]),
-            mean=projection.mean,
-            singular_values=mx.contiguous(projection.singular_values[:, :keep]),
-        )
+        projection = projection.leading(keep)
     return projection, segments
