@@ -8,7 +8,7 @@ from the results file the block names (``benchmarks/results/flashcodec_<name>.js
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 __all__ = [
@@ -49,104 +49,117 @@ def _psnr(side: dict[str, Any]) -> str:
     return "exact" if side["exact"] else f"{side['psnr_db']:.2f}"
 
 
+def _table(header: str, align: str, rows: Iterable[str]) -> list[str]:
+    """A markdown table: the ``header`` line, the separator (per column ``l`` left- or ``r``
+    right-aligned) and the ``rows``."""
+    return [header, "|" + "".join("---|" if a == "l" else "---:|" for a in align), *rows]
+
+
+def _from(results_file: str, date: str, more: str = ":", within: str = "") -> str:
+    """The line naming a block's results file and the date it was written (``within`` the brackets
+    after it, ``more`` after them)."""
+    return f"From `benchmarks/results/{results_file}` ({date[:10]}{within}){more}"
+
+
 def render_reconstruct(result: dict[str, Any]) -> list[str]:
     """Per signal: its smoothness statistics and each tier's PSNR, cosine and measured storage."""
-    lines = [f"From `benchmarks/results/flashcodec_reconstruct.json` ({result['date'][:10]}):", ""]
+    lines = [_from("flashcodec_reconstruct.json", result["date"]), ""]
     for signal in result["signals"]:
-        lines += [
-            _signal_line(signal),
-            "",
-            "| tier | keys PSNR (dB) | keys cosine | values PSNR (dB) | values cosine | storage (nbytes / raw) |",
-            "|---|---|---|---|---|---|",
-        ]
-        for row in signal["tiers"]:
-            k, v = row["keys"], row["values"]
-            lines.append(
-                f"| `{row['tier']}` | {_psnr(k)} | {k['cosine']:.5f} | {_psnr(v)} | {v['cosine']:.5f} | "
-                f"{100 * row['storage']['ratio']:.1f}% |"
-            )
-        lines.append("")
+        rows = (
+            f"| `{row['tier']}` | {_psnr(row['keys'])} | {row['keys']['cosine']:.5f} | {_psnr(row['values'])} | "
+            f"{row['values']['cosine']:.5f} | {100 * row['storage']['ratio']:.1f}% |"
+            for row in signal["tiers"]
+        )
+        header = "| tier | keys PSNR (dB) | keys cosine | values PSNR (dB) | values cosine | storage (nbytes / raw) |"
+        lines += [_signal_line(signal), "", *_table(header, "llllll", rows), ""]
     return lines[:-1]
 
 
 def render_vram(result: dict[str, Any]) -> list[str]:
     """Per (S, tier): bytes held / allocated / viewed after the fill, fill and step times, blocks
     decoded per step, re-decode time; then the step against the smallest S."""
-    lines = [
-        f"From `benchmarks/results/flashcodec_vram.json` ({result['date'][:10]}):",
-        "",
-        "| S | tier | held (MiB) | held / raw | allocated (MiB) | view (MiB) | fill (ms) | "
-        "step min / median (ms) | blocks/step (max) | re-decode (ms) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in result["rows"]:
+
+    def row(r: dict[str, Any]) -> str:
         st = r["storage_after_fill"]
-        lines.append(
+        return (
             f"| {r['seq_len']} | `{r['tier']}` | {_mib(st['held_bytes'])} | {st['ratio']:.3f} | "
             f"{_mib(st['allocated_bytes'])} | {_mib(st['view_bytes'])} | {r['fill_ms_min']:.0f} | "
             f"{r['step_ms_min']:.3f} / {r['step_ms_median']:.3f} | {r['blocks_decoded_per_step_max']} | "
             f"{r['redecode_ms_min']:.1f} |"
         )
+
     flat = result["flatness_vs_smallest_S"]
     sizes = sorted({int(s) for by_s in flat.values() for s in by_s})
     small, large = sizes[0], sizes[-1]
-    lines += [
+    ratios = ((tier, by_s[str(large)]) for tier, by_s in flat.items())
+    return [
+        _from("flashcodec_vram.json", result["date"]),
+        "",
+        *_table(
+            "| S | tier | held (MiB) | held / raw | allocated (MiB) | view (MiB) | fill (ms) | "
+            "step min / median (ms) | blocks/step (max) | re-decode (ms) |",
+            "l" * 10,
+            map(row, result["rows"]),
+        ),
         "",
         f"A step at S = {large} against S = {small} ({large // small}x the tokens), measured in the same run "
         "(`flatness_vs_smallest_S`):",
         "",
-        "| tier | fastest step | median step | re-decode |",
-        "|---|---|---|---|",
+        *_table(
+            "| tier | fastest step | median step | re-decode |",
+            "llll",
+            (
+                f"| `{tier}` | {r['step_min_ratio']:.3f}x | {r['step_ratio']:.3f}x | {r['redecode_ratio']:.1f}x |"
+                for tier, r in ratios
+            ),
+        ),
     ]
-    for tier, by_s in flat.items():
-        r = by_s[str(large)]
-        lines.append(
-            f"| `{tier}` | {r['step_min_ratio']:.3f}x | {r['step_ratio']:.3f}x | {r['redecode_ratio']:.1f}x |"
-        )
-    return lines
 
 
 def render_attention(result: dict[str, Any]) -> list[str]:
     """Per (S, tier): the materialized and the coefficient decode step's time, peak and error."""
-    lines = [
-        f"From `benchmarks/results/flashcodec_attention.json` ({result['date'][:10]}):",
-        "",
-        "| S | tier | materialized step (ms) | coefficient step (ms) | time coef / mat | materialized peak (MiB) "
-        "| coefficient peak (MiB) | peak mat / coef | rel. error vs fp64: materialized | coefficient |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in result["results"]:
+
+    def row(r: dict[str, Any]) -> str:
         mat, coef = r["materialized"], r["coefficient_torch"]
-        lines.append(
+        return (
             f"| {r['seq_len']} | `{r['tier']}` | {mat['step_ms_median']:.2f} | {coef['step_ms_median']:.2f} | "
             f"{coef['time_ratio_vs_materialized']:.2f} | {_mib(mat['peak_bytes'])} | {_mib(coef['peak_bytes'])} | "
             f"{coef['peak_ratio_materialized_over_this']:.1f} | {mat['max_rel_error_vs_fp64_truth']:.1e} | "
             f"{coef['max_rel_error_vs_fp64_truth']:.1e} |"
         )
-    return lines
+
+    header = (
+        "| S | tier | materialized step (ms) | coefficient step (ms) | time coef / mat | materialized peak (MiB) "
+        "| coefficient peak (MiB) | peak mat / coef | rel. error vs fp64: materialized | coefficient |"
+    )
+    return [
+        _from("flashcodec_attention.json", result["date"]),
+        "",
+        *_table(header, "l" * 10, map(row, result["results"])),
+    ]
 
 
 def render_e2e(result: dict[str, Any]) -> list[str]:
     """Per configuration: decode speed, peaks, steady bytes and tokens against the baseline and,
     for a ``-mf`` tier, against its materialized twin."""
-    lines = [
-        f"From `benchmarks/results/flashcodec_e2e.json` ({result['date'][:10]}):",
-        "",
-        "| configuration | decode tok/s | ms / token | peak (MiB) | decode peak (MiB) | steady (MiB) | "
-        "token match vs baseline | tokens = materialized twin | decode peak / twin's |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for name, r in result["results"].items():
+
+    def row(name: str, r: dict[str, Any]) -> str:
         match = r.get("token_match_vs_baseline")
         twin = r.get("tokens_equal_materialized")
         ratio = r.get("decode_peak_ratio_this_over_materialized")
-        lines.append(
+        return (
             f"| `{name}` | {r['decode_tokens_per_s']:.1f} | {r['decode_ms_per_token']:.1f} | "
             f"{_mib(r['peak_bytes'], 2)} | {_mib(r['decode_peak_bytes'], 2)} | {_mib(r['steady_bytes'], 2)} | "
             f"{'—' if match is None else f'{match:.3f}'} | {'—' if twin is None else ('yes' if twin else 'no')} | "
             f"{'—' if ratio is None else f'{ratio:.2f}'} |"
         )
-    return lines
+
+    header = (
+        "| configuration | decode tok/s | ms / token | peak (MiB) | decode peak (MiB) | steady (MiB) | "
+        "token match vs baseline | tokens = materialized twin | decode peak / twin's |"
+    )
+    rows = (row(name, r) for name, r in result["results"].items())
+    return [_from("flashcodec_e2e.json", result["date"]), "", *_table(header, "l" * 9, rows)]
 
 
 def _compare_row(row: dict[str, Any]) -> str:
@@ -160,18 +173,19 @@ def _tier_table(result: dict[str, Any], results_file: str) -> list[str]:
         (r for r in result["summary_long"] if r["name"] != "baseline"),
         key=lambda r: (round(r["resident_ratio_decode_mean"], 3), r["kl_mean"]),
     )
-    lines = [
-        f"From `benchmarks/results/{results_file}` ({result['stamp']['date'][:10]}):",
+    return [
+        _from(results_file, result["stamp"]["date"]),
         "",
-        "| cache | bytes x raw | KL | top-1 | Δ ppl | bytes x hqq-q4 | KL x hqq-q4 | decode x hqq-q4 |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        *_table(
+            "| cache | bytes x raw | KL | top-1 | Δ ppl | bytes x hqq-q4 | KL x hqq-q4 | decode x hqq-q4 |",
+            "lrrrrrrr",
+            (
+                f"| `{r['name']}` | {r['resident_ratio_decode_mean']:.3f} | {_compare_row(r)} | "
+                f"{r['bytes_vs_hqq_q4']:.3f} | {r['kl_vs_hqq_q4']:.2f} | {r['decode_vs_hqq_q4']:.2f} |"
+                for r in rows
+            ),
+        ),
     ]
-    for r in rows:
-        lines.append(
-            f"| `{r['name']}` | {r['resident_ratio_decode_mean']:.3f} | {_compare_row(r)} | "
-            f"{r['bytes_vs_hqq_q4']:.3f} | {r['kl_vs_hqq_q4']:.2f} | {r['decode_vs_hqq_q4']:.2f} |"
-        )
-    return lines
 
 
 def render_real_tiers(result: dict[str, Any]) -> list[str]:
@@ -189,68 +203,70 @@ def render_step_raw(result: dict[str, Any]) -> list[str]:
     """Each tier with its multi-token step's own tokens raw and as stored (``+coded-step``), beside
     hqq 4-bit: quality and prefill time against the baseline (the last run)."""
     run = result["runs"][-1]
-    lines = [
-        f"From `benchmarks/results/flashcodec_step_raw.json` ({result['stamp']['date'][:10]}, run "
-        f"`{run['name']}`):",
-        "",
-        "| cache | KL | top-1 | Δ ppl | prefill time vs baseline |",
-        "|---|---:|---:|---:|---:|",
-    ]
-    for r in run["rows"]:
-        if r["name"] == "baseline":
-            continue
+
+    def row(r: dict[str, Any]) -> str:
         label = f"`{r['name']}`" + (" (raw step)" if r["kind"] == "tier" and "+" not in r["name"] else "")
-        lines.append(f"| {label} | {_compare_row(r)} | {r['prefill_time_ratio']:.2f} |")
-    return lines
+        return f"| {label} | {_compare_row(r)} | {r['prefill_time_ratio']:.2f} |"
+
+    rows = (row(r) for r in run["rows"] if r["name"] != "baseline")
+    return [
+        _from("flashcodec_step_raw.json", result["stamp"]["date"], within=f", run `{run['name']}`"),
+        "",
+        *_table("| cache | KL | top-1 | Δ ppl | prefill time vs baseline |", "lrrrr", rows),
+    ]
 
 
 def render_lossless(result: dict[str, Any]) -> list[str]:
     """The exponent coder on the real model's K/V per dtype (group 64), then per group size:
     bytes over the uncompressed cache's, exceptions, exactness, speed."""
     labels = {"bfloat16": "bf16 (the model's)", "float16": "fp16 (the model run in fp16)"}
-    lines = [
-        f"From `benchmarks/results/flashcodec_lossless.json` ({result['environment']['date'][:10]}):",
-        "",
-        "| K/V dtype | exponent coder in memory (group 64) | saved, zlib 6 (zlib 1) | exceptions (of elements) "
-        "| bit-exact | `png-keep1` held | zlib 6 on the raw bytes |",
-        "|---|---:|---:|---:|---|---:|---:|",
-    ]
-    for dtype, r in result["results"].items():
+
+    def by_dtype(dtype: str, r: dict[str, Any]) -> str:
         c = r["exponent_coder"]["64"]
-        lines.append(
+        return (
             f"| {labels.get(dtype, dtype)} | {c['memory_ratio']:.3f} | {c['saved_ratio_zlib6']:.3f} "
             f"({c['saved_ratio_zlib1']:.3f}) | {c['exception_rate']:.1e} | {'yes' if c['bit_exact'] else 'no'} | "
             f"{r['png_keep1']['held_ratio']:.3f} | {r['zlib6_raw_bytes']['ratio']:.3f} |"
         )
-    lines += [
+
+    def by_group(dtype: str, group: str, c: dict[str, Any], r: dict[str, Any]) -> str:
+        return (
+            f"| {dtype} | {group} | {c['memory_ratio']:.3f} | {c['encode_mb_per_s']:.0f} | "
+            f"{c['decode_mb_per_s']:.0f} | {c['decode_whole_cache_in_steps']:.2f} | "
+            f"{r['zlib6_raw_bytes']['encode_seconds']:.1f} |"
+        )
+
+    runs = result["results"].items()
+    return [
+        _from("flashcodec_lossless.json", result["environment"]["date"]),
         "",
-        "| K/V dtype | group (tokens) | in memory | encode (MB/s) | decode (MB/s) | decoding the whole cache, "
-        "in decode steps of the model | zlib 6 alone: encode (s) |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        *_table(
+            "| K/V dtype | exponent coder in memory (group 64) | saved, zlib 6 (zlib 1) | exceptions (of elements) "
+            "| bit-exact | `png-keep1` held | zlib 6 on the raw bytes |",
+            "lrrrlrr",
+            (by_dtype(dtype, r) for dtype, r in runs),
+        ),
+        "",
+        *_table(
+            "| K/V dtype | group (tokens) | in memory | encode (MB/s) | decode (MB/s) | decoding the whole cache, "
+            "in decode steps of the model | zlib 6 alone: encode (s) |",
+            "lrrrrrr",
+            (by_group(dtype, g, c, r) for dtype, r in runs for g, c in r["exponent_coder"].items()),
+        ),
     ]
-    for dtype, r in result["results"].items():
-        for group, c in r["exponent_coder"].items():
-            lines.append(
-                f"| {dtype} | {group} | {c['memory_ratio']:.3f} | {c['encode_mb_per_s']:.0f} | "
-                f"{c['decode_mb_per_s']:.0f} | {c['decode_whole_cache_in_steps']:.2f} | "
-                f"{r['zlib6_raw_bytes']['encode_seconds']:.1f} |"
-            )
-    return lines
 
 
 def render_kv_recipes(result: dict[str, Any]) -> list[str]:
     """Each quantization recipe on the real model's K/V: bits an element, KL, top-1 agreement."""
-    lines = [
-        f"From `benchmarks/results/flashcodec_kv_recipes.json` ({result['stamp']['date'][:10]}):",
+    rows = (
+        f"| {r['name']} | {r['bits_per_element']:.2f} | {r['kl_mean']:.2e} | {100 * r['top1_agreement']:.1f}% |"
+        for r in result["rows"]
+    )
+    return [
+        _from("flashcodec_kv_recipes.json", result["stamp"]["date"]),
         "",
-        "| recipe | bits an element | KL | top-1 |",
-        "|---|---:|---:|---:|",
+        *_table("| recipe | bits an element | KL | top-1 |", "lrrr", rows),
     ]
-    for r in result["rows"]:
-        lines.append(
-            f"| {r['name']} | {r['bits_per_element']:.2f} | {r['kl_mean']:.2e} | {100 * r['top1_agreement']:.1f}% |"
-        )
-    return lines
 
 
 def _bits(row: dict[str, Any]) -> str:
@@ -262,33 +278,36 @@ def render_int4_study(result: dict[str, Any]) -> list[str]:
     """The factors behind int4 against hqq 4-bit (each variant's bits, KL, top-1), then the reduced
     compare's runs (held and resident bytes over bf16, KL, Δ perplexity)."""
     factors = result["factors"]
-    lines = [
-        f"From `benchmarks/results/flashcodec_int4_study.json` ({result['stamp']['date'][:10]}); "
-        "quantizers: "
-        + "; ".join(f"`{name}` {q['what']}" for name, q in factors["quantizers"].items())
-        + ".",
-        "",
-        "| variant | bits (keys / values) | raw window (tokens, at most) | KL | top-1 |",
-        "|---|---:|---:|---:|---:|",
-    ]
-    for r in factors["rows"]:
+
+    def variant(r: dict[str, Any]) -> str:
         raw = r.get("recent_raw_tokens", r.get("peer_kwargs", {}).get("residual_length", 128))
-        lines.append(
-            f"| {r['name']} | {_bits(r)} | {raw} | {r['kl_mean']:.2e} | {100 * r['top1_agreement']:.1f}% |"
-        )
+        return f"| {r['name']} | {_bits(r)} | {raw} | {r['kl_mean']:.2e} | {100 * r['top1_agreement']:.1f}% |"
+
+    quantizers = "; ".join(f"`{name}` {q['what']}" for name, q in factors["quantizers"].items())
+    lines = [
+        _from("flashcodec_int4_study.json", result["stamp"]["date"], f"; quantizers: {quantizers}."),
+        "",
+        *_table(
+            "| variant | bits (keys / values) | raw window (tokens, at most) | KL | top-1 |",
+            "lrrrr",
+            map(variant, factors["rows"]),
+        ),
+    ]
     for name, rows in result["compare"]["runs"].items():
         lines += [
             "",
             f"The compare's `{name}` run:",
             "",
-            "| cache | held x bf16 | resident x bf16 | KL | top-1 | Δ ppl |",
-            "|---|---:|---:|---:|---:|---:|",
-        ]
-        for r in rows:
-            if r["name"] != "baseline":
-                lines.append(
+            *_table(
+                "| cache | held x bf16 | resident x bf16 | KL | top-1 | Δ ppl |",
+                "lrrrrr",
+                (
                     f"| `{r['name']}` | {r['kv_ratio']:.3f} | {r['resident_ratio']:.3f} | {_compare_row(r)} |"
-                )
+                    for r in rows
+                    if r["name"] != "baseline"
+                ),
+            ),
+        ]
     return lines
 
 
@@ -299,7 +318,17 @@ def _ci(value: float, ci: list[float], digits: int = 3) -> str:
 def render_window_compare(result: dict[str, Any]) -> list[str]:
     """Each run of the window compare: bytes averaged over decoding, KL, top-1, Δ perplexity with
     its paired 95% interval, against the baseline and against hqq-q4, and decode speed."""
-    lines = [f"From `benchmarks/results/flashcodec_window_compare.json` ({result['stamp']['date'][:10]}):"]
+
+    def row(r: dict[str, Any]) -> str:
+        peer = (r.get("ppl_vs_peers") or {}).get("hf-hqq-q4")
+        vs = "—" if peer is None else _ci(peer["ppl_delta"], peer["ci95"])
+        return (
+            f"| `{r['name']}` | {r['kv_ratio_decode_mean']:.3f} | {r['resident_ratio_decode_mean']:.3f} | "
+            f"{r['kl_mean']:.2e} | {100 * r['top1_agreement']:.1f}% | {_ci(r['ppl_delta'], r['ppl_delta_ci95'])} | "
+            f"{vs} | {r['decode_speed_ratio']:.2f} |"
+        )
+
+    lines = [_from("flashcodec_window_compare.json", result["stamp"]["date"])]
     for run in result["runs"]:
         st = run["settings"]
         lines += [
@@ -307,20 +336,13 @@ def render_window_compare(result: dict[str, Any]) -> list[str]:
             f"Run `{run['name']}`: {st['windows']} windows of {st['context_tokens']:,} tokens of context, "
             f"{st['scored_tokens']:,} scored each.",
             "",
-            "| cache | held x decoding | resident x decoding | KL | top-1 | Δ ppl [95%] | vs hqq-q4 [95%] "
-            "| decode x baseline |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|",
+            *_table(
+                "| cache | held x decoding | resident x decoding | KL | top-1 | Δ ppl [95%] | vs hqq-q4 [95%] "
+                "| decode x baseline |",
+                "lrrrrrrr",
+                (row(r) for r in run["rows"] if r["name"] != "baseline"),
+            ),
         ]
-        for r in run["rows"]:
-            if r["name"] == "baseline":
-                continue
-            peer = (r.get("ppl_vs_peers") or {}).get("hf-hqq-q4")
-            vs = "—" if peer is None else _ci(peer["ppl_delta"], peer["ci95"])
-            lines.append(
-                f"| `{r['name']}` | {r['kv_ratio_decode_mean']:.3f} | {r['resident_ratio_decode_mean']:.3f} | "
-                f"{r['kl_mean']:.2e} | {100 * r['top1_agreement']:.1f}% | {_ci(r['ppl_delta'], r['ppl_delta_ci95'])} | "
-                f"{vs} | {r['decode_speed_ratio']:.2f} |"
-            )
     return lines
 
 
@@ -328,24 +350,28 @@ def render_copy_positions(result: dict[str, Any]) -> list[str]:
     """Δ NLL (nats) on positions that copy a bigram from the context and on the rest, against the
     baseline and against hqq-q4, with paired 95% intervals."""
     st = result["settings"]
-    lines = [
-        f"From `benchmarks/results/flashcodec_copy_positions.json` ({result['stamp']['date'][:10]}): "
-        f"{st['windows']} windows, {100 * st['copy_share']:.0f}% of the scored positions copy.",
-        "",
-        "| cache | KL | Δ NLL, copy | Δ NLL, other | vs hqq, copy | vs hqq, other |",
-        "|---|---|---|---|---|---|",
-    ]
-    for name, c in result["caches"].items():
+
+    def row(name: str, c: dict[str, Any]) -> str:
         copy, other = c["copy"], c["other"]
         vs = [
             "—" if "dnll_vs_peer" not in part else _ci(part["dnll_vs_peer"], part["dnll_vs_peer_ci95"], 5)
             for part in (copy, other)
         ]
-        lines.append(
+        return (
             f"| `{name}` | {c['all']['kl_mean']:.2e} | {_ci(copy['dnll'], copy['dnll_ci95'], 5)} | "
             f"{_ci(other['dnll'], other['dnll_ci95'], 5)} | {vs[0]} | {vs[1]} |"
         )
-    return lines
+
+    intro = f": {st['windows']} windows, {100 * st['copy_share']:.0f}% of the scored positions copy."
+    return [
+        _from("flashcodec_copy_positions.json", result["stamp"]["date"], intro),
+        "",
+        *_table(
+            "| cache | KL | Δ NLL, copy | Δ NLL, other | vs hqq, copy | vs hqq, other |",
+            "llllll",
+            (row(name, c) for name, c in result["caches"].items()),
+        ),
+    ]
 
 
 class Block(NamedTuple):
