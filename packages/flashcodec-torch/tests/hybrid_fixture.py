@@ -14,7 +14,7 @@ imports it by name::
 
 from __future__ import annotations
 
-__all__ = ["HYBRID_LAYER_TYPES", "make_tiny_hybrid_config", "make_tiny_hybrid_model"]
+__all__ = ["HYBRID_LAYER_TYPES", "make_tiny_hybrid_config", "make_tiny_hybrid_model", "seeded_model"]
 
 #: layer pattern of the fixture: linear layers around full-attention ones, like Qwen3.5's 3:1 mix
 HYBRID_LAYER_TYPES: tuple[str, ...] = (
@@ -65,12 +65,17 @@ def make_tiny_hybrid_model(seed: int = 0, layer_types: tuple[str, ...] = HYBRID_
     Same ``seed`` gives the same weights. Input ``input_ids`` int64 ``[B, S]`` with ids below
     ``model.config.vocab_size`` (256); logits float32 ``[B, S, 256]``.
     """
-    import torch
     from transformers import Qwen3_5ForCausalLM
 
-    config = make_tiny_hybrid_config(layer_types)
-    # Seed only for the weight init, without disturbing the caller's global RNG state.
+    return seeded_model(Qwen3_5ForCausalLM, make_tiny_hybrid_config(layer_types), seed)
+
+
+def seeded_model(model_cls, config, seed: int = 0):
+    """``model_cls(config)`` in eval mode, its random weights drawn from ``seed``: the same seed gives
+    the same weights, and the caller's global RNG state is left as it was."""
+    import torch
+
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen3_5ForCausalLM(config)
+        model = model_cls(config)
     return model.eval()

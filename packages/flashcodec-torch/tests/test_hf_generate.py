@@ -18,6 +18,7 @@ pytest.importorskip("transformers")
 
 from flashcodec.hf import FlashCodecCache, apply_flash_codec, get_flash_codec_patch, remove_flash_codec  # noqa: E402
 from flashcodec.tiers import TIERS  # noqa: E402
+from hybrid_fixture import seeded_model  # noqa: E402
 from kvbench.models import embedded_model_path  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 
@@ -118,9 +119,7 @@ def test_assisted_decoding_png_exact(model, ids, baseline):
         eos_token_id=model.config.eos_token_id,
         pad_token_id=model.config.pad_token_id,
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        draft = Qwen3ForCausalLM(draft_config).eval()
+    draft = seeded_model(Qwen3ForCausalLM, draft_config, seed=0)
     cache = RecordingCache.from_config(model.config, **PNG)
     out = model.generate(
         ids, cache=cache, assistant_model=draft, max_new_tokens=24, min_new_tokens=24, do_sample=False

@@ -96,12 +96,17 @@ def _check_equal(cache: CodecKVCache, ref: _Reference) -> None:
         assert torch.equal(k, ref.k) and torch.equal(v, ref.v)
 
 
-@given(
-    dtype=st.sampled_from(DTYPES),
-    batch=st.integers(1, 3),
-    seed=st.integers(0, 2**31 - 1),
-    ops=st.lists(_OPS, min_size=1, max_size=14),
-)
+def op_sequences(ops, max_batch: int, max_ops: int):
+    """``given`` a dtype, a batch size up to ``max_batch``, a seed and 1 to ``max_ops`` of ``ops``."""
+    return given(
+        dtype=st.sampled_from(DTYPES),
+        batch=st.integers(1, max_batch),
+        seed=st.integers(0, 2**31 - 1),
+        ops=st.lists(ops, min_size=1, max_size=max_ops),
+    )
+
+
+@op_sequences(_OPS, max_batch=3, max_ops=14)
 def test_lossless_cache_equals_plain_tensors(dtype, batch, seed, ops):
     cache = CodecKVCache(codec=PNGCodec(4, keep_ratio=1.0), initial_blocks=1)
     ref = _Reference(batch)
@@ -158,12 +163,7 @@ _HF_OPS = st.one_of(
 )
 
 
-@given(
-    dtype=st.sampled_from(DTYPES),
-    batch=st.integers(1, 2),
-    seed=st.integers(0, 2**31 - 1),
-    ops=st.lists(_HF_OPS, min_size=1, max_size=10),
-)
+@op_sequences(_HF_OPS, max_batch=2, max_ops=10)
 def test_flashcodec_cache_follows_dynamic_cache(dtype, batch, seed, ops):
     layers = 2
     cache = FlashCodecCache(codec=PNGCodec(4, keep_ratio=1.0), initial_blocks=1)
