@@ -93,6 +93,11 @@ def rewrite(path, tmp_path, name, change_meta=None, change_arrays=None) -> str:
     return out
 
 
+def times(name: str, factor: float):
+    """An array edit: array ``name`` multiplied by ``factor`` (NaN or infinity: a non-finite array)."""
+    return lambda a: a.update({name: a[name] * factor})
+
+
 def _set(meta, key, value):
     meta[key] = value
 
@@ -152,11 +157,7 @@ CORRUPT_OLD_FILES = {
         lambda a: a.update({"1.key.scales": a["1.key.scales"].astype(mx.float16)}),
         "dtype",
     ),
-    "NaN in an array": (
-        None,
-        lambda a: a.update({"0.key.mean": a["0.key.mean"] * float("nan")}),
-        "NaN or infinity",
-    ),
+    "NaN in an array": (None, times("0.key.mean", float("nan")), "NaN or infinity"),
 }
 
 
@@ -165,10 +166,16 @@ def test_corrupt_content_is_a_data_error_naming_the_file(saved, tmp_path, case):
     path, _ = saved
     change_meta, change_arrays, message = CORRUPT_OLD_FILES[case]
     bad = rewrite(path, tmp_path, "bad", change_meta, change_arrays)
+    assert_refused(load_prompt_cache, bad, UnverifiedPromptCacheWarning, "bad.safetensors", message)
+
+
+def assert_refused(load, path: str, unverified: type[Warning], names_file: str, message: str) -> None:
+    """``load(path)`` of a file rewritten without its checksum raises a KVDataError naming the file
+    (``names_file``) and saying ``message``."""
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UnverifiedPromptCacheWarning)
-        with pytest.raises(KVDataError, match="bad.safetensors") as info:
-            load_prompt_cache(bad)
+        warnings.simplefilter("ignore", unverified)
+        with pytest.raises(KVDataError, match=names_file) as info:
+            load(path)
     assert info.match(message)
 
 
@@ -274,11 +281,7 @@ CORRUPT_CALIBRATIONS = {
         lambda a: a.update({k: v[:1] for k, v in a.items() if k.startswith("1.")}),
         "heads; the header says 2",
     ),
-    "infinite basis": (
-        None,
-        lambda a: a.update({"0.key.basis": a["0.key.basis"] * float("inf")}),
-        "NaN or infinity",
-    ),
+    "infinite basis": (None, times("0.key.basis", float("inf")), "NaN or infinity"),
 }
 
 
@@ -286,11 +289,13 @@ CORRUPT_CALIBRATIONS = {
 def test_corrupt_calibration_is_a_data_error_naming_the_file(calibration_path, case):
     change_meta, change_arrays, message = CORRUPT_CALIBRATIONS[case]
     _calibration_rewrite(calibration_path, change_meta, change_arrays)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UnverifiedCalibrationWarning)
-        with pytest.raises(KVDataError, match="palu_calibration='.*calib.safetensors' is corrupt") as info:
-            Calibration.load(calibration_path)
-    assert info.match(message)
+    assert_refused(
+        Calibration.load,
+        calibration_path,
+        UnverifiedCalibrationWarning,
+        "palu_calibration='.*calib.safetensors' is corrupt",
+        message,
+    )
 
 
 def test_calibration_with_a_flipped_data_byte_is_refused(calibration_path):
