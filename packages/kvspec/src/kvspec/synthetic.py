@@ -152,21 +152,29 @@ def _spec(name, family, dtype, shape, generator, seed, **params) -> SyntheticSpe
     return SyntheticSpec(name, family, dtype, shape, generator, seed, params)
 
 
+#: the dtypes of a family's three vectors, in order, and the tags their names end in
+_DTYPES = (("float32", "f32"), ("float16", "f16"), ("bfloat16", "bf16"))
+
+
+def _family(prefix: str, generator: str, first_seed: int, shapes: tuple[Shape, Shape, Shape], **params):
+    """One family's vectors, one per dtype of :data:`_DTYPES` (its shape and the next seed each)."""
+    return tuple(
+        _spec(f"{prefix}_{tag}", generator, dtype, shape, generator, first_seed + i, **params)
+        for i, ((dtype, tag), shape) in enumerate(zip(_DTYPES, shapes, strict=True))
+    )
+
+
 #: the shipped synthetic vectors; edge vectors reuse the planted low-rank generator so their
 #: tolerance means the same thing as for that family, only at awkward sizes
 SYNTHETIC_SPECS: tuple[SyntheticSpec, ...] = (
-    _spec("lowrank_r8_f32", "planted_lowrank", "float32", (1, 2, 256, 64), "planted_lowrank", 1001, rank=8),
-    _spec("lowrank_r8_f16", "planted_lowrank", "float16", (1, 4, 128, 64), "planted_lowrank", 1002, rank=8),
-    _spec("lowrank_r8_bf16", "planted_lowrank", "bfloat16", (1, 2, 128, 64), "planted_lowrank", 1003, rank=8),
-    _spec("randwalk_f32", "random_walk", "float32", (1, 2, 256, 64), "random_walk", 2001, rho=0.98),
-    _spec("randwalk_f16", "random_walk", "float16", (1, 2, 128, 64), "random_walk", 2002, rho=0.98),
-    _spec("randwalk_bf16", "random_walk", "bfloat16", (1, 4, 128, 64), "random_walk", 2003, rho=0.98),
-    _spec("gaussian_f32", "gaussian", "float32", (1, 2, 128, 64), "gaussian", 3001),
-    _spec("gaussian_f16", "gaussian", "float16", (1, 2, 128, 64), "gaussian", 3002),
-    _spec("gaussian_bf16", "gaussian", "bfloat16", (1, 2, 128, 64), "gaussian", 3003),
-    _spec("outlier_f32", "outlier_keys", "float32", (1, 4, 128, 64), "outlier_keys", 4001, n_outliers=4),
-    _spec("outlier_f16", "outlier_keys", "float16", (1, 2, 256, 64), "outlier_keys", 4002, n_outliers=4),
-    _spec("outlier_bf16", "outlier_keys", "bfloat16", (1, 2, 128, 64), "outlier_keys", 4003, n_outliers=4),
+    *_family(
+        "lowrank_r8", "planted_lowrank", 1001, ((1, 2, 256, 64), (1, 4, 128, 64), (1, 2, 128, 64)), rank=8
+    ),
+    *_family("randwalk", "random_walk", 2001, ((1, 2, 256, 64), (1, 2, 128, 64), (1, 4, 128, 64)), rho=0.98),
+    *_family("gaussian", "gaussian", 3001, ((1, 2, 128, 64),) * 3),
+    *_family(
+        "outlier", "outlier_keys", 4001, ((1, 4, 128, 64), (1, 2, 256, 64), (1, 2, 128, 64)), n_outliers=4
+    ),
     _spec("edge_s1_f32", "edge", "float32", (1, 2, 1, 64), "planted_lowrank", 5001, rank=8),
     _spec("edge_s2_bf16", "edge", "bfloat16", (1, 4, 2, 64), "planted_lowrank", 5002, rank=8),
     _spec("edge_s37_f16", "edge", "float16", (1, 2, 37, 64), "planted_lowrank", 5003, rank=8),
