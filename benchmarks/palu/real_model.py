@@ -54,7 +54,7 @@ from kvbench.models import default_text_path
 from kvbench.protocol import Settings, text_windows
 from kvbench.results import environment_stamp, results_path, write_json
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
-from palu_mlx import KVCacheBuilder
+from palu_mlx import KVCacheBuilder, KVCacheConfig
 from palu_mlx.builder import model_kv_dims
 from palu_mlx.compare import load_model, tier_config
 from palu_mlx.tiers import SENSITIVITY_TIERS
@@ -72,6 +72,13 @@ ABLATION = {
 RELATIVE = {
     f"palu-{b}bit-scaled+rel": (f"palu-{b}bit-scaled", dict(palu_relative_error=True))
     for b in ("3", "2.5", "2")
+}
+#: budgets between or beyond the registry's, built from a registry tier with another palu_bits
+#: (name -> (tier, bits)): the frontier on either side of q4's bytes and of half of them
+OTHER_BITS = {
+    "palu-3.5bit-scaled+sens": ("palu-3bit-scaled+sens", 3.5),
+    "palu-1.5bit-scaled+sens": ("palu-2bit-scaled+sens", 1.5),
+    "palu-1.5bit-scaled+rel": ("palu-2bit-scaled+rel", 1.5),
 }
 PEERS = {"mlx-lm-q8": 8, "mlx-lm-q4": 4}
 
@@ -101,27 +108,28 @@ def candidates(
                 lambda cal=cal: KVCacheBuilder.for_model(model, cal),
                 dataclasses.asdict(cal),
             )
-    if sensitivity is not None:
-        digest = hashlib.sha256(Path(sensitivity).read_bytes()).hexdigest()
-        for name in SENSITIVITY_TIERS:
-            config = tier_config(name, head_dim, n_kv, sensitivity)
+
+    def entry(config: KVCacheConfig) -> tuple[Callable[[], list[Any]], dict]:
+        row = dataclasses.asdict(config)
+        if config.palu_sensitivity is not None:
             layers = [c.config for c in KVCacheBuilder.for_model(model, config)]
-            out[name] = (
-                lambda config=config: KVCacheBuilder.for_model(model, config),
-                {
-                    **dataclasses.asdict(config),
-                    "profile_sha256": digest,
-                    "layer_bits": [c.palu_bits for c in layers],
-                    "layer_key_weights": [c.palu_key_weight for c in layers],
-                    "layer_value_weights": [c.palu_value_weight for c in layers],
-                },
+            row.update(
+                profile_sha256=hashlib.sha256(Path(config.palu_sensitivity).read_bytes()).hexdigest(),
+                layer_bits=[c.palu_bits for c in layers],
+                layer_key_weights=[c.palu_key_weight for c in layers],
+                layer_value_weights=[c.palu_value_weight for c in layers],
             )
+        return (lambda: KVCacheBuilder.for_model(model, config)), row
+
+    configs: dict[str, KVCacheConfig] = {}
+    if sensitivity is not None:
+        configs.update({name: tier_config(name, head_dim, n_kv, sensitivity) for name in SENSITIVITY_TIERS})
     for name, (source, fields) in RELATIVE.items():
-        config = dataclasses.replace(tier_config(source, head_dim, n_kv), **fields)
-        out[name] = (
-            lambda config=config: KVCacheBuilder.for_model(model, config),
-            dataclasses.asdict(config),
-        )
+        configs[name] = dataclasses.replace(tier_config(source, head_dim, n_kv), **fields)
+    for name, (source, bits) in OTHER_BITS.items():
+        if source in configs:
+            configs[name] = dataclasses.replace(configs[source], palu_bits=bits)
+    out.update({name: entry(config) for name, config in configs.items()})
     base = tier_config("palu-3bit", head_dim, n_kv)
     for name, fields in ABLATION.items():
         config = dataclasses.replace(base, **fields)
