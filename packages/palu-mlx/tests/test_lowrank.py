@@ -5,10 +5,11 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from kvspec import KVConfigError
+from kvspec import KVConfigError, KVDtypeError
 from palu_helpers import gaussian, planted_lowrank
 from palu_mlx import fit_group_projection, project, reconstruct, select_rank
 from palu_mlx.lowrank import group_spectrum
+from palu_mlx.spec import PaluAdapter
 
 
 def test_group_svd_recovers_planted_subspace():
@@ -59,3 +60,10 @@ def test_energy_rank_finds_planted_rank():
 def test_heads_not_divisible_by_groups_is_a_clear_error():
     with pytest.raises(KVConfigError, match="palu_n_head_groups=3"):
         fit_group_projection(gaussian((1, 4, 8, 16)), n_groups=3, rank=2)
+
+
+def test_non_numeric_inputs_are_refused_naming_the_argument():
+    with pytest.raises(KVConfigError, match="singular_values must be a numeric"):
+        select_rank([["a", "b"]], 0.9)
+    with pytest.raises(KVDtypeError, match="to_native needs a numeric array; got dict"):
+        PaluAdapter().to_native({"a": 1}, "float32")

@@ -16,10 +16,11 @@ at 16 bits and is upcast when used).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from kvspec import KVConfigError, KVDtypeError, KVShapeError, KVValueError
+from kvspec import KVConfigError, KVDtypeError, KVShapeError, KVSpecError, KVValueError
 
 __all__ = [
     "GroupProjection",
@@ -177,6 +178,15 @@ def group_spectrum(x: mx.array, n_groups: int) -> tuple[mx.array, mx.array, mx.a
     return vectors, singular_values, mean
 
 
+def numeric_array(value: Any, dtype: type[np.generic], refusal: KVSpecError) -> np.ndarray:
+    """``value`` as a numpy array of ``dtype``; raises ``refusal`` (naming the argument) when it is
+    not numeric."""
+    try:
+        return np.asarray(value, dtype=dtype)
+    except (TypeError, ValueError):
+        raise refusal from None
+
+
 def select_rank(singular_values: mx.array | np.ndarray, energy_threshold: float) -> int:
     """Smallest rank keeping ``energy_threshold`` of ``σ²`` energy, minimised over groups.
 
@@ -187,12 +197,13 @@ def select_rank(singular_values: mx.array | np.ndarray, energy_threshold: float)
         raise KVConfigError(f"energy_threshold={energy_threshold!r} must be a number in (0, 1]")
     if not 0.0 < energy_threshold <= 1.0:
         raise KVConfigError(f"energy_threshold={energy_threshold!r} must be a number in (0, 1]")
-    try:
-        sv = np.asarray(singular_values, dtype=np.float64)
-    except (TypeError, ValueError):
-        raise KVConfigError(
+    sv = numeric_array(
+        singular_values,
+        np.float64,
+        KVConfigError(
             f"singular_values must be a numeric [G, D] array; got {type(singular_values).__name__}"
-        ) from None
+        ),
+    )
     if sv.ndim != 2 or sv.size == 0:
         raise KVShapeError(f"singular_values must be [G, D] with G, D >= 1; got shape {sv.shape}")
     if not np.all(np.isfinite(sv)):

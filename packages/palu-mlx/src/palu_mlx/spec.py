@@ -29,6 +29,7 @@ from kvspec import Adapter, CacheConfigCase, Capabilities, KVDtypeError
 
 from .cache import PaluKVCache
 from .config import KVCacheConfig
+from .lowrank import numeric_array
 from .tiers import TIERS
 
 __all__ = ["PaluAdapter"]
@@ -96,13 +97,8 @@ class PaluAdapter(Adapter):
     def to_native(self, array: np.ndarray, dtype: str) -> mx.array:
         if dtype not in _DTYPES:
             raise KVDtypeError(f"palu accepts dtypes {sorted(_DTYPES)}; got {dtype!r}")
-        try:
-            host = np.asarray(array, dtype=np.float32)
-        except (TypeError, ValueError):
-            raise KVDtypeError(
-                f"palu's to_native needs a numeric array; got {type(array).__name__}"
-            ) from None
-        return mx.array(host).astype(_DTYPES[dtype])
+        refusal = KVDtypeError(f"palu's to_native needs a numeric array; got {type(array).__name__}")
+        return mx.array(numeric_array(array, np.float32, refusal)).astype(_DTYPES[dtype])
 
     def to_numpy(self, array: mx.array) -> np.ndarray:
         return np.array(array.astype(mx.float32))
