@@ -8,7 +8,8 @@ decoding (``resident_ratio_decode_mean``), KL to the baseline's next-token distr
 agreement, and decode tokens/s as a ratio to ``hf-hqq-q4`` in the same run.
 
     OMP_NUM_THREADS=1 hatch run bench:python benchmarks/flashcodec/real_tiers.py
-    # writes benchmarks/results/flashcodec_real_tiers.json; --tiers to run other tiers
+    # writes benchmarks/results/flashcodec_real_tiers.json; --tiers to run other tiers,
+    # --long-windows 2 for twice the scored positions, --out for another file
 
 The figures it adds per row (against hqq 4-bit, in the same run):
 ``kl_vs_hqq_q4`` and ``bytes_vs_hqq_q4`` per row, ``decode_vs_hqq_q4`` for speed.
@@ -69,10 +70,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--model", default=None, help="kvbench model name or directory (default: the real model)"
     )
+    parser.add_argument(
+        "--long-windows", type=int, default=1, help="windows of the long run (2: twice the positions)"
+    )
     parser.add_argument("--compare-json", type=Path, help="summarize this compare JSON instead of running")
     parser.add_argument("--out", type=Path, default=results_path("flashcodec_real_tiers.json"))
     args = parser.parse_args(argv)
-    cli = ["--tiers", ",".join(args.tiers), *COMPARE_ARGS]
+    compare_args = list(COMPARE_ARGS)
+    compare_args[compare_args.index("--long-windows") + 1] = str(args.long_windows)
+    cli = ["--tiers", ",".join(args.tiers), *compare_args]
     if args.model:
         cli = ["--model", args.model, *cli]
     result = compare_result(cli, args.compare_json)
@@ -82,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     for row in result["summary_long"]:
         print(
             f"{row['name']:26s} bytes {row['resident_ratio_decode_mean']:.3f}  KL {row['kl_mean']:.2e}  "
-            f"top-1 {row['top1_agreement']:.3f}  decode x hqq-q4 {row.get('decode_vs_hqq_q4') or 0:.2f}"
+            f"top-1 {row['top1_agreement']:.3f}  bytes x hqq-q4 {row.get('bytes_vs_hqq_q4') or 0:.3f}  "
+            f"KL x hqq-q4 {row.get('kl_vs_hqq_q4') or 0:.3f}  decode x hqq-q4 {row.get('decode_vs_hqq_q4') or 0:.2f}"
         )
     print(f"wrote {args.out}")
     return 0

@@ -34,7 +34,7 @@ def test_forward_then_decode_shapes_and_dtypes(tier):
         out_k, out_v = cache.decode_step(k[:, :, t : t + 1], v[:, :, t : t + 1])
     assert out_k.shape == (2, 3, 26, 16) and cache.offset == 26
     w = cache.codec.raw_window  # a raw window keeps the newest w tokens uncoded
-    assert cache.keys.n_blocks == max(0, 26 - w) // 8 and cache.keys.seq_len == 26
+    assert cache.keys.n_blocks == max(0, 26 - w) // cache.codec.block_size and cache.keys.seq_len == 26
 
 
 def test_tail_holds_fewer_than_r_raw_tokens():
@@ -121,6 +121,12 @@ def test_storage_is_measured_and_split(tier):
         "kivi64r-k4v4": (64 * d // 2 + d * 4 + 64 * d // 2 + 64 * 4) // 2,
         "kivi64r-k3v3": (64 * d * 3 // 8 + d * 4 + 64 * d * 3 // 8 + 64 * 4) // 2,
         "kivi64r-k3v2": (64 * d * 3 // 8 + d * 4 + 64 * d // 4 + 64 * 4) // 2,
+        # 8-bit side information: a uint8 scale and a zero point (int8, or fp16 for the keys under
+        # the exact sink) per channel or token, one fp16 base per block and stream
+        "kivi64r-k8v8-w32-s8": (64 * d + d * 3 + 2 + 64 * d + 64 * 2 + 2) // 2,
+        "kivi64r-k3v3-w0i8-s8": (64 * d * 3 // 8 + d * 3 + 2 + 64 * d * 3 // 8 + 64 * 2 + 2) // 2,
+        "kivi64r-k3v2-w0i8-s8": (64 * d * 3 // 8 + d * 3 + 2 + 64 * d // 4 + 64 * 2 + 2) // 2,
+        "kivi64r-k3v2-w0i8-s8n": (64 * d * 3 // 8 + d * 2 + 2 + 64 * d // 4 + 64 * 2 + 2) // 2,
     }[tier.removesuffix("-w64").removesuffix("-w96i8").removesuffix("-w64i8")]
     assert st.used == 2 * b * h * blocks * per_block
 

@@ -77,7 +77,15 @@ def test_incremental_equals_full_fill(tier, dtype):
         start = step.offset
         sk, sv = step.update_and_fetch(k[:, :, start : start + chunk], v[:, :, start : start + chunk])
     assert step.offset == 77
-    assert torch.equal(sk, full_k) and torch.equal(sv, full_v)
+    codec = CODECS[tier]
+    if codec.window_bits is None or (77 - codec.raw_window) // codec.block_size == 0:
+        assert torch.equal(sk, full_k) and torch.equal(sv, full_v)
+    else:
+        # an int8 tail keeps no originals: a block completed by later appends is coded from its
+        # tokens' int8 codes: at 2-3 bits that moves the codes at level boundaries by a step, so the
+        # two fills differ by less than the code's own error, not bit for bit
+        for got, full, x in ((sk, full_k, k), (sv, full_v, v)):
+            assert (got.float() - full.float()).norm() <= (full.float() - x.float()).norm()
 
 
 def test_lossless_step_attention_matches_full_sequence_attention():
@@ -159,7 +167,15 @@ def test_crop_then_new_tokens_keeps_earlier_blocks(tier):
     cache.crop(-27)  # transformers' convention: drop 27 from the end -> 37 kept
     assert cache.offset == 37
     out = cache.update_and_fetch(k[:, :, 37:50] * 3, k[:, :, 37:50])[0]
-    assert torch.equal(out[:, :, :32], first[:, :, :32])  # the 4 untouched blocks are bitwise kept
+    codec = CODECS[tier]
+    if codec.window_bits is None or (64 - codec.raw_window) // codec.block_size == 0:
+        assert torch.equal(
+            out[:, :, :32], first[:, :, :32]
+        )  # the untouched blocks (or tail) are bitwise kept
+    else:
+        # the cut falls inside a block coded behind an int8 tail: its kept tokens go back to the
+        # int8 tail (their decoded values, rounded once more), close to what they were
+        assert (out[:, :, :32] - first[:, :, :32]).norm() <= 0.5 * (first[:, :, :32] - k[:, :, :32]).norm()
 
 
 def test_lossless_crop_and_replay_reproduces_the_cache():

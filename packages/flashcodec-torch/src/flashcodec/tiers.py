@@ -100,102 +100,64 @@ def _registry(*tiers: Tier) -> dict[str, Tier]:
     return out
 
 
+def _kivi64r(key_bits: int, value_bits: int, **options: object) -> RotatedKIVICodec:
+    """The rotated KIVI codec of the ``kivi64r-*`` tiers: 64-token blocks, an int8 window by default."""
+    return RotatedKIVICodec(64, key_bits=key_bits, value_bits=value_bits, **options)
+
+
+_MF, _PLAIN = True, False
+_UNUSABLE = "truncation, unusable on a real model"
+_LOSES = "loses to hqq 4-bit on a real model"
+#: side_bits=8 (the keys' zero points stay fp16 under exact_sink: the first key exact)
+_S8 = "8-bit scales, int8 zero points (first key exact)"
+
+#: every storage tier, easiest first: (name, offer ``-mf``, codec, one-line description)
+_TABLE: tuple[tuple[str, bool, BlockCodec, str], ...] = (
+    ("png-keep1", _PLAIN, PNGCodec(8, keep_ratio=1.0),
+     "png, anchor + all deltas (fp64): lossless, but larger than the uncompressed cache (8-byte deltas)"),
+    ("jpeg-k8", _PLAIN, JPEGCodec(8, keep_freqs=8),
+     "jpeg, all 8 DCT coefficients of each 8-token block (lossless basis, rounding only)"),
+    ("jpeg-k8-int8", _MF, JPEGCodec(8, keep_freqs=8, quant_bits=8),
+     "jpeg, all 8 coefficients stored int8 with a scale per (block, frequency)"),
+    ("jpeg-k8-int4", _MF, JPEGCodec(8, keep_freqs=8, quant_bits=4),
+     f"jpeg, all 8 coefficients int4 with a scale per (block, frequency); {_LOSES}"),
+    ("jpeg-k8-int4z", _MF, ZeroPointJPEGCodec(8),
+     f"jpeg, all 8 coefficients int4, fp16 scale and zero per (block, frequency); {_LOSES}"),
+    ("jpeg-k8-int4z-w64", _MF, ZeroPointJPEGCodec(8, raw_window=64),
+     f"jpeg-k8-int4z, the newest 64 to 71 tokens kept raw; {_LOSES}"),
+    ("jpeg-k8-int4z-w96i8", _MF, ZeroPointJPEGCodec(8, raw_window=96, window_bits=8),
+     f"jpeg-k8-int4z, the newest 96 to 103 tokens in int8 per token; {_LOSES}"),
+    ("chan64-int4-w64i8", _MF, ChannelInt4Codec(64, raw_window=64, window_bits=8),
+     "int4 per (64-token block, channel), newest 64-127 tokens int8; kivi64-k4v4-w64i8 beats it at its bytes"),
+    ("kivi64-k8v8-w64i8", _MF, KIVICodec(64, key_bits=8, value_bits=8),
+     "int8 keys per (64-token block, channel), int8 values per token, first key exact; newest 64-127 "
+     "tokens int8"),
+    ("kivi64-k4v4-w64i8", _MF, KIVICodec(64, key_bits=4, value_bits=4),
+     "int4 keys per (64-token block, channel), int4 values per token (KIVI), first key exact; "
+     "newest 64-127 tokens int8"),
+    ("kivi64r-k4v4-w64i8", _MF, _kivi64r(4, 4),
+     "kivi64-k4v4-w64i8 after a seeded Hadamard rotation of each head's key and value channels"),
+    ("kivi64r-k3v3-w64i8", _MF, _kivi64r(3, 3),
+     "kivi64r-k4v4-w64i8 with int3 keys and int3 values (eight codes in three bytes)"),
+    ("kivi64r-k3v2-w64i8", _MF, _kivi64r(3, 2),
+     "kivi64r-k4v4-w64i8 with int3 keys and int2 values (packed)"),
+    ("kivi64r-k8v8-w32-s8", _MF, _kivi64r(8, 8, raw_window=32, window_bits=None, side_bits=8),
+     f"kivi64r int8 keys and values, {_S8}; newest 32-95 tokens raw"),
+    ("kivi64r-k3v3-w0i8-s8", _MF, _kivi64r(3, 3, raw_window=0, side_bits=8),
+     f"kivi64r-k3v3-w64i8, {_S8}; only the incomplete block int8"),
+    ("kivi64r-k3v2-w0i8-s8", _MF, _kivi64r(3, 2, raw_window=0, side_bits=8),
+     f"kivi64r-k3v2-w64i8, {_S8}; only the incomplete block int8"),
+    ("kivi64r-k3v2-w0i8-s8n", _MF, _kivi64r(3, 2, raw_window=0, side_bits=8, exact_sink=False),
+     "kivi64r-k3v2-w0i8-s8 with the keys' zero points int8 too: the first key coded like the rest"),
+    ("jpeg-k4", _PLAIN, JPEGCodec(8, keep_freqs=4), f"jpeg, lowest 4 of 8 coefficients: {_UNUSABLE}"),
+    ("jpeg-k2", _PLAIN, JPEGCodec(8, keep_freqs=2), f"jpeg, lowest 2 of 8 coefficients: {_UNUSABLE}"),
+    ("jpeg-k2-int8", _MF, JPEGCodec(8, keep_freqs=2, quant_bits=8),
+     f"jpeg, lowest 2 of 8 coefficients, int8: {_UNUSABLE}"),
+)  # fmt: skip
+
 #: every storage tier by name, easiest first (``offer_mf``: its ``-mf`` name is listed beside it)
 TIERS: dict[str, Tier] = _registry(
-    Tier(
-        "png-keep1",
-        "png, anchor + all deltas (fp64): lossless, but larger than the uncompressed cache (8-byte deltas)",
-        PNGCodec(8, keep_ratio=1.0),
-    ),
-    Tier(
-        "jpeg-k8",
-        "jpeg, all 8 DCT coefficients of each 8-token block (lossless basis, rounding only)",
-        JPEGCodec(8, keep_freqs=8),
-    ),
-    Tier(
-        "jpeg-k8-int8",
-        "jpeg, all 8 coefficients stored int8 with a scale per (block, frequency)",
-        JPEGCodec(8, keep_freqs=8, quant_bits=8),
-        offer_mf=True,
-    ),
-    Tier(
-        "jpeg-k8-int4",
-        "jpeg, all 8 coefficients int4 with a scale per (block, frequency); loses to hqq 4-bit on a real model",
-        JPEGCodec(8, keep_freqs=8, quant_bits=4),
-        offer_mf=True,
-    ),
-    Tier(
-        "jpeg-k8-int4z",
-        "jpeg, all 8 coefficients int4, fp16 scale and zero per (block, frequency); loses to hqq 4-bit on a real model",
-        ZeroPointJPEGCodec(8),
-        offer_mf=True,
-    ),
-    Tier(
-        "jpeg-k8-int4z-w64",
-        "jpeg-k8-int4z, the newest 64 to 71 tokens kept raw; loses to hqq 4-bit on a real model",
-        ZeroPointJPEGCodec(8, raw_window=64),
-        offer_mf=True,
-    ),
-    Tier(
-        "jpeg-k8-int4z-w96i8",
-        "jpeg-k8-int4z, the newest 96 to 103 tokens in int8 per token; loses to hqq 4-bit on a real model",
-        ZeroPointJPEGCodec(8, raw_window=96, window_bits=8),
-        offer_mf=True,
-    ),
-    Tier(
-        "chan64-int4-w64i8",
-        "int4 per (64-token block, channel), newest 64-127 tokens int8; kivi64-k4v4-w64i8 beats it at its bytes",
-        ChannelInt4Codec(64, raw_window=64, window_bits=8),
-        offer_mf=True,
-    ),
-    Tier(
-        "kivi64-k8v8-w64i8",
-        "int8 keys per (64-token block, channel), int8 values per token, first key exact; newest 64-127 "
-        "tokens int8",
-        KIVICodec(64, key_bits=8, value_bits=8),
-        offer_mf=True,
-    ),
-    Tier(
-        "kivi64-k4v4-w64i8",
-        "int4 keys per (64-token block, channel), int4 values per token (KIVI), first key exact; "
-        "newest 64-127 tokens int8",
-        KIVICodec(64, key_bits=4, value_bits=4),
-        offer_mf=True,
-    ),
-    Tier(
-        "kivi64r-k4v4-w64i8",
-        "kivi64-k4v4-w64i8 after a seeded Hadamard rotation of each head's key and value channels",
-        RotatedKIVICodec(64, key_bits=4, value_bits=4),
-        offer_mf=True,
-    ),
-    Tier(
-        "kivi64r-k3v3-w64i8",
-        "kivi64r-k4v4-w64i8 with int3 keys and int3 values (eight codes in three bytes)",
-        RotatedKIVICodec(64, key_bits=3, value_bits=3),
-        offer_mf=True,
-    ),
-    Tier(
-        "kivi64r-k3v2-w64i8",
-        "kivi64r-k4v4-w64i8 with int3 keys and int2 values (packed)",
-        RotatedKIVICodec(64, key_bits=3, value_bits=2),
-        offer_mf=True,
-    ),
-    Tier(
-        "jpeg-k4",
-        "jpeg, lowest 4 of 8 coefficients: truncation, unusable on a real model",
-        JPEGCodec(8, keep_freqs=4),
-    ),
-    Tier(
-        "jpeg-k2",
-        "jpeg, lowest 2 of 8 coefficients: truncation, unusable on a real model",
-        JPEGCodec(8, keep_freqs=2),
-    ),
-    Tier(
-        "jpeg-k2-int8",
-        "jpeg, lowest 2 of 8 coefficients, int8: truncation, unusable on a real model",
-        JPEGCodec(8, keep_freqs=2, quant_bits=8),
-        offer_mf=True,
-    ),
+    *(Tier(name, description, codec, offer_mf=mf) for name, mf, codec, description in _TABLE)
 )
 
 

@@ -72,8 +72,14 @@ class TokenRows(BlockCodec):
 
 
 class AffineCodes(BlockCodec):
-    """Parts ``(codes, scales, zeros)``: :meth:`stored_rows` is :meth:`_dequantize` after the check,
-    and the kernels read the codes as :meth:`_kernel_codes` gives them (as stored, here)."""
+    """Parts ``(codes, scales, zeros, ...)``: :meth:`stored_rows` is :meth:`_dequantize` after the
+    check, the kernels read the codes as :meth:`_kernel_codes` gives them (as stored, here) and the
+    scales and zero points as :meth:`_side` gives them (the fp16 parts in fp32, here)."""
+
+    def _side(self, parts: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 ``(scales, zeros)`` shaped as stored (``[..., n, 1, D]`` or ``[..., n, R, 1]``);
+        a codec storing them in fewer bits (:mod:`flashcodec.codecs.rotated`) expands them here."""
+        return parts[1].float(), parts[2].float()
 
     @abstractmethod
     def _dequantize(self, parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -102,7 +108,8 @@ class ChannelAffine(AffineCodes):
         """fp32 ``(scales, zeros)``, each ``[..., n, D]``: token ``t`` of block ``b`` is
         ``(A @ rows)[t] * scales[b] + zeros[b]``."""
         self.check_parts(parts)
-        return parts[1][..., 0, :].float(), parts[2][..., 0, :].float()
+        scales, zeros = self._side(parts)
+        return scales[..., 0, :], zeros[..., 0, :]
 
 
 class RowAffine(AffineCodes):
@@ -113,9 +120,9 @@ class RowAffine(AffineCodes):
     ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
         """``((codes,), fp32 scales [..., n, R])``; the zero points are :meth:`row_offsets`."""
         self.check_parts(parts)
-        return (self._kernel_codes(parts[0]),), parts[1][..., 0].float()
+        return (self._kernel_codes(parts[0]),), self._side(parts)[0][..., 0]
 
     def row_offsets(self, parts: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
         """fp32 ``[..., n, R]``: the zero point added to every element of each stored row."""
         self.check_parts(parts)
-        return parts[2][..., 0].float()
+        return self._side(parts)[1][..., 0]

@@ -24,7 +24,16 @@ Stored parts per block (``b`` bits: 2, 3, 4 or 8), in the rotated basis:
 
 with ``W`` bytes a token: ``D / 4`` (2 bits, four codes a byte), ``3 D / 8`` (3 bits, eight codes in
 three bytes), ``D / 2`` (4 bits, packed as the package's int4) or ``D`` (8 bits, int8). At
-``r = 64`` and ``D = 64`` each side costs ``b + 0.5`` bits an element. 4- and 8-bit codes are read by
+``r = 64`` and ``D = 64`` each side costs ``b + 0.5`` bits an element.
+
+With ``side_bits=8`` the side information costs half: at 2-3 bits an fp16 scale and zero point
+per 64 values are a sixth of the bytes, yet they need far less precision than fp16. Each scale is
+an 8-bit code ``u`` of ``base * 2**(-u / 16)`` (rounded up, so the levels still reach both ends of
+the slice), ``base`` one fp16 value per block (part ``scale_base [1, 1]``, the block's largest
+scale); each zero point an int8 number of half steps (``zero = z * scale / 2``; a slice whose
+middle lies beyond 127 half steps from 0 gets a coarser step). The keys' zero points stay fp16
+under ``exact_sink`` (they hold the first key). The kernels read the scales and zero points
+expanded to fp32 (:meth:`~flashcodec.codecs.affine.AffineCodes._side`), as they read the fp16 ones. 4- and 8-bit codes are read by
 the kernels as stored; 2- and 3-bit codes are widened to int8 codes for them (a transient copy of
 one byte an element per call: the kernels read only int8 and packed int4 rows).
 """
@@ -38,16 +47,18 @@ from functools import lru_cache
 from typing import ClassVar
 
 import torch
-from kvspec import KVConfigError, KVShapeError
+from kvspec import KVConfigError, KVDataError, KVShapeError
 
 from .affine import ChannelAffine, RowAffine, TokenRows, channel_affine_specs, row_affine_specs
 from .base import PartSpec, check_block_size, to_blocks
 from .kivi import check_bits, dequantize_zero, encode_with_sink, quantize_zero
-from .quant import _pack_int4, packed_width
+from .quant import _pack_int4, packed_width, unpack_int4
 from .tail import set_window_fields
 
 __all__ = [
     "ROTATED_BITS",
+    "SIDE_BITS",
+    "SCALE_LOG_STEPS",
     "RANGE_FITS",
     "RotatedKIVICodec",
     "RotatedTokenIntCodec",
@@ -56,6 +67,8 @@ __all__ = [
     "unpack_codes",
     "quantize_bits",
     "dequantize_bits",
+    "quantize_side8",
+    "side8_values",
 ]
 
 #: the code widths the rotated codecs store
@@ -65,6 +78,7 @@ _CODE_RANGE = {2: (-2, 1), 3: (-4, 3), 4: (-8, 7), 8: (-127, 127)}
 #: channels one packed group holds: four 2-bit codes a byte, eight 3-bit codes in three bytes
 _GROUP = {2: 4, 3: 8, 4: 2, 8: 1}
 _FP16_MAX = float(torch.finfo(torch.float16).max)
+_TINY = float(torch.finfo(torch.float32).tiny)
 #: how a slice's codes are fitted: its [min, max] (every element within half a step), or the step
 #: of the best uniform quantizer of a Gaussian of the slice's mean and standard deviation (Max,
 #: 1960), clipping its tails: after a rotation a slice is close to Gaussian, and at 2 bits min-max
@@ -72,6 +86,12 @@ _FP16_MAX = float(torch.finfo(torch.float16).max)
 RANGE_FITS = ("minmax", "gauss")
 #: that step in standard deviations, per code width (4, 8 and 16 levels)
 _GAUSS_STEP = {2: 0.9957, 3: 0.5860, 4: 0.3352}
+#: how a codec stores its scales and zero points: fp16 each (16), or 8-bit codes (8, see above)
+SIDE_BITS = (16, 8)
+#: an 8-bit scale code ``u`` stands for ``base * 2**(-u / SCALE_LOG_STEPS)``: levels 4.4% apart
+#: (a scale rounded up by at most that), over 16 octaves below the block's largest scale
+SCALE_LOG_STEPS = 16
+_INT8_ZERO_MAX = 127
 
 
 def _check_bits(name: str, bits: object) -> int:
@@ -205,6 +225,75 @@ def quantize_bits(
     return codes, scale, zero.to(torch.float16)
 
 
+def _scale_of(code: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    """fp32 ``base * 2**(-code / SCALE_LOG_STEPS)``: what an 8-bit scale code stands for (encode
+    and decode both call this, so the codes are chosen against the scales read back)."""
+    return base.float() * torch.exp2(code.float() * (-1.0 / SCALE_LOG_STEPS))
+
+
+def _log_scale(need: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``need`` fp32 ``[..., n, a, b]`` (scales >= 0) -> ``(uint8 codes, fp16 base [..., n, 1, 1])``
+    whose scales (:func:`_scale_of`) are at least ``need`` where ``need`` is within 16 octaves of
+    the block's largest (below that: the smallest code's scale, larger still)."""
+    need = need.clamp(0.0, _FP16_MAX / 2)
+    top = need.amax(dim=(-2, -1), keepdim=True)
+    base = top.to(torch.float16)
+    # rounded up to fp16, so that code 0 reaches the largest scale
+    base = torch.where(base.float() < top, torch.nextafter(base, torch.full_like(base, _FP16_MAX)), base)
+    ratio = torch.where(base.float() > 0, need / base.float().clamp_min(_TINY), torch.zeros_like(need))
+    code = torch.floor(-SCALE_LOG_STEPS * torch.log2(ratio)).clamp(0, 255)
+    # log2 / exp2 round: step a code back wherever its scale came out below the need
+    code = torch.where((_scale_of(code, base) < need) & (code > 0), code - 1, code)
+    return code.to(torch.uint8), base
+
+
+def side8_values(
+    scale: torch.Tensor, zero: torch.Tensor, base: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``(scales, zero points)`` of 8-bit side information as stored: uint8 scale codes, the
+    zero points int8 half steps (or fp16 as they are) and the fp16 ``base`` of each block."""
+    s = _scale_of(scale, base)
+    z = zero.float() * (s * 0.5) if zero.dtype == torch.int8 else zero.float()
+    return s, z
+
+
+def quantize_side8(
+    x: torch.Tensor, bits: int, dim: int, zero_bits: int = 8, zero_at: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`quantize_bits` (min-max) with 8-bit side information: ``x [..., n, R, D]`` ->
+    ``(codes, uint8 scale codes, zero points, fp16 scale_base [..., n, 1, 1])``.
+
+    The scales (:func:`side8_values`) are rounded up from the min-max step, so every element is
+    within half a step of its level; ``zero_bits=8``: int8 zero points in half steps, the step
+    first widened to ``|lo + hi| / 126`` where a slice's middle is that far from 0;
+    ``zero_bits=16``: fp16 zero points, ``zero_at`` (rounded to fp16) or the slice's middle, the
+    scale reaching both ends from it (as :func:`quantize_bits`)."""
+    lo_code, hi_code = _CODE_RANGE[bits]
+    xf = x.to(torch.float32)
+    lo, hi = torch.aminmax(xf, dim=dim, keepdim=True)
+    if zero_bits == 16:
+        middle = lo - lo_code * (hi - lo) / (hi_code - lo_code) if zero_at is None else zero_at.float()
+        zero16 = middle.clamp(-_FP16_MAX, _FP16_MAX).to(torch.float16)
+        z = zero16.float()
+        code, base = _log_scale(torch.maximum((z - lo) / -lo_code, (hi - z) / hi_code))
+        zero = zero16
+        s = _scale_of(code, base)
+    else:
+        # |lo + hi| / 126 keeps the middle within 127 half steps of 0 (it lies half a step off centre)
+        need = torch.maximum((hi - lo) / (hi_code - lo_code), (lo + hi).abs() / (_INT8_ZERO_MAX - 1))
+        code, base = _log_scale(need)
+        s = _scale_of(code, base)
+        # the middle of the levels for this step; rounded to half steps it moves by s / 4 at most
+        middle = (lo + hi) / 2 - (hi_code + lo_code) * s / 2
+        half = torch.where(s > 0, s * 0.5, torch.ones_like(s))
+        zero = torch.round(middle / half).clamp(-_INT8_ZERO_MAX, _INT8_ZERO_MAX).to(torch.int8)
+        z = zero.float() * (s * 0.5)
+    safe = torch.where(s > 0, s, torch.ones_like(s))
+    q = torch.round((xf - z) / safe).clamp_(lo_code, hi_code)
+    codes = pack_codes(q, bits) if bits < 4 else _pack_int4(q) if bits == 4 else q.to(torch.int8)
+    return codes, code, zero, base
+
+
 def dequantize_bits(
     codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, dim: int
 ) -> torch.Tensor:
@@ -221,8 +310,17 @@ def _dim_of(codes: torch.Tensor, bits: int) -> int:
 
 
 def _dequantized(parts: tuple[torch.Tensor, ...], bits: int, dtype: torch.dtype) -> torch.Tensor:
-    codes, scale, zero = parts
+    codes, scale, zero = parts[:3]
+    if len(parts) == 4:  # 8-bit side information
+        s, z = side8_values(scale, zero, parts[3])
+        q = unpack_codes(codes, bits, _dim_of(codes, bits)) if bits < 4 else _kernel_int(codes, bits)
+        return (q.to(torch.float32) * s + z).to(dtype)
     return dequantize_bits(codes, scale, zero, bits, _dim_of(codes, bits)).to(dtype)
+
+
+def _kernel_int(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """4- and 8-bit codes as integers ``[..., D]`` (int4 unpacked)."""
+    return unpack_int4(codes, _dim_of(codes, bits)) if bits == 4 else codes
 
 
 def _kernel_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -232,6 +330,50 @@ def _kernel_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 def _code_spec(bits: int, rows: int, dim: int) -> PartSpec:
     return PartSpec("codes", (rows, code_width(bits, dim)), torch.int8 if bits == 8 else torch.uint8)
+
+
+def _side8_specs(codes: PartSpec, side: tuple[int, int], zero_bits: int) -> tuple[PartSpec, ...]:
+    """``(codes, scales uint8, zeros int8 or fp16, scale_base [1, 1] fp16)``, ``side`` the shape of
+    a scale (``(1, D)`` per channel, ``(R, 1)`` per row)."""
+    return (
+        codes,
+        PartSpec("scales", side, torch.uint8),
+        PartSpec("zeros", side, torch.int8 if zero_bits == 8 else torch.float16),
+        PartSpec("scale_base", (1, 1), torch.float16),
+    )
+
+
+def _check_side(side_bits: object, range_fit: str) -> int:
+    if (
+        isinstance(side_bits, bool)
+        or not isinstance(side_bits, numbers.Integral)
+        or side_bits not in SIDE_BITS
+    ):
+        raise KVConfigError(
+            f"side_bits must be one of {SIDE_BITS} (how scales and zero points are stored); got {side_bits!r}"
+        )
+    if side_bits == 8 and range_fit != "minmax":
+        raise KVConfigError(f"side_bits=8 fits its levels min-max only; got range_fit={range_fit!r}")
+    return int(side_bits)
+
+
+class _Side8:
+    """What a codec with ``side_bits`` shares: the fp32 scales and zero points, and the check of
+    the 8-bit parts."""
+
+    side_bits: int
+
+    def _side(self, parts: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.side_bits == 8:
+            return side8_values(parts[1], parts[2], parts[3])
+        return parts[1].float(), parts[2].float()
+
+    def check_part(self, spec: PartSpec, part: torch.Tensor, *, check_finite: bool) -> None:
+        if spec.name == "scale_base" and not bool(torch.isfinite(part).all() and (part >= 0).all()):
+            raise KVDataError(
+                f"part 'scale_base' holds a negative or non-finite value; got {part.flatten()[:4]}"
+            )
+        super().check_part(spec, part, check_finite=check_finite)  # type: ignore[misc]
 
 
 class _Rotated:
@@ -276,7 +418,7 @@ def _check_seed(seed: object) -> int:
 
 
 @dataclass(frozen=True)
-class RotatedTokenIntCodec(_Rotated, TokenRows, RowAffine):
+class RotatedTokenIntCodec(_Side8, _Rotated, TokenRows, RowAffine):
     """Values: each token rotated (``x @ M``), then ``bits``-bit asymmetric codes with an fp16 scale
     and zero point per token; :class:`RotatedKIVICodec`'s value codec.
 
@@ -288,6 +430,8 @@ class RotatedTokenIntCodec(_Rotated, TokenRows, RowAffine):
         seed: the rotation's random signs.
         range_fit: ``"minmax"`` (default) or ``"gauss"``: how each token's levels are fitted
             (:func:`quantize_bits`; 8-bit codes are always min-max).
+        side_bits: 16 (fp16 scale and zero point per token) or 8 (an 8-bit scale code and an
+            int8 zero point per token, one fp16 ``scale_base`` per block; min-max only).
     """
 
     mode: ClassVar[str] = "token-int-rot"
@@ -299,6 +443,7 @@ class RotatedTokenIntCodec(_Rotated, TokenRows, RowAffine):
     rotate: bool = True
     seed: int = 0
     range_fit: str = "minmax"
+    side_bits: int = 16
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "block_size", check_block_size(self.block_size))
@@ -307,24 +452,32 @@ class RotatedTokenIntCodec(_Rotated, TokenRows, RowAffine):
         object.__setattr__(self, "rotate", _check_flag("rotate", self.rotate))
         object.__setattr__(self, "seed", _check_seed(self.seed))
         object.__setattr__(self, "range_fit", _check_fit(self.range_fit))
+        object.__setattr__(self, "side_bits", _check_side(self.side_bits, self.range_fit))
 
     def _rotates(self) -> bool:
         return self.rotate
 
     @property
     def int4_zero_nibble(self) -> bool:  # type: ignore[override]
-        # packed codes of 2 to 4 bits use every byte value
-        return self.bits != 8
+        # packed codes of 2 to 4 bits, and 8-bit scale codes, use every byte value
+        return self.bits != 8 or self.side_bits == 8
 
     def part_specs(self, dim: int) -> tuple[PartSpec, ...]:
-        return row_affine_specs(_code_spec(self.bits, self.block_size, dim), self.block_size)
+        codes = _code_spec(self.bits, self.block_size, dim)
+        if self.side_bits == 8:
+            return _side8_specs(codes, (self.block_size, 1), 8)
+        return row_affine_specs(codes, self.block_size)
 
     def check_dim(self, dim: int) -> None:
         _check_packable(self.mode, "bits", self.bits, dim)
 
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """``x [..., n*r, D]`` -> ``(codes, fp16 scales, fp16 zeros [..., n, r, 1])`` of ``x @ M``."""
-        return quantize_bits(self._rotate(to_blocks(x, self.block_size)), self.bits, -1, fit=self.range_fit)
+        """``x [..., n*r, D]`` -> ``(codes, fp16 scales, fp16 zeros [..., n, r, 1])`` of ``x @ M``
+        (``side_bits=8``: uint8 scale codes, int8 zeros and the fp16 ``scale_base [..., n, 1, 1]``)."""
+        rows = self._rotate(to_blocks(x, self.block_size))
+        if self.side_bits == 8:
+            return quantize_side8(rows, self.bits, -1)
+        return quantize_bits(rows, self.bits, -1, fit=self.range_fit)
 
     def _dequantize(self, parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
         """The rotated tokens ``x @ M`` as stored: ``[..., n, r, D]`` in ``dtype``."""
@@ -335,7 +488,7 @@ class RotatedTokenIntCodec(_Rotated, TokenRows, RowAffine):
 
 
 @dataclass(frozen=True)
-class RotatedKIVICodec(_Rotated, TokenRows, ChannelAffine):
+class RotatedKIVICodec(_Side8, _Rotated, TokenRows, ChannelAffine):
     """Keys rotated then coded per (block, channel), values rotated then coded per token.
 
     This object codes the keys; :attr:`value_codec` is the :class:`RotatedTokenIntCodec` of the
@@ -356,6 +509,10 @@ class RotatedKIVICodec(_Rotated, TokenRows, ChannelAffine):
         range_fit: ``"minmax"`` (default: every element within half a step) or ``"gauss"`` (the
             step of the best uniform quantizer of a Gaussian, tails clipped; 2 to 4 bits), for
             both sides (:func:`quantize_bits`).
+        side_bits: 16 (fp16 scales and zero points, the default) or 8 (8-bit scale codes against
+            one fp16 ``scale_base`` per block, int8 zero points in half steps: a quarter bit an
+            element a side at ``r = D = 64`` instead of half a bit), for both sides; the keys'
+            zero points stay fp16 under ``exact_sink`` (min-max only).
     """
 
     mode: ClassVar[str] = "kivi-rot"
@@ -370,6 +527,7 @@ class RotatedKIVICodec(_Rotated, TokenRows, ChannelAffine):
     rotate_values: bool = True
     seed: int = 0
     range_fit: str = "minmax"
+    side_bits: int = 16
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "block_size", check_block_size(self.block_size))
@@ -381,9 +539,15 @@ class RotatedKIVICodec(_Rotated, TokenRows, ChannelAffine):
         object.__setattr__(self, "rotate_values", _check_flag("rotate_values", self.rotate_values))
         object.__setattr__(self, "seed", _check_seed(self.seed))
         object.__setattr__(self, "range_fit", _check_fit(self.range_fit))
+        object.__setattr__(self, "side_bits", _check_side(self.side_bits, self.range_fit))
 
     def _rotates(self) -> bool:
         return self.rotate_keys
+
+    @property
+    def _key_zero_bits(self) -> int:
+        # the exact sink is block 0's zero points: those must hold an fp16 key
+        return 16 if self.exact_sink or self.side_bits == 16 else 8
 
     @property
     def value_codec(self) -> RotatedTokenIntCodec:  # type: ignore[override]
@@ -396,14 +560,18 @@ class RotatedKIVICodec(_Rotated, TokenRows, ChannelAffine):
             self.rotate_values,
             self.seed,
             self.range_fit,
+            self.side_bits,
         )
 
     @property
     def int4_zero_nibble(self) -> bool:  # type: ignore[override]
-        return self.key_bits != 8
+        return self.key_bits != 8 or self.side_bits == 8
 
     def part_specs(self, dim: int) -> tuple[PartSpec, ...]:
-        return channel_affine_specs(_code_spec(self.key_bits, self.block_size, dim), dim)
+        codes = _code_spec(self.key_bits, self.block_size, dim)
+        if self.side_bits == 8:
+            return _side8_specs(codes, (1, dim), self._key_zero_bits)
+        return channel_affine_specs(codes, dim)
 
     def check_dim(self, dim: int) -> None:
         """``KVShapeError`` when keys or values of head dimension ``dim`` cannot be stored."""
@@ -412,10 +580,12 @@ class RotatedKIVICodec(_Rotated, TokenRows, ChannelAffine):
 
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Keys ``x [..., n*r, D]`` -> ``(codes, fp16 scales, fp16 zeros [..., n, 1, D])`` of ``x @ M``;
-        every block as a later block of a stream (no sink: see :meth:`encode_blocks`)."""
-        return quantize_bits(
-            self._rotate(to_blocks(x, self.block_size)), self.key_bits, -2, fit=self.range_fit
-        )
+        every block as a later block of a stream (no sink: see :meth:`encode_blocks`); with
+        ``side_bits=8`` as :func:`quantize_side8` gives them."""
+        rows = self._rotate(to_blocks(x, self.block_size))
+        if self.side_bits == 8:
+            return quantize_side8(rows, self.key_bits, -2, self._key_zero_bits)
+        return quantize_bits(rows, self.key_bits, -2, fit=self.range_fit)
 
     def encode_blocks(self, x: torch.Tensor, first_block: int) -> tuple[torch.Tensor, ...]:
         """:meth:`encode`, except that with :attr:`exact_sink` block 0 (``first_block == 0``) takes
@@ -424,6 +594,8 @@ class RotatedKIVICodec(_Rotated, TokenRows, ChannelAffine):
 
     def _encode_sink_block(self, block: torch.Tensor) -> tuple[torch.Tensor, ...]:
         head = self._rotate(block)
+        if self.side_bits == 8:
+            return quantize_side8(head, self.key_bits, -2, 16, zero_at=head[..., :1, :])
         return quantize_bits(head, self.key_bits, -2, zero_at=head[..., :1, :], fit=self.range_fit)
 
     def _dequantize(self, parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
