@@ -62,7 +62,7 @@ class FlashcodecConnector(ExampleConnector):
     """vLLM's reference disk connector with its layer files coded by flashcodec.
 
     ``kv_connector_extra_config`` keys: ``shared_storage_path`` (the store's folder, as for
-    ``ExampleConnector``) and ``flashcodec_format`` (:class:`PagedKVCoder`'s ``format``: a tier
+    ``ExampleConnector``; each format keeps its files in its own subfolder) and ``flashcodec_format`` (:class:`PagedKVCoder`'s ``format``: a tier
     name, ``"exponent"`` or ``"raw"``; default ``"kivi64r-k4v4-w64i8"``).
     """
 
@@ -75,6 +75,8 @@ class FlashcodecConnector(ExampleConnector):
             )
         fmt = self._kv_transfer_config.get_from_extra_config("flashcodec_format", "kivi64r-k4v4-w64i8")
         self.coder = PagedKVCoder(fmt)
+        # one folder per format: a prompt stored in one format is never read as another
+        self._storage_path = os.path.join(self._storage_path, self.coder.format)
         #: bytes over this process's saves: ``raw`` (the pages' K/V) and ``payload`` (the coded arrays)
         self.saved = {"raw": 0, "payload": 0, "layers": 0}
 
