@@ -65,14 +65,15 @@ def test_the_calibration_source_checks_its_dims_and_arguments():
 
 
 @pytest.mark.parametrize("kind", ["palu-fixed", "palu-exact", "calibrated"])
-def test_a_state_saved_before_the_later_config_fields_loads_with_their_defaults(kind):
+@pytest.mark.parametrize("dropped", [tuple(LATER_CONFIG_FIELDS), ("palu_relative_error",)])
+def test_a_state_saved_before_later_config_fields_loads_with_their_defaults(kind, dropped):
     cache = build(kind)
     settings, runtime = cache.meta_state
-    earlier = {k: v for k, v in json.loads(settings).items() if k not in LATER_CONFIG_FIELDS}
+    earlier = {k: v for k, v in json.loads(settings).items() if k not in dropped}
     restored = type(cache).from_state(cache.state, (json.dumps(earlier), runtime))
     assert restored.config == cache.config
     assert state_bytes(restored) == state_bytes(cache)
-    # only all of them together: a config that names some but not all lost a field
-    partial = {**earlier, "palu_key_weight": 1.0}
-    with pytest.raises(KVDataError, match="lacks the fields"):
-        type(cache).from_state(cache.state, (json.dumps(partial), runtime))
+    # a field that was always saved is still required
+    del earlier["palu_sink_tokens"]
+    with pytest.raises(KVDataError, match=r"lacks the fields \['palu_sink_tokens'\]"):
+        type(cache).from_state(cache.state, (json.dumps(earlier), runtime))
