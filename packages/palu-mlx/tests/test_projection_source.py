@@ -4,12 +4,13 @@ existed still load."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 from cache_snapshots import D, array_bytes, build, kv, snapshot
 from kvspec import KVConfigError, KVDataError, KVShapeError
-from palu_mlx import CalibratedKVCache, PaluKVCache
+from palu_mlx import CalibratedKVCache, KVCacheConfig, PaluKVCache
 from palu_mlx.projection_source import FitAtPrefill, FromCalibration
 from palu_mlx.state_checks import LATER_CONFIG_FIELDS
 
@@ -77,3 +78,39 @@ def test_a_state_saved_before_later_config_fields_loads_with_their_defaults(kind
     del earlier["palu_sink_tokens"]
     with pytest.raises(KVDataError, match=r"lacks the fields \['palu_sink_tokens'\]"):
         type(cache).from_state(cache.state, (json.dumps(earlier), runtime))
+
+
+#: the KVCacheConfig fields every saved state has named since states were first saved
+FIRST_SAVED_FIELDS = frozenset(
+    {
+        "method",
+        "head_dim",
+        "palu_rank",
+        "palu_energy_threshold",
+        "palu_n_head_groups",
+        "palu_hi_bit",
+        "palu_lo_bit",
+        "palu_hi_fraction",
+        "palu_group_size",
+        "palu_quantize_values",
+        "palu_bits",
+        "palu_calibration",
+        "palu_min_fit_tokens",
+        "palu_check_finite",
+        "palu_pre_rope",
+        "palu_token_scale",
+        "palu_sink_tokens",
+        "palu_recent_tokens",
+        "naive_bits",
+        "naive_group_size",
+    }
+)
+
+
+def test_every_config_field_added_later_has_the_value_earlier_states_read():
+    """A KVCacheConfig field added after states were first saved needs an entry in
+    state_checks.LATER_CONFIG_FIELDS (the value that codes as before), or earlier states stop loading."""
+    later = {f.name for f in dataclasses.fields(KVCacheConfig)} - FIRST_SAVED_FIELDS
+    assert later == set(LATER_CONFIG_FIELDS)
+    defaults = KVCacheConfig()
+    assert all(getattr(defaults, name) == value for name, value in LATER_CONFIG_FIELDS.items())
