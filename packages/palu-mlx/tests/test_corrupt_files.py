@@ -80,17 +80,17 @@ def test_file_without_checksum_loads_with_a_warning(saved, tmp_path):
     assert snapshot(loaded[0])[:3] == snapshot(originals[0])[:3]
 
 
-def rewrite(path, tmp_path, name, change_meta=None, change_arrays=None) -> str:
-    """A copy of the file with its metadata / arrays changed and no checksum (as an old file)."""
+def rewrite(path, out, change_meta=None, change_arrays=None) -> str:
+    """The file written to ``out`` with its metadata / arrays changed and no checksum (as a file from
+    an older palu-mlx); returns ``out``."""
     arrays, meta = mx.load(path, return_metadata=True)
     meta.pop("checksum")
     if change_meta:
         change_meta(meta)
     if change_arrays:
         change_arrays(arrays)
-    out = str(tmp_path / f"{name}.safetensors")
-    mx.save_safetensors(out, arrays, meta)
-    return out
+    mx.save_safetensors(str(out), arrays, meta)
+    return str(out)
 
 
 def times(name: str, factor: float):
@@ -165,7 +165,7 @@ CORRUPT_OLD_FILES = {
 def test_corrupt_content_is_a_data_error_naming_the_file(saved, tmp_path, case):
     path, _ = saved
     change_meta, change_arrays, message = CORRUPT_OLD_FILES[case]
-    bad = rewrite(path, tmp_path, "bad", change_meta, change_arrays)
+    bad = rewrite(path, tmp_path / "bad.safetensors", change_meta, change_arrays)
     assert_refused(load_prompt_cache, bad, UnverifiedPromptCacheWarning, "bad.safetensors", message)
 
 
@@ -243,17 +243,6 @@ def test_calibration_round_trip(calibration_path):
     assert loaded.model["n_layers"] == 2 and loaded.keys[1].basis.shape == (2, 32, 32)
 
 
-def _calibration_rewrite(path, change_meta=None, change_arrays=None):
-    """Rewrite the file with changes and without its checksum (as a file from an older palu-mlx)."""
-    arrays, meta = mx.load(path, return_metadata=True)
-    meta.pop("checksum")
-    if change_meta:
-        change_meta(meta)
-    if change_arrays:
-        change_arrays(arrays)
-    mx.save_safetensors(path, arrays, meta)
-
-
 CORRUPT_CALIBRATIONS = {
     "model header not JSON": (lambda m: _set(m, "model", "{"), None, "corrupt"),
     "model header missing": (lambda m: m.pop("model"), None, "corrupt.*'model'"),
@@ -288,7 +277,7 @@ CORRUPT_CALIBRATIONS = {
 @pytest.mark.parametrize("case", sorted(CORRUPT_CALIBRATIONS))
 def test_corrupt_calibration_is_a_data_error_naming_the_file(calibration_path, case):
     change_meta, change_arrays, message = CORRUPT_CALIBRATIONS[case]
-    _calibration_rewrite(calibration_path, change_meta, change_arrays)
+    rewrite(calibration_path, calibration_path, change_meta, change_arrays)
     assert_refused(
         Calibration.load,
         calibration_path,
@@ -306,7 +295,7 @@ def test_calibration_with_a_flipped_data_byte_is_refused(calibration_path):
 
 
 def test_calibration_without_checksum_loads_with_a_warning(calibration_path):
-    _calibration_rewrite(calibration_path)
+    rewrite(calibration_path, calibration_path)
     with pytest.warns(UnverifiedCalibrationWarning, match="has no checksum"):
         loaded = Calibration.load(calibration_path)
     assert loaded.model["n_layers"] == 2
