@@ -84,6 +84,9 @@ class PaluKVCache(CacheLayer):
     calibration's. ``trim`` keeps the projections: trimming back below the fit point does not refit.
     """
 
+    #: the source whose state layout :meth:`from_state` reads (a subclass names its own)
+    _source_type: type = FitAtPrefill
+
     def __init__(
         self,
         config: KVCacheConfig,
@@ -93,9 +96,6 @@ class PaluKVCache(CacheLayer):
     ):
         self._check_config(config)
         self._setup(config, FitAtPrefill(config, allocation_policy, shard), rotary)
-
-    #: the source whose state layout :meth:`from_state` reads
-    _source_type: type = FitAtPrefill
 
     @staticmethod
     def _check_config(config: KVCacheConfig) -> None:
