@@ -48,17 +48,20 @@ class Recipe:
     value_bits: int = 2
     key_group: int = 64
     side: str = "fp16"  # "fp16" | "u8" (log scale + half-step zero) | "u8s" (log scale, fp16 zero)
+    value_side: str | None = None  # the values' side information when not ``side``
     key_sink: bool = True  # token 0's key exact (block 0's zero points; needs fp16 zero points)
     value_zero: bool = True  # False: scale-only values (levels symmetric about 0)
     value_fit: str = "minmax"  # "minmax" | "gauss"
     window: int = 64
     sinks: int = 0  # first tokens kept int8 (keys and values)
+    tail_raw: bool = False  # the tail (window + incomplete block) as it came, not int8 per token
     block: int = 64
 
     def bits(self, d: int = 64) -> float:
-        side = {"fp16": (16, 16), "u8": (8, 8), "u8s": (8, 16)}[self.side]
+        sides = {"fp16": (16, 16), "u8": (8, 8), "u8s": (8, 16)}
+        side, vside = sides[self.side], sides[self.value_side or self.side]
         k = self.key_bits + sum(side) / self.key_group
-        v = self.value_bits + (sum(side) if self.value_zero else side[0]) / d
+        v = self.value_bits + (sum(vside) if self.value_zero else vside[0]) / d
         return (k + v) / 2
 
 
@@ -133,11 +136,12 @@ def apply(recipe: Recipe, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tenso
                 if recipe.key_sink:  # token 0's key is block 0's zero point (kept exactly)
                     c[..., 0, :] = a.flatten(-3, -2)[..., 0, :]
             else:
+                vside = recipe.value_side or recipe.side
                 c = quantize(
-                    a, recipe.value_bits, -1, recipe.side, recipe.value_zero, recipe.value_fit, (-2, -1)
+                    a, recipe.value_bits, -1, vside, recipe.value_zero, recipe.value_fit, (-2, -1)
                 ).flatten(-3, -2)
             y[..., :n, :] = c @ m.T
-        if n < s:
+        if n < s and not recipe.tail_raw:
             y[..., n:, :] = tail.decode(tail.encode(xf[..., n:, :]), torch.float32)
         if recipe.sinks:
             y[..., : recipe.sinks, :] = tail.decode(tail.encode(xf[..., : recipe.sinks, :]), torch.float32)
@@ -154,6 +158,7 @@ def recipes() -> list[Recipe]:
         Recipe("k3v2-u8-w0", **base, side="u8", window=0),
         Recipe("k3v2-u8-w0-nosink", **base, side="u8", window=0, key_sink=False),
         Recipe("k3v2-u8s-w0", **base, side="u8s", window=0),
+        Recipe("k3v2-u8s-u8-w0", **base, side="u8s", value_side="u8", window=0),
         Recipe("k3v2-u8-w0-nosink-s1", **base, side="u8", window=0, key_sink=False, sinks=1),
         Recipe("k3v2-u8-w0-nosink-s4", **base, side="u8", window=0, key_sink=False, sinks=4),
         Recipe("k3v2-u8-vsym-w0", **base, side="u8", value_zero=False, window=0),
@@ -163,12 +168,23 @@ def recipes() -> list[Recipe]:
         Recipe("k3v2-u8-w0-s4", **base, side="u8", window=0, sinks=4),
         Recipe("k3v3-u8-w0", key_bits=3, value_bits=3, side="u8", window=0),
         Recipe("k3v3-u8-w0-nosink", key_bits=3, value_bits=3, side="u8", window=0, key_sink=False),
+        Recipe("k3v3-u8s-u8-w0", key_bits=3, value_bits=3, side="u8s", value_side="u8", window=0),
         Recipe("k3v3-fp16-w64", key_bits=3, value_bits=3),
         Recipe("k4v4-fp16-w64", key_bits=4, value_bits=4),
         Recipe("k4v4-u8-w64", key_bits=4, value_bits=4, side="u8"),
         Recipe("k8v8-fp16-w64", key_bits=8, value_bits=8),
         Recipe("k8v8-u8-w64", key_bits=8, value_bits=8, side="u8"),
         Recipe("k8v8-u8-w64-nosink", key_bits=8, value_bits=8, side="u8", key_sink=False),
+        Recipe("k8v8-u8s-u8-w64", key_bits=8, value_bits=8, side="u8s", value_side="u8"),
+        Recipe(
+            "k8v8-u8s-u8-w32-raw",
+            key_bits=8,
+            value_bits=8,
+            side="u8s",
+            value_side="u8",
+            window=32,
+            tail_raw=True,
+        ),
     ]
     return out
 

@@ -56,6 +56,23 @@ def test_every_element_is_within_half_a_step(bits, dim, zero_bits):
     assert int(zero.min()) >= -127 if zero_bits == 8 else True
 
 
+@pytest.mark.parametrize("bits", [2, 3])
+def test_four_bit_zero_points_pack_two_rows_a_byte_and_stay_within_half_a_step(bits):
+    g = torch.Generator().manual_seed(bits)
+    x = torch.randn(2, 3, 16, 32, generator=g) * torch.rand(2, 3, 16, 1, generator=g).mul(5)
+    x[0, 0, 3] += 40  # a token far from 0: a coarser step, still every element within half of it
+    codes, scale, zero, base = quantize_side8(x, bits, -1, 4)
+    assert zero.dtype == torch.uint8 and zero.shape == (2, 3, 8, 1)
+    assert ((zero & 15) > 0).all() and ((zero >> 4) > 0).all()  # nibbles z + 8 in 1..15
+    s, z = side8_values(scale, zero, base)
+    back = _levels(codes, bits, 32) * s + z
+    assert ((back - x).abs() <= s / 2 * (1 + 1e-5) + 1e-6).all()
+    wide = quantize_side8(x, bits, -1, 8)
+    s8 = side8_values(*wide[1:])[0]
+    assert s[0, 0, 3] > s8[0, 0, 3]  # only the far token paid for the short zero point
+    assert torch.equal(s[1], s8[1])
+
+
 @pytest.mark.parametrize("bits", [2, 3, 4])
 def test_scales_are_the_fp16_ones_rounded_up_by_one_log_step_at_most(bits):
     x = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(0)) * 3 + 1
@@ -81,6 +98,15 @@ def test_round_trip_costs_little_more_than_fp16_side_information(key_bits, value
             assert err_full <= err_small * 1.001 and err_small < bound * err_full, (a, err_small, err_full)
 
 
+def test_four_bit_value_zero_points_cost_little_on_rotated_values():
+    _, v = kv(s=256, d=64)
+    errs = {}
+    for zero_bits in (8, 4):
+        codec = RotatedTokenIntCodec(64, 2, side_bits=8, zero_bits=zero_bits)
+        errs[zero_bits] = (codec.roundtrip(v) - v).norm()
+    assert errs[8] <= errs[4] < 1.03 * errs[8]
+
+
 def test_storage_is_measured_from_the_arrays_and_halves_the_side_information():
     k, v = kv(b=1, h=2, s=64 * 3 + 20, d=64, dtype=torch.bfloat16)
     for exact_sink, key_zero in ((True, 2), (False, 1)):
@@ -96,6 +122,9 @@ def test_storage_is_measured_from_the_arrays_and_halves_the_side_information():
         value_block = 64 * 16 + 64 * 2 + 2
         assert st.used == 2 * 3 * (key_block + value_block)
         assert st.tail == 2 * 2 * 20 * (64 + 8)  # the incomplete block, int8 per token
+    cache = CodecKVCache(codec=RotatedKIVICodec(64, 3, 2, raw_window=0, side_bits=8, value_zero_bits=4))
+    cache.append(k, v)
+    assert cache.storage_bytes().used == 2 * 3 * (64 * 24 + 64 * 3 + 2 + 64 * 16 + 64 + 32 + 2)
 
 
 def test_exact_sink_holds_the_first_key_with_8_bit_scales():
@@ -114,6 +143,7 @@ CONFIGS = {
     "k3v2-s8n": RotatedKIVICodec(64, 3, 2, raw_window=0, side_bits=8, exact_sink=False),
     "k8v8-s8-raw-window": RotatedKIVICodec(64, 8, 8, raw_window=32, window_bits=None, side_bits=8),
     "k4v4-s8-keys-only": RotatedKIVICodec(16, 4, 4, rotate_values=False, side_bits=8),
+    "k3v2-s8z4": RotatedKIVICodec(64, 3, 2, raw_window=0, side_bits=8, value_zero_bits=4),
 }
 
 
@@ -180,6 +210,28 @@ def test_bad_options(options, match):
         RotatedTokenIntCodec(**options)
 
 
+@pytest.mark.parametrize(
+    "options,match",
+    [
+        ({"zero_bits": 2}, r"zero_bits must be 8 or 4 \(bits of a per-token zero point\); got 2"),
+        (
+            {"zero_bits": 4},
+            r"zero_bits=4 packs two tokens' zero points a byte: it needs side_bits=8 .*side_bits=16",
+        ),
+        (
+            {"zero_bits": 4, "side_bits": 8, "block_size": 7},
+            r"an even block_size; got side_bits=8, block_size=7",
+        ),
+    ],
+)
+def test_bad_zero_bits(options, match):
+    with pytest.raises(KVConfigError, match=match):
+        RotatedTokenIntCodec(**options)
+    kivi = {("value_zero_bits" if k == "zero_bits" else k): val for k, val in options.items()}
+    with pytest.raises(KVConfigError, match=match.replace("zero_bits", "value_zero_bits")):
+        RotatedKIVICodec(**kivi)
+
+
 def test_the_s8_tiers_name_their_codecs():
     for name in (
         "kivi64r-k3v2-w0i8-s8",
@@ -190,6 +242,7 @@ def test_the_s8_tiers_name_their_codecs():
         t = TIERS[name]
         assert t.codec.side_bits == 8 and t.offer_mf and tier(name + "-mf").codec == t.codec
     assert TIERS["kivi64r-k3v2-w0i8-s8n"].codec.exact_sink is False
+    assert TIERS["kivi64r-k3v2-w0i8-s8z4"].codec.value_codec.zero_bits == 4
     assert TIERS["kivi64r-k8v8-w32-s8"].codec.window_bits is None
 
 
@@ -204,7 +257,8 @@ def test_triton_kernel_matches_the_reference_under_the_interpreter():
         from flashcodec.attention import codec_decode_attention
         from flashcodec.codecs.rotated import RotatedKIVICodec
         g = torch.Generator().manual_seed(0)
-        for codec, dtype in ((RotatedKIVICodec(16, 3, 2, raw_window=0, side_bits=8), torch.float32),
+        for codec, dtype in ((RotatedKIVICodec(16, 3, 2, raw_window=0, side_bits=8, value_zero_bits=4),
+                              torch.float32),
                              (RotatedKIVICodec(16, 8, 8, raw_window=8, window_bits=None,
                                                side_bits=8, exact_sink=False), torch.bfloat16)):
             k = torch.randn(1, 2, 45, 16, generator=g).to(dtype)

@@ -91,7 +91,9 @@ SIDE_BITS = (16, 8)
 #: an 8-bit scale code ``u`` stands for ``base * 2**(-u / SCALE_LOG_STEPS)``: levels 4.4% apart
 #: (a scale rounded up by at most that), over 16 octaves below the block's largest scale
 SCALE_LOG_STEPS = 16
-_INT8_ZERO_MAX = 127
+#: the largest zero point in half steps: int8 (-127..127; -128 unused, as every int8 code here), or
+#: a nibble (-7..7, stored + 8 in 1..15, two rows a byte) for ``zero_bits=4``
+_ZERO_MAX = {8: 127, 4: 7}
 
 
 def _check_bits(name: str, bits: object) -> int:
@@ -253,6 +255,8 @@ def side8_values(
     """fp32 ``(scales, zero points)`` of 8-bit side information as stored: uint8 scale codes, the
     zero points int8 half steps (or fp16 as they are) and the fp16 ``base`` of each block."""
     s = _scale_of(scale, base)
+    if zero.dtype == torch.uint8:  # nibbles: row 2i in the low one, row 2i + 1 in the high one
+        zero = torch.stack([zero & 15, zero >> 4], dim=-2).flatten(-3, -2).to(torch.int8) - 8
     z = zero.float() * (s * 0.5) if zero.dtype == torch.int8 else zero.float()
     return s, z
 
@@ -266,6 +270,8 @@ def quantize_side8(
     The scales (:func:`side8_values`) are rounded up from the min-max step, so every element is
     within half a step of its level; ``zero_bits=8``: int8 zero points in half steps, the step
     first widened to ``|lo + hi| / 126`` where a slice's middle is that far from 0;
+    ``zero_bits=4`` (per row, ``R`` even): the zero points in -7..7 half steps (the step widened to
+    ``|lo + hi| / 6``), stored as nibbles ``z + 8``, two rows a byte (``[..., n, R / 2, 1]`` uint8);
     ``zero_bits=16``: fp16 zero points, ``zero_at`` (rounded to fp16) or the slice's middle, the
     scale reaching both ends from it (as :func:`quantize_bits`)."""
     lo_code, hi_code = _CODE_RANGE[bits]
@@ -279,15 +285,19 @@ def quantize_side8(
         zero = zero16
         s = _scale_of(code, base)
     else:
-        # |lo + hi| / 126 keeps the middle within 127 half steps of 0 (it lies half a step off centre)
-        need = torch.maximum((hi - lo) / (hi_code - lo_code), (lo + hi).abs() / (_INT8_ZERO_MAX - 1))
+        # |lo + hi| / (top - 1) keeps the middle within top half steps of 0 (it lies half a step off centre)
+        top = _ZERO_MAX[zero_bits]
+        need = torch.maximum((hi - lo) / (hi_code - lo_code), (lo + hi).abs() / (top - 1))
         code, base = _log_scale(need)
         s = _scale_of(code, base)
         # the middle of the levels for this step; rounded to half steps it moves by s / 4 at most
         middle = (lo + hi) / 2 - (hi_code + lo_code) * s / 2
         half = torch.where(s > 0, s * 0.5, torch.ones_like(s))
-        zero = torch.round(middle / half).clamp(-_INT8_ZERO_MAX, _INT8_ZERO_MAX).to(torch.int8)
+        zero = torch.round(middle / half).clamp(-top, top).to(torch.int8)
         z = zero.float() * (s * 0.5)
+        if zero_bits == 4:
+            nib = (zero + 8).to(torch.uint8).unflatten(-2, (-1, 2))
+            zero = nib[..., 0, :] | (nib[..., 1, :] << 4)
     safe = torch.where(s > 0, s, torch.ones_like(s))
     q = torch.round((xf - z) / safe).clamp_(lo_code, hi_code)
     codes = pack_codes(q, bits) if bits < 4 else _pack_int4(q) if bits == 4 else q.to(torch.int8)
@@ -333,12 +343,17 @@ def _code_spec(bits: int, rows: int, dim: int) -> PartSpec:
 
 
 def _side8_specs(codes: PartSpec, side: tuple[int, int], zero_bits: int) -> tuple[PartSpec, ...]:
-    """``(codes, scales uint8, zeros int8 or fp16, scale_base [1, 1] fp16)``, ``side`` the shape of
-    a scale (``(1, D)`` per channel, ``(R, 1)`` per row)."""
+    """``(codes, scales uint8, zeros, scale_base [1, 1] fp16)``, ``side`` the shape of a scale
+    (``(1, D)`` per channel, ``(R, 1)`` per row); zeros int8 (``zero_bits=8``), fp16 (16) or two
+    nibbles a byte (4: ``(R / 2, 1)`` uint8)."""
+    if zero_bits == 4:
+        zeros = PartSpec("zeros", (side[0] // 2, 1), torch.uint8)
+    else:
+        zeros = PartSpec("zeros", side, torch.int8 if zero_bits == 8 else torch.float16)
     return (
         codes,
         PartSpec("scales", side, torch.uint8),
-        PartSpec("zeros", side, torch.int8 if zero_bits == 8 else torch.float16),
+        zeros,
         PartSpec("scale_base", (1, 1), torch.float16),
     )
 
@@ -355,6 +370,17 @@ def _check_side(side_bits: object, range_fit: str) -> int:
     if side_bits == 8 and range_fit != "minmax":
         raise KVConfigError(f"side_bits=8 fits its levels min-max only; got range_fit={range_fit!r}")
     return int(side_bits)
+
+
+def _check_zero_bits(name: str, zero_bits: object, side_bits: int, block_size: int) -> int:
+    if isinstance(zero_bits, bool) or not isinstance(zero_bits, numbers.Integral) or zero_bits not in (8, 4):
+        raise KVConfigError(f"{name} must be 8 or 4 (bits of a per-token zero point); got {zero_bits!r}")
+    if zero_bits == 4 and (side_bits != 8 or block_size % 2):
+        raise KVConfigError(
+            f"{name}=4 packs two tokens' zero points a byte: it needs side_bits=8 and an even block_size; "
+            f"got side_bits={side_bits}, block_size={block_size}"
+        )
+    return int(zero_bits)
 
 
 class _Side8:
@@ -432,6 +458,8 @@ class RotatedTokenIntCodec(_Side8, _Rotated, TokenRows, RowAffine):
             (:func:`quantize_bits`; 8-bit codes are always min-max).
         side_bits: 16 (fp16 scale and zero point per token) or 8 (an 8-bit scale code and an
             int8 zero point per token, one fp16 ``scale_base`` per block; min-max only).
+        zero_bits: with ``side_bits=8``, each token's zero point in 8 bits (default) or 4 (-7..7
+            half steps, two tokens a byte; a token whose middle is further from 0 gets a coarser step).
     """
 
     mode: ClassVar[str] = "token-int-rot"
@@ -444,6 +472,7 @@ class RotatedTokenIntCodec(_Side8, _Rotated, TokenRows, RowAffine):
     seed: int = 0
     range_fit: str = "minmax"
     side_bits: int = 16
+    zero_bits: int = 8
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "block_size", check_block_size(self.block_size))
@@ -453,6 +482,9 @@ class RotatedTokenIntCodec(_Side8, _Rotated, TokenRows, RowAffine):
         object.__setattr__(self, "seed", _check_seed(self.seed))
         object.__setattr__(self, "range_fit", _check_fit(self.range_fit))
         object.__setattr__(self, "side_bits", _check_side(self.side_bits, self.range_fit))
+        object.__setattr__(
+            self, "zero_bits", _check_zero_bits("zero_bits", self.zero_bits, self.side_bits, self.block_size)
+        )
 
     def _rotates(self) -> bool:
         return self.rotate
@@ -465,7 +497,7 @@ class RotatedTokenIntCodec(_Side8, _Rotated, TokenRows, RowAffine):
     def part_specs(self, dim: int) -> tuple[PartSpec, ...]:
         codes = _code_spec(self.bits, self.block_size, dim)
         if self.side_bits == 8:
-            return _side8_specs(codes, (self.block_size, 1), 8)
+            return _side8_specs(codes, (self.block_size, 1), self.zero_bits)
         return row_affine_specs(codes, self.block_size)
 
     def check_dim(self, dim: int) -> None:
@@ -476,7 +508,7 @@ class RotatedTokenIntCodec(_Side8, _Rotated, TokenRows, RowAffine):
         (``side_bits=8``: uint8 scale codes, int8 zeros and the fp16 ``scale_base [..., n, 1, 1]``)."""
         rows = self._rotate(to_blocks(x, self.block_size))
         if self.side_bits == 8:
-            return quantize_side8(rows, self.bits, -1)
+            return quantize_side8(rows, self.bits, -1, self.zero_bits)
         return quantize_bits(rows, self.bits, -1, fit=self.range_fit)
 
     def _dequantize(self, parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -513,6 +545,8 @@ class RotatedKIVICodec(_Side8, _Rotated, TokenRows, ChannelAffine):
             one fp16 ``scale_base`` per block, int8 zero points in half steps: a quarter bit an
             element a side at ``r = D = 64`` instead of half a bit), for both sides; the keys'
             zero points stay fp16 under ``exact_sink`` (min-max only).
+        value_zero_bits: with ``side_bits=8``, the values' per-token zero points in 8 bits
+            (default) or 4 (:class:`RotatedTokenIntCodec`'s ``zero_bits``).
     """
 
     mode: ClassVar[str] = "kivi-rot"
@@ -528,6 +562,7 @@ class RotatedKIVICodec(_Side8, _Rotated, TokenRows, ChannelAffine):
     seed: int = 0
     range_fit: str = "minmax"
     side_bits: int = 16
+    value_zero_bits: int = 8
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "block_size", check_block_size(self.block_size))
@@ -540,6 +575,8 @@ class RotatedKIVICodec(_Side8, _Rotated, TokenRows, ChannelAffine):
         object.__setattr__(self, "seed", _check_seed(self.seed))
         object.__setattr__(self, "range_fit", _check_fit(self.range_fit))
         object.__setattr__(self, "side_bits", _check_side(self.side_bits, self.range_fit))
+        zero_bits = _check_zero_bits("value_zero_bits", self.value_zero_bits, self.side_bits, self.block_size)
+        object.__setattr__(self, "value_zero_bits", zero_bits)
 
     def _rotates(self) -> bool:
         return self.rotate_keys
@@ -561,6 +598,7 @@ class RotatedKIVICodec(_Side8, _Rotated, TokenRows, ChannelAffine):
             self.seed,
             self.range_fit,
             self.side_bits,
+            self.value_zero_bits,
         )
 
     @property
