@@ -34,6 +34,10 @@ def test_scatter_inverts_gather_and_touches_only_its_pages():
     scatter_pages(out, [4, 1], k, v)
     assert torch.equal(out[4], layer[4]) and torch.equal(out[1], layer[1])
     assert not out[[0, 2, 3]].any()
+    k0, v0 = gather_pages(layer, [])  # no pages: empty sequences, and writing them changes nothing
+    assert k0.shape == v0.shape == (H, 0, D)
+    scatter_pages(out, [], k0, v0)
+    assert not out[[0, 2, 3]].any()
 
 
 @pytest.mark.parametrize(

@@ -57,6 +57,8 @@ def _check_layer(kv_layer: object) -> tuple[int, int, int, int]:
 def _check_block_ids(block_ids: object, num_blocks: int) -> torch.Tensor:
     if not isinstance(block_ids, torch.Tensor):
         block_ids = torch.as_tensor(block_ids)
+        if not block_ids.numel():
+            block_ids = block_ids.long()  # an empty list reads as float: no pages is still valid
     if block_ids.dim() != 1 or block_ids.is_floating_point() or block_ids.dtype == torch.bool:
         raise KVShapeError(
             f"block_ids must be a 1-D integer sequence; got {block_ids.dtype} {tuple(block_ids.shape)}"
