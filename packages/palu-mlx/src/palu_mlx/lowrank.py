@@ -24,12 +24,48 @@ from kvspec import KVConfigError, KVDtypeError, KVShapeError, KVSpecError, KVVal
 
 __all__ = [
     "GroupProjection",
+    "check_projection_arrays",
     "group_spectrum",
     "select_rank",
     "fit_group_projection",
     "project",
     "reconstruct",
 ]
+
+
+def check_projection_arrays(
+    owner: str,
+    arrays: dict[str, Any],
+    *,
+    scale: str,
+    heads: str,
+    dtype_error: type[KVSpecError] = KVDtypeError,
+    shape_error: type[KVSpecError] = KVShapeError,
+) -> None:
+    """Check the arrays of a projection: ``basis [X, D, r]``, ``mean [X, D]``, ``arrays[scale] [X, r]``
+    and an optional ``decoder`` shaped like ``basis``, every one an mlx float array.
+
+    Shapes only (no device sync), so a projection whose arrays disagree fails where it is built, not
+    in a matmul. ``owner`` and ``heads`` (the name of ``X``) appear in the messages; a non-float array
+    raises ``dtype_error``, a shape that does not fit ``shape_error``.
+    """
+    for name, arr in arrays.items():
+        if not isinstance(arr, mx.array) or arr.dtype not in _FLOATS:
+            got = arr.dtype if isinstance(arr, mx.array) else type(arr).__name__
+            raise dtype_error(f"{owner}.{name} must be an mlx float array; got {got}")
+    basis, mean, spread, decoder = arrays["basis"], arrays["mean"], arrays[scale], arrays.get("decoder")
+    if basis.ndim != 3 or min(basis.shape) < 1:
+        raise shape_error(
+            f"{owner}.basis must be [{heads}, D, r] with every dim >= 1; got shape {basis.shape}"
+        )
+    g, d, r = basis.shape
+    if tuple(mean.shape) != (g, d) or tuple(spread.shape) != (g, r):
+        raise shape_error(
+            f"{owner}: basis {basis.shape} needs mean [{g}, {d}] and {scale} [{g}, {r}]; "
+            f"got {mean.shape} and {spread.shape}"
+        )
+    if decoder is not None and tuple(decoder.shape) != tuple(basis.shape):
+        raise shape_error(f"{owner}: decoder must have the basis' shape {basis.shape}; got {decoder.shape}")
 
 
 @dataclass(frozen=True)
@@ -52,25 +88,7 @@ class GroupProjection:
     decoder: mx.array | None = None
 
     def __post_init__(self) -> None:
-        # shapes only (no device sync): a projection whose arrays disagree fails here, not in a matmul
-        for name, arr in self.arrays().items():
-            if not isinstance(arr, mx.array) or arr.dtype not in _FLOATS:
-                got = arr.dtype if isinstance(arr, mx.array) else type(arr).__name__
-                raise KVDtypeError(f"GroupProjection.{name} must be an mlx float array; got {got}")
-        if self.basis.ndim != 3 or min(self.basis.shape) < 1:
-            raise KVShapeError(
-                f"GroupProjection.basis must be [G, D, r] with every dim >= 1; got {self.basis.shape}"
-            )
-        g, d, r = self.basis.shape
-        if tuple(self.mean.shape) != (g, d) or tuple(self.singular_values.shape) != (g, r):
-            raise KVShapeError(
-                f"GroupProjection: basis {self.basis.shape} needs mean [{g}, {d}] and singular_values "
-                f"[{g}, {r}]; got {self.mean.shape} and {self.singular_values.shape}"
-            )
-        if self.decoder is not None and tuple(self.decoder.shape) != tuple(self.basis.shape):
-            raise KVShapeError(
-                f"GroupProjection: decoder must have the basis' shape {self.basis.shape}; got {self.decoder.shape}"
-            )
+        check_projection_arrays("GroupProjection", self.arrays(), scale="singular_values", heads="G")
 
     @property
     def n_groups(self) -> int:

@@ -25,6 +25,7 @@ from kvspec import KVConfigError, KVDataError, KVSpecError
 from mlx.utils import tree_flatten
 
 from ..integrity import CHECKSUM_KEY, UnverifiedFileWarning, digest
+from ..lowrank import check_projection_arrays
 from ..models import check_model, model_kv_dims
 
 __all__ = [
@@ -168,22 +169,15 @@ class TensorCalibration:
     decoder: mx.array | None = None
 
     def __post_init__(self) -> None:
-        for name, arr in self.arrays().items():
-            if not isinstance(arr, mx.array) or arr.dtype not in (mx.float32, mx.float16, mx.bfloat16):
-                got = arr.dtype if isinstance(arr, mx.array) else type(arr).__name__
-                raise KVDataError(f"TensorCalibration.{name} must be an mlx float array; got {got}")
-        if self.basis.ndim != 3 or min(self.basis.shape) < 1:
-            raise KVDataError(f"TensorCalibration.basis must be [H, D, r]; got shape {self.basis.shape}")
-        h, d, r = self.basis.shape
-        if tuple(self.mean.shape) != (h, d) or tuple(self.variance.shape) != (h, r):
-            raise KVDataError(
-                f"TensorCalibration: basis {self.basis.shape} needs mean [{h}, {d}] and variance [{h}, {r}]; "
-                f"got {self.mean.shape} and {self.variance.shape}"
-            )
-        if self.decoder is not None and tuple(self.decoder.shape) != tuple(self.basis.shape):
-            raise KVDataError(
-                f"TensorCalibration: decoder must have the basis' shape {self.basis.shape}; got {self.decoder.shape}"
-            )
+        # read from a file, so every mismatch is the file's fault: KVDataError
+        check_projection_arrays(
+            "TensorCalibration",
+            self.arrays(),
+            scale="variance",
+            heads="H",
+            dtype_error=KVDataError,
+            shape_error=KVDataError,
+        )
 
     def arrays(self) -> dict[str, mx.array]:
         out = {"basis": self.basis, "mean": self.mean, "variance": self.variance}
