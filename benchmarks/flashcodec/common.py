@@ -128,6 +128,49 @@ def exact_windows(model_name: str, windows: int, context: int, scored: int) -> t
     return model, out
 
 
+def add_window_options(
+    parser: argparse.ArgumentParser, model: str | None = "smollm2-135m", note: str = ""
+) -> None:
+    """``--model`` (default ``model``) and the windows of :func:`exact_windows`: ``--windows`` (2),
+    ``--context`` (1792 tokens) and ``--scored`` (256 tokens); ``note`` prefixes the windows' help."""
+    parser.add_argument(
+        "--model",
+        default=model,
+        help=f"kvbench model name or directory (default: {model or 'the real model'})",
+    )
+    parser.add_argument("--windows", type=int, default=2, help=f"{note}windows")
+    parser.add_argument("--context", type=int, default=1792, help=f"{note}context tokens")
+    parser.add_argument("--scored", type=int, default=256, help=f"{note}scored tokens")
+
+
+def save_window_result(
+    out: str | Path,
+    args: argparse.Namespace,
+    rows: list[dict],
+    *,
+    model: str | None = None,
+    protocol: str | None = None,
+    **fields,
+) -> Path:
+    """Write the result of a one-forward quality check (:func:`score_replaced_kv`) to ``out`` and say so:
+    ``{stamp, model (default args.model), dtype "bfloat16", protocol (when given), windows,
+    context_tokens, scored_tokens (from args, as add_window_options made them), **fields, rows}``."""
+    data = {
+        "stamp": stamp(["flashcodec-kv", "kvbench", "torch", "transformers"]),
+        "model": str(model or args.model),
+        "dtype": "bfloat16",
+        **({} if protocol is None else {"protocol": protocol}),
+        "windows": args.windows,
+        "context_tokens": args.context,
+        "scored_tokens": args.scored,
+        **fields,
+        "rows": rows,
+    }
+    write_json(out, data)
+    print(f"wrote {out}")
+    return Path(out)
+
+
 @torch.no_grad()
 def score_replaced_kv(model, windows: list[tuple], context: int, replace) -> tuple[float, float]:
     """``(KL mean, top-1 agreement)`` of one forward of each window's scored tokens over its context

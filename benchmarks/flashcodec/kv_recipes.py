@@ -32,9 +32,9 @@ import sys
 import time
 
 import torch
-from common import exact_windows, score_replaced_kv, stamp
+from common import add_window_options, exact_windows, save_window_result, score_replaced_kv
 from flashcodec.codecs.kivi import dequantize_zero, quantize_zero
-from kvbench.results import results_path, write_json
+from kvbench.results import results_path
 
 BLOCK = 64
 
@@ -136,10 +136,7 @@ RECIPES: list[tuple[str, Side, Side, bool]] = [
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--windows", type=int, default=2)
-    parser.add_argument("--context", type=int, default=1792)
-    parser.add_argument("--scored", type=int, default=256)
+    add_window_options(parser)
     parser.add_argument("--window", type=int, default=64, help="newest context tokens kept int8 per token")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default=str(results_path("flashcodec_kv_recipes.json")))
@@ -166,21 +163,7 @@ def main(argv: list[str] | None = None) -> int:
             f"top-1 {row['top1_agreement']:.3f}  ({time.perf_counter() - t0:.0f} s)",
             flush=True,
         )
-    write_json(
-        args.out,
-        {
-            "stamp": stamp(["flashcodec-kv", "kvbench", "torch", "transformers"]),
-            "model": str(args.model),
-            "dtype": "bfloat16",
-            "windows": args.windows,
-            "context_tokens": args.context,
-            "scored_tokens": args.scored,
-            "int8_window_tokens": args.window,
-            "block_size": BLOCK,
-            "rows": rows,
-        },
-    )
-    print(f"wrote {args.out}")
+    save_window_result(args.out, args, rows, int8_window_tokens=args.window, block_size=BLOCK)
     return 0
 
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import flashcodec.tiers as tiers_module
 import torch
-from common import compare_result, exact_windows, score_replaced_kv, stamp
+from common import add_window_options, compare_result, exact_windows, save_window_result, score_replaced_kv
 from flashcodec.codecs import BlockCodec, KIVICodec
 from flashcodec.codecs.rotated import RotatedKIVICodec
 from kvbench.results import results_path, write_json
@@ -204,22 +204,14 @@ def run_quick(names: list[str], args: argparse.Namespace) -> None:
             f"  ({time.perf_counter() - t0:.0f} s)",
             flush=True,
         )
-    out = args.out or results_path("flashcodec_rotated_quick.json")
-    write_json(
-        out,
-        {
-            "stamp": stamp(["flashcodec-kv", "kvbench", "torch", "transformers"]),
-            "model": str(args.model or "smollm2-135m"),
-            "dtype": "bfloat16",
-            "protocol": "one forward of the scored tokens over the decoded cache (see the script's docstring)",
-            "windows": args.windows,
-            "context_tokens": args.context,
-            "scored_tokens": args.scored,
-            "command": "python benchmarks/flashcodec/rotated_tiers.py --quick " + " ".join(sys.argv[1:]),
-            "rows": rows,
-        },
+    save_window_result(
+        args.out or results_path("flashcodec_rotated_quick.json"),
+        args,
+        rows,
+        model=args.model or "smollm2-135m",
+        protocol="one forward of the scored tokens over the decoded cache (see the script's docstring)",
+        command="python benchmarks/flashcodec/rotated_tiers.py --quick " + " ".join(sys.argv[1:]),
     )
-    print(f"wrote {out}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -228,12 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         "--tiers", default=None, help="comma-separated candidate names (default: per protocol)"
     )
     parser.add_argument("--quick", action="store_true", help="the one-forward ranking instead of kvbench")
-    parser.add_argument(
-        "--model", default=None, help="kvbench model name or directory (default: the real model)"
-    )
-    parser.add_argument("--windows", type=int, default=2, help="--quick: windows")
-    parser.add_argument("--context", type=int, default=1792, help="--quick: context tokens")
-    parser.add_argument("--scored", type=int, default=256, help="--quick: scored tokens")
+    add_window_options(parser, model=None, note="--quick: ")
     parser.add_argument("--long-windows", type=int, default=1, help="kvbench: windows of the long run")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=None)
