@@ -5,7 +5,8 @@ Each check is ``check_<name>(adapter, case, vector=None)``. It builds caches wit
 reads results back through ``adapter.to_numpy``, and raises :class:`ConformanceError` (an
 ``AssertionError``) with a precise message on the first violation. It returns
 :data:`PASSED`, or :data:`NOT_APPLICABLE` when the case lacks the capability the check is
-about (or the vector's dtype is not one the adapter accepts).
+about (or the vector's dtype is not one the adapter accepts). Each is written as the check alone,
+registered with ``@_check(name, per_vector, applies)``, which adds those two answers.
 
 :data:`CHECKS` registers every check with whether it runs once per test vector or once per
 configuration; :func:`conformance_items` expands an adapter into the applicable
@@ -18,6 +19,7 @@ which is what ``shared-tests/conformance`` parametrizes over. From a shell::
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import numbers
 import sys
@@ -273,8 +275,53 @@ def _expect_error(where: str, what: str, error: type[Exception], call: Callable[
     _fail(where, f"{what}: was accepted; expected {error.__name__}")
 
 
+# =========================================================================== registry
+@dataclass(frozen=True)
+class Check:
+    """A registered check: ``per_vector`` checks run once per test vector, the others once per
+    configuration; ``applies(capabilities)`` says whether the case's promises make it relevant."""
+
+    name: str
+    function: Callable[..., str]
+    per_vector: bool
+    applies: Callable[[Capabilities], bool]
+
+    @property
+    def doc(self) -> str:
+        return " ".join((self.function.__doc__ or "").split())
+
+
+def _always(_: Capabilities) -> bool:
+    return True
+
+
+_REGISTERED: list[Check] = []
+
+
+def _check(name: str, per_vector: bool, applies: Callable[[Capabilities], bool] = _always):
+    """Register ``check_<name>``: the decorated body states the check only; the wrapper returns
+    :data:`NOT_APPLICABLE` when ``applies(case.capabilities)`` is False or (``per_vector``) the
+    vector's dtype is not one the adapter accepts, and :data:`PASSED` when the body returns."""
+
+    def register(body: Callable[[Adapter, CacheConfigCase, TestVector | None], None]) -> Callable[..., str]:
+        def check(adapter: Adapter, case: CacheConfigCase, vector: TestVector | None = None) -> str:
+            if not applies(case.capabilities):
+                return NOT_APPLICABLE
+            if per_vector and not _applicable(adapter, vector, name):
+                return NOT_APPLICABLE
+            body(adapter, case, vector)
+            return PASSED
+
+        functools.update_wrapper(check, body, assigned=("__module__", "__name__", "__qualname__", "__doc__"))
+        _REGISTERED.append(Check(name, check, per_vector, applies))
+        return check
+
+    return register
+
+
 # =========================================================================== per-config checks
-def check_protocol(adapter: Adapter, case: CacheConfigCase, vector: TestVector | None = None) -> str:
+@_check("protocol", False)
+def check_protocol(adapter: Adapter, case: CacheConfigCase, vector: TestVector | None = None) -> None:
     """A new cache is empty at offset 0 with no raw bytes; it satisfies ``KVCacheLayer``; its
     ``is_trimmable()`` matches the declared capability (and a non-trimmable cache's ``trim``
     raises ``KVTrimError`` changing nothing); ``meta_state`` is plain strings."""
@@ -327,7 +374,6 @@ def check_protocol(adapter: Adapter, case: CacheConfigCase, vector: TestVector |
             change = _same_snapshot(before, _snapshot(adapter, cache))
             if change:
                 _fail(where, f"a rejected trim changed the cache: {change}")
-    return PASSED
 
 
 def flatten_meta(meta: Any) -> list[Any]:
@@ -423,7 +469,8 @@ def _rejections_leave_cache_unchanged(
                 )
 
 
-def check_bad_input(adapter: Adapter, case: CacheConfigCase, vector: TestVector | None = None) -> str:
+@_check("bad_input", False)
+def check_bad_input(adapter: Adapter, case: CacheConfigCase, vector: TestVector | None = None) -> None:
     """Wrong rank, K/V shapes that disagree, B/H/D/Dv changed mid-stream, and K/V of different
     dtypes raise ``KVShapeError`` / ``KVDtypeError`` and leave the cache exactly as it was."""
 
@@ -443,13 +490,13 @@ def check_bad_input(adapter: Adapter, case: CacheConfigCase, vector: TestVector 
             return out
 
         _rejections_leave_cache_unchanged(adapter, case, dtype, bad)
-    return PASSED
 
 
-def check_rejects_nonfinite(adapter: Adapter, case: CacheConfigCase, vector: TestVector | None = None) -> str:
+@_check("rejects_nonfinite", False, lambda c: c.rejects_nonfinite)
+def check_rejects_nonfinite(
+    adapter: Adapter, case: CacheConfigCase, vector: TestVector | None = None
+) -> None:
     """NaN and +/-infinity in keys or values raise ``KVValueError`` and change nothing."""
-    if not case.capabilities.rejects_nonfinite:
-        return NOT_APPLICABLE
     for dtype in adapter.dtypes:
 
         def bad(vec: TestVector, fresh: bool, dtype: str = dtype):
@@ -468,14 +515,12 @@ def check_rejects_nonfinite(adapter: Adapter, case: CacheConfigCase, vector: Tes
             return out
 
         _rejections_leave_cache_unchanged(adapter, case, dtype, bad)
-    return PASSED
 
 
-def check_compresses(adapter: Adapter, case: CacheConfigCase, vector: TestVector | None = None) -> str:
+@_check("compresses", False, lambda c: c.compresses)
+def check_compresses(adapter: Adapter, case: CacheConfigCase, vector: TestVector | None = None) -> None:
     """A compressing configuration holds fewer bytes than raw once ``adapter.long_seq`` tokens of
     planted low-rank data (B=1, H=4, D=64) are in, for every dtype the adapter accepts."""
-    if not case.capabilities.compresses:
-        return NOT_APPLICABLE
     for dtype in adapter.dtypes:
         where = _where(adapter, case, extra=f"{dtype} S={adapter.long_seq}")
         vec = _per_config_vector(dtype, s=adapter.long_seq, seed=778, shape_bh=(1, 4))
@@ -488,15 +533,13 @@ def check_compresses(adapter: Adapter, case: CacheConfigCase, vector: TestVector
                 f"declares compresses=True but holds {cache.nbytes} bytes for {cache.raw_nbytes} raw bytes "
                 f"(ratio {cache.nbytes / max(cache.raw_nbytes, 1):.3f})",
             )
-    return PASSED
 
 
 # =========================================================================== per-vector checks
-def check_shape_dtype(adapter: Adapter, case: CacheConfigCase, vector: TestVector | None = None) -> str:
+@_check("shape_dtype", True)
+def check_shape_dtype(adapter: Adapter, case: CacheConfigCase, vector: TestVector | None = None) -> None:
     """One prefill of the whole vector, then one more token: outputs are ``[B, H, S_total, D]`` /
     ``[B, H, S_total, Dv]`` in the input dtype."""
-    if not _applicable(adapter, vector, "shape_dtype"):
-        return NOT_APPLICABLE
     where = _where(adapter, case, vector)
     b, h, s, d = vector.shape
     dv = vector.values_shape[3]
@@ -511,14 +554,14 @@ def check_shape_dtype(adapter: Adapter, case: CacheConfigCase, vector: TestVecto
                     where,
                     f"step {step}: {label} output dtype {got_dtype}, expected the input dtype {vector.dtype}",
                 )
-    return PASSED
 
 
-def check_offset_accounting(adapter: Adapter, case: CacheConfigCase, vector: TestVector | None = None) -> str:
+@_check("offset_accounting", True)
+def check_offset_accounting(
+    adapter: Adapter, case: CacheConfigCase, vector: TestVector | None = None
+) -> None:
     """Over a prefill, many single-token steps and multi-token appends, ``offset`` is always the
     number of tokens fed, outputs have that length, and ``empty()`` turns False."""
-    if not _applicable(adapter, vector, "offset_accounting"):
-        return NOT_APPLICABLE
     where = _where(adapter, case, vector)
     cache = adapter.make(case.config)
     if cache.offset != 0 or not cache.empty():
@@ -531,13 +574,11 @@ def check_offset_accounting(adapter: Adapter, case: CacheConfigCase, vector: Tes
             _fail(where, f"step {step}: output lengths {_shape(k)[2]}, {_shape(v)[2]}; expected {total}")
         if cache.empty():
             _fail(where, f"step {step}: empty() is True after {total} tokens")
-    return PASSED
 
 
-def check_causal_stability(adapter: Adapter, case: CacheConfigCase, vector: TestVector | None = None) -> str:
+@_check("causal_stability", True, lambda c: c.causal_stable)
+def check_causal_stability(adapter: Adapter, case: CacheConfigCase, vector: TestVector | None = None) -> None:
     """Positions already returned never change, bitwise, after later appends."""
-    if not case.capabilities.causal_stable or not _applicable(adapter, vector, "causal_stability"):
-        return NOT_APPLICABLE
     where = _where(adapter, case, vector)
     cache = adapter.make(case.config)
     previous: tuple[np.ndarray, np.ndarray] | None = None
@@ -549,30 +590,25 @@ def check_causal_stability(adapter: Adapter, case: CacheConfigCase, vector: Test
                 if not _bits_equal(past, old):
                     _fail(where, f"step {step}: earlier {label} changed: {_first_bit_difference(past, old)}")
         previous = current
-    return PASSED
 
 
-def check_lossless(adapter: Adapter, case: CacheConfigCase, vector: TestVector | None = None) -> str:
+@_check("lossless", True, lambda c: c.lossless or c.bitwise_lossless)
+def check_lossless(adapter: Adapter, case: CacheConfigCase, vector: TestVector | None = None) -> None:
     """Lossless configurations return the input at every step: bit for bit where
     ``bitwise_lossless``, else within the rounding of the input dtype."""
-    caps = case.capabilities
-    if not (caps.lossless or caps.bitwise_lossless) or not _applicable(adapter, vector, "lossless"):
-        return NOT_APPLICABLE
     cache = adapter.make(case.config)
     for step, (total, k, v) in enumerate(_stream(adapter, cache, vector, stream_schedule(vector.shape[2]))):
         where = _where(adapter, case, vector, f"step {step}")
         _check_faithful(where, case, vector, _np(adapter, k), vector.keys[:, :, :total], "keys")
         _check_faithful(where, case, vector, _np(adapter, v), vector.values[:, :, :total], "values")
-    return PASSED
 
 
+@_check("reconstruction_error", True)
 def check_reconstruction_error(
     adapter: Adapter, case: CacheConfigCase, vector: TestVector | None = None
-) -> str:
+) -> None:
     """Relative Frobenius error of keys and of values, after the prefill and after the whole
     stream, is within ``case.tolerance_for(vector.family)``."""
-    if not _applicable(adapter, vector, "reconstruction_error"):
-        return NOT_APPLICABLE
     tol = case.tolerance_for(vector.family)
     cache = adapter.make(case.config)
     chunks = stream_schedule(vector.shape[2])
@@ -588,14 +624,12 @@ def check_reconstruction_error(
                     f"{label} relative Frobenius error {err:.4e} exceeds the tolerance {tol:.4e} "
                     f"declared for family {vector.family!r}",
                 )
-    return PASSED
 
 
-def check_byte_honesty(adapter: Adapter, case: CacheConfigCase, vector: TestVector | None = None) -> str:
+@_check("byte_honesty", True)
+def check_byte_honesty(adapter: Adapter, case: CacheConfigCase, vector: TestVector | None = None) -> None:
     """At every step ``nbytes`` equals the summed ``.nbytes`` of the arrays held
     (``adapter.held_arrays``) and ``raw_nbytes`` is ``B*H*offset*(D+Dv)*itemsize``."""
-    if not _applicable(adapter, vector, "byte_honesty"):
-        return NOT_APPLICABLE
     dv = vector.values_shape[3]
     cache = adapter.make(case.config)
 
@@ -611,13 +645,11 @@ def check_byte_honesty(adapter: Adapter, case: CacheConfigCase, vector: TestVect
     verify("new cache")
     for step, _ in enumerate(_stream(adapter, cache, vector, stream_schedule(vector.shape[2]))):
         verify(f"step {step}")
-    return PASSED
 
 
-def check_determinism(adapter: Adapter, case: CacheConfigCase, vector: TestVector | None = None) -> str:
+@_check("determinism", True, lambda c: c.deterministic)
+def check_determinism(adapter: Adapter, case: CacheConfigCase, vector: TestVector | None = None) -> None:
     """Two fresh caches fed the same stream return bitwise equal outputs and equal ``nbytes``."""
-    if not case.capabilities.deterministic or not _applicable(adapter, vector, "determinism"):
-        return NOT_APPLICABLE
     chunks = stream_schedule(vector.shape[2])
     first, second = adapter.make(case.config), adapter.make(case.config)
     streams = zip(
@@ -631,17 +663,15 @@ def check_determinism(adapter: Adapter, case: CacheConfigCase, vector: TestVecto
                 _fail(where, f"two identical runs differ in {label}: {_first_bit_difference(a, b)}")
         if first.nbytes != second.nbytes:
             _fail(where, f"two identical runs hold {first.nbytes} and {second.nbytes} bytes")
-    return PASSED
 
 
-def check_trim(adapter: Adapter, case: CacheConfigCase, vector: TestVector | None = None) -> str:
+@_check("trim", True, lambda c: c.trimmable)
+def check_trim(adapter: Adapter, case: CacheConfigCase, vector: TestVector | None = None) -> None:
     """``trim(0)`` is a no-op; ``trim(-1)`` raises ``KVTrimError`` changing nothing; ``trim(k)``
     drops k tokens (offset, raw bytes, honest nbytes); re-appending them restores a faithful
     output (earlier positions bitwise unchanged where causal-stable); ``trim`` past the start
     clamps to ``offset`` and the cache takes new tokens afterwards."""
     caps = case.capabilities
-    if not caps.trimmable or not _applicable(adapter, vector, "trim"):
-        return NOT_APPLICABLE
     where = _where(adapter, case, vector)
     s, dv = vector.shape[2], vector.values_shape[3]
     cache = adapter.make(case.config)
@@ -711,16 +741,14 @@ def check_trim(adapter: Adapter, case: CacheConfigCase, vector: TestVector | Non
     _check_faithful(
         where + " after trimming everything", case, vector, v_out, vector.values[:, :, :n], "values"
     )
-    return PASSED
 
 
-def check_serialization(adapter: Adapter, case: CacheConfigCase, vector: TestVector | None = None) -> str:
+@_check("serialization", True, lambda c: c.serializable)
+def check_serialization(adapter: Adapter, case: CacheConfigCase, vector: TestVector | None = None) -> None:
     """A cache rebuilt by ``adapter.restore(state, meta_state, config)`` mid-stream has the same
     offset and raw bytes, honest ``nbytes``, and gives identical outputs to the original for
     the rest of the stream (and, where trimmable, after a trim)."""
     caps = case.capabilities
-    if not caps.serializable or not _applicable(adapter, vector, "serialization"):
-        return NOT_APPLICABLE
     where = _where(adapter, case, vector)
     chunks = stream_schedule(vector.shape[2])
     split = max(1, len(chunks) // 2)
@@ -768,7 +796,6 @@ def check_serialization(adapter: Adapter, case: CacheConfigCase, vector: TestVec
             "original",
             "restored",
         )
-    return PASSED
 
 
 def _compare_outputs(adapter, case, vector, where, first, second, name1, name2) -> None:
@@ -781,44 +808,7 @@ def _compare_outputs(adapter, case, vector, where, first, second, name1, name2) 
             _fail(where, f"{name2} {label} shape {b.shape} differs from the {name1}'s {a.shape}")
 
 
-# =========================================================================== registry
-@dataclass(frozen=True)
-class Check:
-    """A registered check: ``per_vector`` checks run once per test vector, the others once per
-    configuration; ``applies(capabilities)`` says whether the case's promises make it relevant."""
-
-    name: str
-    function: Callable[..., str]
-    per_vector: bool
-    applies: Callable[[Capabilities], bool]
-
-    @property
-    def doc(self) -> str:
-        return " ".join((self.function.__doc__ or "").split())
-
-
-def _always(_: Capabilities) -> bool:
-    return True
-
-
-CHECKS: dict[str, Check] = {
-    c.name: c
-    for c in (
-        Check("protocol", check_protocol, False, _always),
-        Check("bad_input", check_bad_input, False, _always),
-        Check("rejects_nonfinite", check_rejects_nonfinite, False, lambda c: c.rejects_nonfinite),
-        Check("compresses", check_compresses, False, lambda c: c.compresses),
-        Check("shape_dtype", check_shape_dtype, True, _always),
-        Check("offset_accounting", check_offset_accounting, True, _always),
-        Check("causal_stability", check_causal_stability, True, lambda c: c.causal_stable),
-        Check("lossless", check_lossless, True, lambda c: c.lossless or c.bitwise_lossless),
-        Check("reconstruction_error", check_reconstruction_error, True, _always),
-        Check("byte_honesty", check_byte_honesty, True, _always),
-        Check("determinism", check_determinism, True, lambda c: c.deterministic),
-        Check("trim", check_trim, True, lambda c: c.trimmable),
-        Check("serialization", check_serialization, True, lambda c: c.serializable),
-    )
-}
+CHECKS: dict[str, Check] = {c.name: c for c in _REGISTERED}
 
 
 @dataclass(frozen=True)
