@@ -69,10 +69,7 @@ ABLATION = {
     "palu-3bit+sinks+scale": dict(palu_sink_tokens=4, palu_token_scale=True),
 }
 #: the scaled tiers with keys and values weighed by relative error at the prefill (no file)
-RELATIVE = {
-    f"palu-{b}bit-scaled+rel": (f"palu-{b}bit-scaled", dict(palu_relative_error=True))
-    for b in ("3", "2.5", "2")
-}
+RELATIVE = ("palu-3bit-scaled+rel", "palu-2.5bit-scaled+rel", "palu-2bit-scaled+rel")
 #: budgets between or beyond the registry's, built from a registry tier with another palu_bits
 #: (name -> (tier, bits)): the frontier on either side of q4's bytes and of half of them
 OTHER_BITS = {
@@ -124,8 +121,7 @@ def candidates(
     configs: dict[str, KVCacheConfig] = {}
     if sensitivity is not None:
         configs.update({name: tier_config(name, head_dim, n_kv, sensitivity) for name in SENSITIVITY_TIERS})
-    for name, (source, fields) in RELATIVE.items():
-        configs[name] = dataclasses.replace(tier_config(source, head_dim, n_kv), **fields)
+    configs.update({name: tier_config(name, head_dim, n_kv) for name in RELATIVE})
     for name, (source, bits) in OTHER_BITS.items():
         if source in configs:
             configs[name] = dataclasses.replace(configs[source], palu_bits=bits)

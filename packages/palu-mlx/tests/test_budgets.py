@@ -226,8 +226,11 @@ def test_measure_sensitivity_refuses_windows_too_short(tiny_model):
 # ---------------------------------------------------------------------- tiers
 def test_sensitivity_tiers_are_twins_of_the_scaled_bit_budget_tiers():
     assert list(SENSITIVITY_TIERS) == [
-        n + SENSITIVITY_SUFFIX for n, t in TIERS.items() if t.config.palu_bits and t.config.palu_token_scale
+        n + SENSITIVITY_SUFFIX
+        for n, t in TIERS.items()
+        if t.config.palu_bits and t.config.palu_token_scale and not t.config.palu_relative_error
     ]
+    assert "palu-2.5bit-scaled+sens" in SENSITIVITY_TIERS  # results files read this name
     name = "palu-2.5bit-scaled" + SENSITIVITY_SUFFIX
     entry = tier(name)
     assert entry.calibration == "sensitivity" and entry.config.palu_sensitivity is None

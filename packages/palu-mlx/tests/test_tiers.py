@@ -24,6 +24,9 @@ def test_registry_is_keyed_by_tier_name_in_display_order():
         "palu-3bit-scaled",
         "palu-2.5bit-scaled",
         "palu-2bit-scaled",
+        "palu-3bit-scaled+rel",
+        "palu-2.5bit-scaled+rel",
+        "palu-2bit-scaled+rel",
         "palu-3bit",
         "palu-2bit",
         "palu-1.5bit",
@@ -114,7 +117,11 @@ def test_every_tier_caches_and_errors_grow_down_the_list():
 
 
 def test_calibrated_tiers_are_the_bit_budget_tiers_twins_in_their_order():
-    budget = [name for name, t in TIERS.items() if t.config.palu_bits is not None]
+    budget = [
+        name
+        for name, t in TIERS.items()
+        if t.config.palu_bits is not None and not t.config.palu_relative_error
+    ]
     assert list(CALIBRATED_TIERS) == [f"{name}+cal" for name in budget]
     assert "palu-2.5bit-scaled+cal" in CALIBRATED_TIERS  # results files and docs read this name
     for name, twin in CALIBRATED_TIERS.items():

@@ -128,6 +128,10 @@ def _scaled(bits: float) -> str:
     )
 
 
+def _relative(bits: float) -> str:
+    return _scaled(bits) + ", keys and values weighed by relative error at the prefill"
+
+
 _UNQUANTIZED = dict(palu_hi_bit=UNQUANTIZED_BITS, palu_lo_bit=UNQUANTIZED_BITS)
 
 #: name -> :class:`Tier`, easiest (closest to lossless) first
@@ -158,6 +162,13 @@ TIERS: dict[str, Tier] = {
         Tier("palu-3bit-scaled", _scaled(3), _palu(palu_bits=3.0, **_SCALED)),
         Tier("palu-2.5bit-scaled", _scaled(2.5), _palu(palu_bits=2.5, **_SCALED)),
         Tier("palu-2bit-scaled", _scaled(2), _palu(palu_bits=2.0, **_SCALED)),
+        Tier("palu-3bit-scaled+rel", _relative(3), _palu(palu_bits=3.0, palu_relative_error=True, **_SCALED)),
+        Tier(
+            "palu-2.5bit-scaled+rel",
+            _relative(2.5),
+            _palu(palu_bits=2.5, palu_relative_error=True, **_SCALED),
+        ),
+        Tier("palu-2bit-scaled+rel", _relative(2), _palu(palu_bits=2.0, palu_relative_error=True, **_SCALED)),
         Tier(
             "palu-3bit",
             "keys before RoPE where supported, 3 code bits per element by water-filling, "
@@ -201,10 +212,15 @@ def _calibrated_twin(base: Tier) -> Tier:
     )
 
 
-#: name -> calibrated :class:`Tier` (``<tier>+cal``), one per tier of :data:`TIERS` with a bit budget, in its order
+#: name -> calibrated :class:`Tier` (``<tier>+cal``), one per tier of :data:`TIERS` with a bit budget
+#: (weighed by squared error: a calibration sets its own widths), in its order
 CALIBRATED_TIERS: dict[str, Tier] = {
     t.name: t
-    for t in (_calibrated_twin(base) for base in TIERS.values() if base.config.palu_bits is not None)
+    for t in (
+        _calibrated_twin(base)
+        for base in TIERS.values()
+        if base.config.palu_bits is not None and not base.config.palu_relative_error
+    )
 }
 
 
@@ -223,14 +239,17 @@ def _sensitivity_twin(base: Tier) -> Tier:
 
 #: name -> :class:`Tier` whose bits are spread over the layers, and between keys and values, by a
 #: sensitivity profile of the model (``<tier>+sens``; :mod:`palu_mlx.budgets`), one per tier of
-#: :data:`TIERS` with a bit budget and a per-token scale, in its order. Not in :data:`TIERS`: the
+#: :data:`TIERS` with a bit budget and a per-token scale (weighed by squared error: the profile's
+#: weights are per unit of it), in its order. Not in :data:`TIERS`: the
 #: conformance suite has no model to profile.
 SENSITIVITY_TIERS: dict[str, Tier] = {
     t.name: t
     for t in (
         _sensitivity_twin(base)
         for base in TIERS.values()
-        if base.config.palu_bits is not None and base.config.palu_token_scale
+        if base.config.palu_bits is not None
+        and base.config.palu_token_scale
+        and not base.config.palu_relative_error
     )
 }
 
