@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import math
 
+import kvspec
 import numpy as np
 import pytest
 from kvspec import (
     KVConfigError,
     KVDtypeError,
     KVShapeError,
-    KVSpecError,
     KVTrimError,
-    KVValueError,
     StorageStats,
     check_kv_pair,
+    interface,
     trim_count,
 )
 
@@ -54,15 +54,31 @@ def test_dtype_mismatch():
         check_kv_pair((1, 1, 1, 8), (1, 1, 1, 8), F32, np.dtype(np.float16))
 
 
+#: the builtin each error class also is, so callers that only know the builtins still catch it
+BUILTIN = {
+    "KVConfigError": ValueError,
+    "KVShapeError": ValueError,
+    "KVDtypeError": TypeError,
+    "KVValueError": ValueError,
+    "KVTrimError": ValueError,
+    "KVDataError": ValueError,
+}
+
+
 def test_error_hierarchy_lets_builtin_handlers_catch():
-    for cls, builtin in (
-        (KVConfigError, ValueError),
-        (KVShapeError, ValueError),
-        (KVDtypeError, TypeError),
-        (KVValueError, ValueError),
-        (KVTrimError, ValueError),
-    ):
-        assert issubclass(cls, KVSpecError) and issubclass(cls, builtin)
+    errors = {name for name in interface.__all__ if name.endswith("Error")} - {"KVSpecError"}
+    assert errors == set(BUILTIN)  # a new error class is added to BUILTIN, with its builtin
+    for name, builtin in BUILTIN.items():
+        cls = getattr(interface, name)
+        assert issubclass(cls, interface.KVSpecError) and issubclass(cls, builtin)
+
+
+def test_package_root_exports_the_interface():
+    assert set(interface.__all__) <= set(kvspec.__all__)
+    for name in kvspec.__all__:
+        assert getattr(kvspec, name) is not None
+    for name in interface.__all__:
+        assert getattr(kvspec, name) is getattr(interface, name)
 
 
 def test_storage_stats():
