@@ -109,20 +109,22 @@ QUANTIZERS: dict[str, tuple[Quantizer, float, str]] = {
     ),
 }
 
+
+def _both(quantizer: str, recent: int = 0) -> tuple[str, str, str, int]:
+    """A factor quantizing keys and values alike, labelled by the quantizer (and ``+ recent<n>``)."""
+    return (quantizer + (f" + recent{recent}" if recent else ""), quantizer, quantizer, recent)
+
+
 #: (label, key quantizer, value quantizer, newest tokens kept raw)
 FACTORS: list[tuple[str, str, str, int]] = [
-    ("jpeg-k8-int4", "jpeg-k8-int4", "jpeg-k8-int4", 0),
+    _both("jpeg-k8-int4"),
     ("jpeg-k8-int4 keys only", "jpeg-k8-int4", "exact", 0),
     ("jpeg-k8-int4 values only", "exact", "jpeg-k8-int4", 0),
-    ("token-sym", "token-sym", "token-sym", 0),
-    ("token-zero", "token-zero", "token-zero", 0),
-    ("jpeg-k8-int4z", "jpeg-k8-int4z", "jpeg-k8-int4z", 0),
-    ("dct-sym-g32", "dct-sym-g32", "dct-sym-g32", 0),
-    ("mixed-dc8", "mixed-dc8", "mixed-dc8", 0),
+    *(_both(q) for q in ("token-sym", "token-zero", "jpeg-k8-int4z", "dct-sym-g32", "mixed-dc8")),
     ("channel-block8 keys, jpeg-k8-int4z values", "channel-block8", "jpeg-k8-int4z", 0),
     ("channel-block8 keys only", "channel-block8", "exact", 0),
-    ("jpeg-k8-int4 + recent64", "jpeg-k8-int4", "jpeg-k8-int4", 64),
-    ("jpeg-k8-int4z + recent64", "jpeg-k8-int4z", "jpeg-k8-int4z", 64),
+    _both("jpeg-k8-int4", recent=64),
+    _both("jpeg-k8-int4z", recent=64),
 ]
 
 #: (label, QuantizedCache keyword arguments beyond backend="hqq", nbits=4)
