@@ -10,15 +10,12 @@ round their output, so each is compared with the fp64 truth instead: within one 
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
-from conftest import CODECS
-from flashcodec import CodecKVCache, CodecStream
+from attention_reference import filled_cache, fp64_truth, refuse_view_reads
+from flashcodec import CodecStream
 from flashcodec.attention import (
     TORCH_CHUNK_BYTES,
-    additive_key_mask,
     codec_decode_attention,
     coded_rows,
     materialized_decode_attention,
@@ -39,47 +36,10 @@ ATTN_TIERS = [
 ]
 
 
-def unit_walk(b, h, s, d, *, g, dtype=torch.float32):
-    """Random walk along the sequence, every token scaled to RMS 1 (keys of real models are normed)."""
-    x = torch.randn(b, h, 1, d, generator=g) + 0.1 * torch.randn(b, h, s, d, generator=g).cumsum(2)
-    return (x / x.pow(2).mean(-1, keepdim=True).sqrt()).to(dtype)
-
-
-def filled_cache(tier, *, b=2, h=2, s=203, d=64, seed=0, dtype=torch.float32):
-    g = torch.Generator().manual_seed(seed)
-    cache = CodecKVCache(codec=CODECS[tier])
-    cache.append(unit_walk(b, h, s, d, g=g, dtype=dtype), unit_walk(b, h, s, d, g=g, dtype=dtype))
-    return cache, g
-
-
-def fp64_truth(query, cache, key_mask=None):
-    """Attention over the fp64 reconstruction of the same stored rows."""
-    groups = query.shape[1] // cache.keys.heads
-
-    def full(stream):
-        view = torch.cat(
-            [cache.codec.decode(stream.archived_parts(), torch.float64), stream.tail().double()], 2
-        )
-        return view.repeat_interleave(groups, dim=1)
-
-    k, v = full(cache.keys), full(cache.values)
-    scores = query.double() @ k.transpose(-1, -2) / math.sqrt(query.shape[-1])
-    if key_mask is not None:
-        scores = scores + additive_key_mask(key_mask, query.shape[0], k.shape[2]).double()[:, None, None, :]
-    return scores.softmax(-1) @ v
-
-
 @pytest.fixture
 def no_view_reads(monkeypatch):
     """Make any read of the reconstructed view (or any decode of an archived block) fail loudly."""
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("the coefficient-domain path read the reconstructed view")
-
-    monkeypatch.setattr(CodecStream, "read", refuse)
-    monkeypatch.setattr(CodecStream, "_ensure_view", refuse)
-    for name in ("jpeg-k2", "png-keep1"):
-        monkeypatch.setattr(type(CodecKVCache(codec=CODECS[name]).codec), "decode", refuse)
+    refuse_view_reads(monkeypatch, "coefficient-domain path", decoding_tiers=("jpeg-k2", "png-keep1"))
 
 
 @pytest.mark.parametrize("groups", [1, 4], ids=lambda g: f"G{g}")

@@ -10,12 +10,11 @@ than one chunk of spare blocks, so resident bytes stay within held + one chunk +
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
+from attention_reference import filled_cache, fp64_truth, refuse_view_reads
 from conftest import CODECS
-from flashcodec import CodecKVCache, CodecStream
+from flashcodec import CodecKVCache
 from flashcodec.attention import (
     CHUNK_BLOCKS,
     chunk_blocks_for,
@@ -27,47 +26,14 @@ from flashcodec.stream import SPARE_BLOCKS
 from kvspec import KVConfigError, KVDtypeError, KVShapeError
 
 
-def unit_walk(b, h, s, d, *, g, dtype=torch.float32):
-    x = torch.randn(b, h, 1, d, generator=g) + 0.1 * torch.randn(b, h, s, d, generator=g).cumsum(2)
-    return (x / x.pow(2).mean(-1, keepdim=True).sqrt()).to(dtype)
-
-
-def filled(tier, *, b=2, h=2, s=203, d=32, seed=0, dtype=torch.float32, steps=(203,)):
-    """A cache filled in ``steps`` appends (their sum is ``s``)."""
-    g = torch.Generator().manual_seed(seed)
-    cache = CodecKVCache(codec=CODECS[tier])
-    keys, values = unit_walk(b, h, s, d, g=g, dtype=dtype), unit_walk(b, h, s, d, g=g, dtype=dtype)
-    start = 0
-    for n in steps:
-        cache.append(keys[:, :, start : start + n], values[:, :, start : start + n])
-        start += n
-    assert start == s
-    return cache, g
-
-
-def fp64_truth(query, cache):
-    groups = query.shape[1] // cache.keys.heads
-    s, total = query.shape[2], cache.offset
-
-    def full(stream):
-        parts = stream.archived_parts()
-        view = torch.cat([cache.codec.decode(parts, stream.dtype).double(), stream.tail().double()], 2)
-        return view.repeat_interleave(groups, dim=1)
-
-    k, v = full(cache.keys), full(cache.values)
-    scores = query.double() @ k.transpose(-1, -2) / math.sqrt(query.shape[-1])
-    pos_q = torch.arange(total - s, total)
-    scores = scores.masked_fill(torch.arange(total)[None, :] > pos_q[:, None], -math.inf)
-    return scores.softmax(-1) @ v
+def filled(tier, *, d=32, **kwargs):
+    """:func:`attention_reference.filled_cache` at D = 32 by default."""
+    return filled_cache(tier, d=d, **kwargs)
 
 
 @pytest.fixture
 def no_view_reads(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("the chunked path read the reconstructed view")
-
-    monkeypatch.setattr(CodecStream, "read", refuse)
-    monkeypatch.setattr(CodecStream, "_ensure_view", refuse)
+    refuse_view_reads(monkeypatch, "chunked path")
 
 
 @pytest.mark.parametrize("batch", [1, 2], ids=lambda b: f"B{b}")
@@ -104,7 +70,7 @@ def test_half_precision_within_one_rounding_of_the_truth(tier, dtype, one_roundi
     query = torch.randn(2, 4, 83, 32, generator=g).to(dtype)
     got = codec_prefill_attention(query, cache.keys, cache.values, chunk_blocks=4)
     assert got.dtype == dtype
-    truth = fp64_truth(query, cache)
+    truth = fp64_truth(query, cache, causal=True, decode_dtype=None)
     scale = truth.abs().max()
     assert (got.double() - truth).abs().max() <= one_rounding * scale
     want = materialized_prefill_attention(query, cache.keys, cache.values)
