@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from conftest import CODECS
 from flashcodec import CodecKVCache, CodecStream
@@ -62,3 +63,13 @@ def refuse_view_reads(monkeypatch, path: str, decoding_tiers=()) -> None:
     monkeypatch.setattr(CodecStream, "_ensure_view", refuse)
     for name in decoding_tiers:
         monkeypatch.setattr(type(CodecKVCache(codec=CODECS[name]).codec), "decode", refuse)
+
+
+def assert_rejected_unchanged(cache, error, match, call) -> None:
+    """``call()`` raises ``error`` matching ``match`` and leaves ``cache`` as it was: every state
+    tensor equal, no view built."""
+    before = [t.clone() for t in cache.state]
+    with pytest.raises(error, match=match):
+        call()
+    assert all(torch.equal(a, b) for a, b in zip(before, cache.state, strict=True))
+    assert not cache.keys.has_view
