@@ -76,6 +76,8 @@ OTHER_BITS = {
     "palu-3.5bit-scaled+sens": ("palu-3bit-scaled+sens", 3.5),
     "palu-1.5bit-scaled+sens": ("palu-2bit-scaled+sens", 1.5),
     "palu-1.5bit-scaled+rel": ("palu-2bit-scaled+rel", 1.5),
+    "palu-1.25bit-scaled+sens": ("palu-2bit-scaled+sens", 1.25),
+    "palu-3.25bit-scaled+rel": ("palu-3bit-scaled+rel", 3.25),
 }
 PEERS = {"mlx-lm-q8": 8, "mlx-lm-q4": 4}
 
