@@ -456,15 +456,9 @@ class FlashCodecHarness:
         args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         model, tokenizer, info = load_model(args.model, args.device, args.dtype)
         info["torch_threads"] = torch.get_num_threads()
-        return Loaded(
-            runner=TorchRunner(model, tokenizer, args.device),
-            info=info,
-            encode_text=lambda t: tokenizer.encode(t, add_special_tokens=False),
-            encode_prompt=tokenizer.encode,
-            max_positions=getattr(
-                model.config.get_text_config(decoder=True), "max_position_embeddings", None
-            ),
-            handle=model,
+        max_positions = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+        return Loaded.with_tokenizer(
+            TorchRunner(model, tokenizer, args.device), tokenizer, info, max_positions, model
         )
 
     def candidates(self, loaded: Loaded, tiers: Sequence[str], peers: Sequence[str]):

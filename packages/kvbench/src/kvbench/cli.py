@@ -63,6 +63,21 @@ class Loaded:
     max_positions: int | None
     handle: Any = None  # whatever the harness needs later to build caches (the model)
 
+    @classmethod
+    def with_tokenizer(
+        cls, runner: Runner, tokenizer: Any, info: dict[str, Any], max_positions: int | None, handle: Any
+    ) -> Loaded:
+        """Loaded with a Hugging Face style ``tokenizer``: text encoded without special tokens (it is
+        a slice of a longer document), prompts with them."""
+        return cls(
+            runner=runner,
+            info=info,
+            encode_text=lambda text: tokenizer.encode(text, add_special_tokens=False),
+            encode_prompt=tokenizer.encode,
+            max_positions=max_positions,
+            handle=handle,
+        )
+
 
 class Harness(Protocol):
     """What a package gives :func:`run_compare`."""

@@ -361,14 +361,8 @@ class PaluHarness:
     def load(self, args: argparse.Namespace) -> Loaded:
         self._calibration = args.calibration
         model, tokenizer, info = load_model(args.model, args.dtype, args.compute_dtype)
-        return Loaded(
-            runner=MLXRunner(model, tokenizer),
-            info=info,
-            encode_text=lambda t: tokenizer.encode(t, add_special_tokens=False),
-            encode_prompt=tokenizer.encode,
-            max_positions=getattr(getattr(model, "args", None), "max_position_embeddings", None),
-            handle=model,
-        )
+        max_positions = getattr(getattr(model, "args", None), "max_position_embeddings", None)
+        return Loaded.with_tokenizer(MLXRunner(model, tokenizer), tokenizer, info, max_positions, model)
 
     def candidates(self, loaded: Loaded, tiers: Sequence[str], peers: Sequence[str]):
         return build_candidates(loaded.handle, tiers, peers, self._calibration), []
