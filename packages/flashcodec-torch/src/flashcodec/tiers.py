@@ -149,8 +149,6 @@ _TABLE: tuple[tuple[str, bool, BlockCodec, str], ...] = (
      f"kivi64r-k3v2-w64i8, {_S8}; only the incomplete block int8"),
     ("kivi64r-k3v2-w0i8-s8z4", _MF, _kivi64r(3, 2, raw_window=0, side_bits=8, value_zero_bits=4),
      "kivi64r-k3v2-w0i8-s8 with the values' zero points in 4 bits (two tokens a byte)"),
-    ("kivi64r-k3v2-w0i8-s8n", _MF, _kivi64r(3, 2, raw_window=0, side_bits=8, exact_sink=False),
-     "kivi64r-k3v2-w0i8-s8 with the keys' zero points int8 too: the first key coded like the rest"),
     ("jpeg-k4", _PLAIN, JPEGCodec(8, keep_freqs=4), f"jpeg, lowest 4 of 8 coefficients: {_UNUSABLE}"),
     ("jpeg-k2", _PLAIN, JPEGCodec(8, keep_freqs=2), f"jpeg, lowest 2 of 8 coefficients: {_UNUSABLE}"),
     ("jpeg-k2-int8", _MF, JPEGCodec(8, keep_freqs=2, quant_bits=8),
