@@ -271,25 +271,25 @@ def test_bad_options(options, match):
         RotatedKIVICodec(**options)
 
 
-@pytest.mark.slow
-def test_triton_kernel_matches_the_reference_under_the_interpreter():
-    """The Triton kernel, unchanged, on rotated archives (query and tail rotated outside it)."""
+def assert_triton_matches_torch(codecs: str, s: int = 61) -> None:
+    """Under ``TRITON_INTERPRET=1`` (a subprocess): for each ``(codec, dtype)`` of the Python
+    expression ``codecs`` (RotatedKIVICodec in scope), decode attention of the Triton kernel on a
+    tiny cache of ``s`` tokens (D = 16, a masked prefix) equals the torch reference's."""
     pytest.importorskip("triton")
     script = textwrap.dedent(
-        """
+        f"""
         import torch
         from flashcodec import CodecKVCache
         from flashcodec.attention import codec_decode_attention
         from flashcodec.codecs.rotated import RotatedKIVICodec
         g = torch.Generator().manual_seed(0)
-        for codec, dtype in ((RotatedKIVICodec(16, raw_window=8), torch.float32),
-                             (RotatedKIVICodec(16, 2, 3, rotate_values=False), torch.bfloat16)):
-            k = torch.randn(1, 2, 61, 16, generator=g).to(dtype)
-            v = torch.randn(1, 2, 61, 16, generator=g).to(dtype)
+        for codec, dtype in {codecs}:
+            k = torch.randn(1, 2, {s}, 16, generator=g).to(dtype)
+            v = torch.randn(1, 2, {s}, 16, generator=g).to(dtype)
             cache = CodecKVCache(codec=codec)
             cache.append(k, v)
             q = torch.randn(1, 4, 1, 16, generator=g).to(dtype)
-            mask = torch.ones(1, 61, dtype=torch.bool)
+            mask = torch.ones(1, {s}, dtype=torch.bool)
             mask[0, :5] = False
             want = codec_decode_attention(q, cache.keys, cache.values, key_mask=mask, backend="torch")
             got = codec_decode_attention(
@@ -303,6 +303,15 @@ def test_triton_kernel_matches_the_reference_under_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_triton_kernel_matches_the_reference_under_the_interpreter():
+    """The Triton kernel, unchanged, on rotated archives (query and tail rotated outside it)."""
+    assert_triton_matches_torch(
+        "((RotatedKIVICodec(16, raw_window=8), torch.float32),"
+        " (RotatedKIVICodec(16, 2, 3, rotate_values=False), torch.bfloat16))"
+    )
 
 
 def test_transformers_decode_on_the_codes_equals_the_materialized_path():

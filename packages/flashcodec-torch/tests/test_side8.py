@@ -3,11 +3,6 @@ fp16 base per block, int8 zero points in half steps; the ``-s8`` tiers."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
-
 import pytest
 import torch
 from flashcodec import CodecKVCache
@@ -29,7 +24,7 @@ from flashcodec.codecs.rotated import (
 )
 from flashcodec.tiers import TIERS, tier
 from kvspec import KVConfigError, KVDataError
-from test_rotated import kv
+from test_rotated import assert_triton_matches_torch, kv
 
 
 def _levels(codes: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
@@ -247,34 +242,9 @@ def test_the_s8_tiers_name_their_codecs():
 @pytest.mark.slow
 def test_triton_kernel_matches_the_reference_under_the_interpreter():
     """The Triton kernel reads the expanded 8-bit side information as it reads fp16's."""
-    pytest.importorskip("triton")
-    script = textwrap.dedent(
-        """
-        import torch
-        from flashcodec import CodecKVCache
-        from flashcodec.attention import codec_decode_attention
-        from flashcodec.codecs.rotated import RotatedKIVICodec
-        g = torch.Generator().manual_seed(0)
-        for codec, dtype in ((RotatedKIVICodec(16, 3, 2, raw_window=0, side_bits=8, value_zero_bits=4),
-                              torch.float32),
-                             (RotatedKIVICodec(16, 8, 8, raw_window=8, window_bits=None,
-                                               side_bits=8, exact_sink=False), torch.bfloat16)):
-            k = torch.randn(1, 2, 45, 16, generator=g).to(dtype)
-            v = torch.randn(1, 2, 45, 16, generator=g).to(dtype)
-            cache = CodecKVCache(codec=codec)
-            cache.append(k, v)
-            q = torch.randn(1, 4, 1, 16, generator=g).to(dtype)
-            mask = torch.ones(1, 45, dtype=torch.bool)
-            mask[0, :3] = False
-            want = codec_decode_attention(q, cache.keys, cache.values, key_mask=mask, backend="torch")
-            got = codec_decode_attention(
-                q, cache.keys, cache.values, key_mask=mask, backend="triton", blocks_per_split=1
-            )
-            err = (got.float() - want.float()).abs().max() / want.float().abs().max()
-            assert err < (1e-5 if dtype == torch.float32 else 2e-2), (codec, float(err))
-        print("ok")
-        """
+    assert_triton_matches_torch(
+        "((RotatedKIVICodec(16, 3, 2, raw_window=0, side_bits=8, value_zero_bits=4), torch.float32),"
+        " (RotatedKIVICodec(16, 8, 8, raw_window=8, window_bits=None, side_bits=8, exact_sink=False),"
+        " torch.bfloat16))",
+        s=45,
     )
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]
