@@ -1,6 +1,6 @@
 """The flashcodec tiers: the one place a storage tier is defined.
 
-A tier is a named codec (r = 8 tokens per block; 64 for the per-channel ``chan64`` tiers) with a
+A tier is a named codec (r = 8 tokens per block; 64 for the ``chan64`` and ``kivi64`` tiers) with a
 one-line description. :data:`TIERS` lists each storage format once, easiest first; the
 conformance adapter (:mod:`flashcodec.kvspec_adapter`) adds capabilities and tolerances to them, and
 command lines, benchmarks and tests read them from here.
@@ -15,7 +15,12 @@ Attention is a second axis, not a second copy of each tier: ``tier("<name>-mf")`
 over the archive in chunks). It stores exactly what ``<name>`` stores. Every tier takes the
 suffix; a tier marked ``offer_mf`` also lists its ``-mf`` name right after its own
 (:func:`tier_names`: ``flashcodec compare --list`` and its default selection). Adding a tier is
-one line below.
+one row of ``_TABLE`` below.
+
+The KIVI names read ``kivi<r>[r]-k<key bits>v<value bits>-w<window>[i8][-s8[z4]]``: ``r`` a Hadamard
+rotation of the channels, ``w`` newest tokens kept out of the blocks (``w0``: only the incomplete
+block), ``i8`` those in int8 per token (raw otherwise), ``s8`` 8-bit scales and zero points
+(``side_bits=8``), ``z4`` the values' zero points in 4 bits.
 """
 
 from __future__ import annotations
