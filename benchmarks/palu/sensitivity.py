@@ -14,7 +14,7 @@ held-out text the tiers are scored on, so the profile is not fitted to the evalu
 Writes ``benchmarks/results/palu_sensitivity.json`` (per layer: KL and squared error for keys
 and values, the weight ``kl / error``, and the bits :meth:`SensitivityProfile.allocate` gives
 each layer at 2, 2.5 and 3 bits) and the profile beside the model
-(:func:`palu_mlx.budgets.profile_path`, or ``--profile``), which the ``-sens`` tiers read. The model
+(:func:`palu_mlx.budgets.profile_path`, or ``--profile``), which the ``+sens`` tiers read (``real_model.py --sensitivity``). The model
 computes in float32 with its keys and values rounded to bfloat16 (what a bfloat16 model caches).
 """
 

@@ -2,8 +2,9 @@
 
 One water-filling level per layer (:class:`~palu_mlx.coders.WaterFilling`) spends the same bits
 on every layer and weighs a unit of key error like a unit of value error. On a real model the
-layers are not alike: coding one layer's keys at a low budget can move the output distribution
-a hundred times more than coding another's. This module measures that once per model and
+layers are not alike: on SmolLM2-135M, coding one layer's values at 2 bits moves the output
+distribution over two hundred times more than coding another layer's keys
+(``benchmarks/results/palu_sensitivity.json``). This module measures that once per model and
 spends the bits where they buy the most.
 
 **Measuring** (:func:`measure_sensitivity`): with every other layer exact, one layer's keys (or
@@ -23,9 +24,12 @@ bits that level gives its keys and values, as a :class:`~palu_mlx.coders.WaterFi
 the prefill the layer water-fills its own variances with those weights, so a text whose
 statistics differ from the measurement's still spends the layer's bits on its channels.
 
-The profile is per model (the weights depend on what the later layers do with a layer's error),
-written beside the model as a small JSON file (:func:`profile_path`), the way a calibration file
-is; it holds no projection or quantizer, only 2 numbers and 2 variance spectra per layer.
+The profile is per model, measured once and written beside the model as a small JSON file
+(:func:`profile_path`), the way a calibration file is; it holds no projection or quantizer, only
+2 numbers and 2 variance spectra per layer. A cache cannot compute the weights itself at the
+prefill: what a layer's error costs depends on what the later layers do with it, which no layer
+sees. The part a cache can compute, weighing each tensor by its relative error instead of its
+squared error, is :attr:`~palu_mlx.coders.WaterFilling.relative` (no file).
 """
 
 from __future__ import annotations
