@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import sys
 import time
 from pathlib import Path
@@ -30,7 +31,7 @@ import numpy as np
 from kvbench.models import resolve_model
 from kvbench.protocol import Settings, text_windows
 from kvbench.results import environment_stamp, results_path, write_json
-from palu_mlx.budgets import measure_sensitivity, profile_path
+from palu_mlx.budgets import SensitivityProfile, measure_sensitivity, profile_path
 from palu_mlx.calibration.fit import default_calibration_text
 from palu_mlx.compare import load_model
 
@@ -48,7 +49,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--windows", type=int, default=2)
     parser.add_argument("--profile", type=Path, default=None, help="where to write the profile")
     parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument(
+        "--summarize",
+        action="store_true",
+        help="measure nothing: rewrite --out's summary and layers from the profile already written",
+    )
     args = parser.parse_args(argv)
+    target = args.profile or profile_path(resolve_model(args.model))
+    if args.summarize:
+        result = json.loads(args.out.read_text())
+        result.update(summarize(SensitivityProfile.load(target), result["summary"]["seconds"]))
+        write_json(args.out, result)
+        print(json.dumps(result["summary"]["relative_error_proxy"]))
+        return 0
 
     model, tokenizer, info = load_model(args.model, "bfloat16", "float32")
     text = default_calibration_text()
@@ -62,8 +75,30 @@ def main(argv: list[str] | None = None) -> int:
         model, windows, args.scored, args.bits, progress=lambda line: print(line, flush=True)
     )
     seconds = time.perf_counter() - started
-    target = args.profile or profile_path(resolve_model(args.model))
     profile.save(target)
+    result = {
+        "setup": {
+            "model": info,
+            "text": "palu_mlx/data/calibration.txt",
+            "text_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(),
+            "windows": args.windows,
+            "context_tokens": args.context,
+            "scored_tokens": args.scored,
+            "bits": args.bits,
+            "sink_tokens": 4,
+        },
+        **summarize(profile, seconds),
+        "profile_file": Path(target).name,
+        **environment_stamp(["palu-mlx", "kvbench", "mlx", "mlx-lm"]),
+        "command": " ".join(["python benchmarks/palu/sensitivity.py", *(argv or sys.argv[1:])]),
+    }
+    write_json(args.out, result)
+    print(f"wrote {args.out} and {target} ({seconds:.0f} s)")
+    return 0
+
+
+def summarize(profile: SensitivityProfile, seconds: float) -> dict:
+    """The results file's ``summary`` and ``layers`` from a profile."""
     wk, wv = profile.weights()
     allocations = {f"{b:g}": [c.bits for c in profile.allocate(b)] for b in PREVIEW_BITS}
     layers = [
@@ -80,17 +115,10 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(profile.n_layers)
     ]
     kl = np.array([profile.key_kl, profile.value_kl])
-    result = {
-        "setup": {
-            "model": info,
-            "text": "palu_mlx/data/calibration.txt",
-            "text_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(),
-            "windows": args.windows,
-            "context_tokens": args.context,
-            "scored_tokens": args.scored,
-            "bits": args.bits,
-            "sink_tokens": 4,
-        },
+    # the prefill-computable proxy (WaterFilling.relative): a tensor's weight as 1 / its energy
+    energy = np.array([[sum(v) for v in profile.key_variances], [sum(v) for v in profile.value_variances]])
+    weights = np.array([wk, wv])
+    return {
         "summary": {
             "key_kl_sum": float(kl[0].sum()),
             "value_kl_sum": float(kl[1].sum()),
@@ -102,16 +130,22 @@ def main(argv: list[str] | None = None) -> int:
                 ),
                 reverse=True,
             )[:8],
+            "relative_error_proxy": {
+                "corr_log_weight_vs_log_inverse_energy": float(
+                    np.corrcoef(np.log(weights).ravel(), -np.log(energy).ravel())[0, 1]
+                ),
+                "corr_log_key_over_value_weight_vs_log_value_over_key_energy": float(
+                    np.corrcoef(np.log(wk / wv), np.log(energy[1] / energy[0]))[0, 1]
+                ),
+                "weight_spread_max_over_min": float(weights.max() / weights.min()),
+                "relative_weight_spread_max_over_min": float(
+                    (weights * energy).max() / (weights * energy).min()
+                ),
+            },
             "seconds": round(seconds, 1),
         },
         "layers": layers,
-        "profile_file": Path(target).name,
-        **environment_stamp(["palu-mlx", "kvbench", "mlx", "mlx-lm"]),
-        "command": " ".join(["python benchmarks/palu/sensitivity.py", *(argv or sys.argv[1:])]),
     }
-    write_json(args.out, result)
-    print(f"wrote {args.out} and {target} ({seconds:.0f} s)")
-    return 0
 
 
 if __name__ == "__main__":
