@@ -69,7 +69,12 @@ ABLATION = {
     "palu-3bit+sinks+scale": dict(palu_sink_tokens=4, palu_token_scale=True),
 }
 #: the scaled tiers with keys and values weighed by relative error at the prefill (no file)
-RELATIVE = ("palu-3bit-scaled+rel", "palu-2.5bit-scaled+rel", "palu-2bit-scaled+rel")
+RELATIVE = (
+    "palu-3.25bit-scaled+rel",
+    "palu-3bit-scaled+rel",
+    "palu-2.5bit-scaled+rel",
+    "palu-2bit-scaled+rel",
+)
 #: budgets between or beyond the registry's, built from a registry tier with another palu_bits
 #: (name -> (tier, bits)): the frontier on either side of q4's bytes and of half of them
 OTHER_BITS = {
@@ -77,7 +82,6 @@ OTHER_BITS = {
     "palu-1.5bit-scaled+sens": ("palu-2bit-scaled+sens", 1.5),
     "palu-1.5bit-scaled+rel": ("palu-2bit-scaled+rel", 1.5),
     "palu-1.25bit-scaled+sens": ("palu-2bit-scaled+sens", 1.25),
-    "palu-3.25bit-scaled+rel": ("palu-3bit-scaled+rel", 3.25),
 }
 PEERS = {"mlx-lm-q8": 8, "mlx-lm-q4": 4}
 

@@ -162,6 +162,11 @@ TIERS: dict[str, Tier] = {
         Tier("palu-3bit-scaled", _scaled(3), _palu(palu_bits=3.0, **_SCALED)),
         Tier("palu-2.5bit-scaled", _scaled(2.5), _palu(palu_bits=2.5, **_SCALED)),
         Tier("palu-2bit-scaled", _scaled(2), _palu(palu_bits=2.0, **_SCALED)),
+        Tier(
+            "palu-3.25bit-scaled+rel",
+            _relative(3.25),
+            _palu(palu_bits=3.25, palu_relative_error=True, **_SCALED),
+        ),
         Tier("palu-3bit-scaled+rel", _relative(3), _palu(palu_bits=3.0, palu_relative_error=True, **_SCALED)),
         Tier(
             "palu-2.5bit-scaled+rel",
