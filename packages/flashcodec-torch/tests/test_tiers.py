@@ -41,8 +41,6 @@ NAMES = [
     "kivi64r-k8v8-w32-s8-mf",
     "kivi64r-k3v3-w0i8-s8",
     "kivi64r-k3v3-w0i8-s8-mf",
-    "kivi64r-k3v2-w0i8-s8",
-    "kivi64r-k3v2-w0i8-s8-mf",
     "kivi64r-k3v2-w0i8-s8z4",
     "kivi64r-k3v2-w0i8-s8z4-mf",
     "jpeg-k4",
