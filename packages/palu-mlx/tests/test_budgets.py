@@ -226,10 +226,16 @@ def test_measure_sensitivity_refuses_windows_too_short(tiny_model):
 # ---------------------------------------------------------------------- tiers
 def test_sensitivity_tiers_are_twins_of_the_scaled_bit_budget_tiers():
     assert list(SENSITIVITY_TIERS) == [
-        n + SENSITIVITY_SUFFIX
-        for n, t in TIERS.items()
-        if t.config.palu_bits and t.config.palu_token_scale and not t.config.palu_relative_error
+        *(
+            n + SENSITIVITY_SUFFIX
+            for n, t in TIERS.items()
+            if t.config.palu_bits and t.config.palu_token_scale and not t.config.palu_relative_error
+        ),
+        "palu-1.75bit-scaled+sens",
     ]
+    assert tier("palu-1.75bit-scaled+sens").config == dataclasses.replace(
+        TIERS["palu-2bit-scaled"].config, palu_bits=1.75
+    )
     assert "palu-2.5bit-scaled+sens" in SENSITIVITY_TIERS  # results files read this name
     name = "palu-2.5bit-scaled" + SENSITIVITY_SUFFIX
     entry = tier(name)

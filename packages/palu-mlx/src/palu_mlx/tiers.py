@@ -257,6 +257,14 @@ SENSITIVITY_TIERS: dict[str, Tier] = {
         and not base.config.palu_relative_error
     )
 }
+#: and one with no twin in :data:`TIERS`: the smallest budget whose KL is at most mlx-lm's
+#: ``QuantizedKVCache(bits=4)``'s on SmolLM2-135M (``benchmarks/results/palu_real_model.json``)
+SENSITIVITY_TIERS["palu-1.75bit-scaled" + SENSITIVITY_SUFFIX] = Tier(
+    "palu-1.75bit-scaled" + SENSITIVITY_SUFFIX,
+    _scaled(1.75) + _UNBOUND_SENSITIVITY,
+    _palu(palu_bits=1.75, **_SCALED),
+    calibration="sensitivity",
+)
 
 
 def tier(name: str) -> Tier:
