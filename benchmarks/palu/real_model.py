@@ -73,6 +73,7 @@ RELATIVE = (
     "palu-3.25bit-scaled+rel",
     "palu-3bit-scaled+rel",
     "palu-2.5bit-scaled+rel",
+    "palu-2.25bit-scaled+rel",
     "palu-2bit-scaled+rel",
 )
 #: budgets between or beyond the registry's, built from a registry tier with another palu_bits
@@ -82,7 +83,6 @@ OTHER_BITS = {
     "palu-1.5bit-scaled+sens": ("palu-2bit-scaled+sens", 1.5),
     "palu-1.5bit-scaled+rel": ("palu-2bit-scaled+rel", 1.5),
     "palu-1.25bit-scaled+sens": ("palu-2bit-scaled+sens", 1.25),
-    "palu-2.25bit-scaled+rel": ("palu-2bit-scaled+rel", 2.25),
 }
 PEERS = {"mlx-lm-q8": 8, "mlx-lm-q4": 4}
 

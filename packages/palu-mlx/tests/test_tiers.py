@@ -27,6 +27,7 @@ def test_registry_is_keyed_by_tier_name_in_display_order():
         "palu-3.25bit-scaled+rel",
         "palu-3bit-scaled+rel",
         "palu-2.5bit-scaled+rel",
+        "palu-2.25bit-scaled+rel",
         "palu-2bit-scaled+rel",
         "palu-3bit",
         "palu-2bit",

@@ -173,6 +173,11 @@ TIERS: dict[str, Tier] = {
             _relative(2.5),
             _palu(palu_bits=2.5, palu_relative_error=True, **_SCALED),
         ),
+        Tier(
+            "palu-2.25bit-scaled+rel",
+            _relative(2.25),
+            _palu(palu_bits=2.25, palu_relative_error=True, **_SCALED),
+        ),
         Tier("palu-2bit-scaled+rel", _relative(2), _palu(palu_bits=2.0, palu_relative_error=True, **_SCALED)),
         Tier(
             "palu-3bit",
