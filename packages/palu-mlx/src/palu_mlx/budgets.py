@@ -35,7 +35,6 @@ squared error, is :attr:`~palu_mlx.coders.WaterFilling.relative` (no file).
 from __future__ import annotations
 
 import json
-import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -46,7 +45,7 @@ import mlx.core as mx
 import numpy as np
 from kvspec import KVConfigError, KVDataError
 
-from .coders.water_filling import WaterFilling, fit_variances, fixed_coder
+from .coders.water_filling import WaterFilling, fit_variances, fixed_coder, is_bit_budget
 from .lowrank import project, reconstruct
 from .mixed_bit import water_fill
 from .models import check_model, model_kv_dims
@@ -120,9 +119,8 @@ class SensitivityProfile:
         n = self.model["n_layers"]
         if n < 1:
             raise KVConfigError(f"model n_layers={n} must be >= 1")
-        b = self.bits
-        if not isinstance(b, (int, float)) or isinstance(b, bool) or not math.isfinite(b) or not 0 < b <= 8:
-            raise KVConfigError(f"bits={b!r} must be a number in (0, 8]")
+        if not is_bit_budget(self.bits):
+            raise KVConfigError(f"bits={self.bits!r} must be a number in (0, 8]")
         for name in ("key_kl", "value_kl"):
             object.__setattr__(self, name, _floats(getattr(self, name), name, n))
         for name in ("key_error", "value_error"):
@@ -151,12 +149,7 @@ class SensitivityProfile:
         """One coder per layer spending ``bits`` code bits per element on average over every layer's
         keys and values (one water-filling level over the weighted variances), as
         :class:`~palu_mlx.coders.WaterFilling` with the layer's share and the weights."""
-        if (
-            not isinstance(bits, (int, float))
-            or isinstance(bits, bool)
-            or not math.isfinite(bits)
-            or not 0 < bits <= 8
-        ):
+        if not is_bit_budget(bits):
             raise KVConfigError(f"bits={bits!r} must be a number in (0, 8] (code bits per element)")
         wk, wv = self.weights()
         spectra = []

@@ -237,15 +237,21 @@ _CALIBRATIONS: dict[tuple[str, float], Calibration] = {}
 _PROFILES: dict[tuple[str, float], SensitivityProfile] = {}
 
 
-def load_profile(path: str) -> SensitivityProfile:
-    """:meth:`SensitivityProfile.load`, remembered per (path, modification time)."""
+def _remembered(path: str, field: str, load: Callable[[str], Any], memo: dict[tuple[str, float], Any]) -> Any:
+    """``load(path)``, remembered in ``memo`` per (path, modification time): caches are built often,
+    and an edited file is read again. ``field`` names the config field in the error."""
     try:
         key = (os.path.abspath(path), os.path.getmtime(path))
     except OSError as exc:
-        raise KVConfigError(f"palu_sensitivity={path!r} cannot be read: {exc}") from None
-    if key not in _PROFILES:
-        _PROFILES[key] = SensitivityProfile.load(path)
-    return _PROFILES[key]
+        raise KVConfigError(f"{field}={path!r} cannot be read: {exc}") from None
+    if key not in memo:
+        memo[key] = load(path)
+    return memo[key]
+
+
+def load_profile(path: str) -> SensitivityProfile:
+    """:meth:`SensitivityProfile.load`, remembered per (path, modification time)."""
+    return _remembered(path, "palu_sensitivity", SensitivityProfile.load, _PROFILES)
 
 
 def _layer_configs(model: nn.Module, config: KVCacheConfig, n_layers: int) -> list[KVCacheConfig]:
@@ -269,14 +275,8 @@ def _layer_configs(model: nn.Module, config: KVCacheConfig, n_layers: int) -> li
 
 
 def load_calibration(path: str) -> Calibration:
-    """:meth:`Calibration.load`, remembered per (path, modification time): caches are built often."""
-    try:
-        key = (os.path.abspath(path), os.path.getmtime(path))
-    except OSError as exc:
-        raise KVConfigError(f"palu_calibration={path!r} cannot be read: {exc}") from None
-    if key not in _CALIBRATIONS:
-        _CALIBRATIONS[key] = Calibration.load(path)
-    return _CALIBRATIONS[key]
+    """:meth:`Calibration.load`, remembered per (path, modification time)."""
+    return _remembered(path, "palu_calibration", Calibration.load, _CALIBRATIONS)
 
 
 # (model, calibration) pairs already checked: install checks once, and the caches built for each

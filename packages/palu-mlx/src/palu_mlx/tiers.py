@@ -132,6 +132,24 @@ def _relative(bits: float) -> str:
     return _scaled(bits) + ", keys and values weighed by relative error at the prefill"
 
 
+def _scaled_tier(bits: float) -> Tier:
+    return Tier(f"palu-{bits:g}bit-scaled", _scaled(bits), _palu(palu_bits=float(bits), **_SCALED))
+
+
+def _relative_tier(bits: float) -> Tier:
+    config = _palu(palu_bits=float(bits), palu_relative_error=True, **_SCALED)
+    return Tier(f"palu-{bits:g}bit-scaled+rel", _relative(bits), config)
+
+
+def _fixed_tier(bits: float) -> Tier:
+    # the fixed-quantizer tiers measured before the per-token scale and the exact tokens
+    description = (
+        f"keys before RoPE where supported, {bits:g} code bit{'' if bits == 1 else 's'} per element by "
+        "water-filling, fixed quantizers fitted at the prefill"
+    )
+    return Tier(f"palu-{bits:g}bit", description, _palu(palu_bits=float(bits)))
+
+
 _UNQUANTIZED = dict(palu_hi_bit=UNQUANTIZED_BITS, palu_lo_bit=UNQUANTIZED_BITS)
 
 #: name -> :class:`Tier`, easiest (closest to lossless) first
@@ -159,56 +177,9 @@ TIERS: dict[str, Tier] = {
             "rank 8, every latent channel at 4 bits",
             _palu(palu_rank=8, palu_hi_bit=4, palu_lo_bit=4),
         ),
-        Tier("palu-3bit-scaled", _scaled(3), _palu(palu_bits=3.0, **_SCALED)),
-        Tier("palu-2.5bit-scaled", _scaled(2.5), _palu(palu_bits=2.5, **_SCALED)),
-        Tier("palu-2bit-scaled", _scaled(2), _palu(palu_bits=2.0, **_SCALED)),
-        Tier(
-            "palu-3.25bit-scaled+rel",
-            _relative(3.25),
-            _palu(palu_bits=3.25, palu_relative_error=True, **_SCALED),
-        ),
-        Tier("palu-3bit-scaled+rel", _relative(3), _palu(palu_bits=3.0, palu_relative_error=True, **_SCALED)),
-        Tier(
-            "palu-2.5bit-scaled+rel",
-            _relative(2.5),
-            _palu(palu_bits=2.5, palu_relative_error=True, **_SCALED),
-        ),
-        Tier(
-            "palu-2.25bit-scaled+rel",
-            _relative(2.25),
-            _palu(palu_bits=2.25, palu_relative_error=True, **_SCALED),
-        ),
-        Tier("palu-2bit-scaled+rel", _relative(2), _palu(palu_bits=2.0, palu_relative_error=True, **_SCALED)),
-        Tier(
-            "palu-3bit",
-            "keys before RoPE where supported, 3 code bits per element by water-filling, "
-            "fixed quantizers fitted at the prefill",
-            _palu(palu_bits=3.0),
-        ),
-        Tier(
-            "palu-2bit",
-            "keys before RoPE where supported, 2 code bits per element by water-filling, "
-            "fixed quantizers fitted at the prefill",
-            _palu(palu_bits=2.0),
-        ),
-        Tier(
-            "palu-1.5bit",
-            "keys before RoPE where supported, 1.5 code bits per element by water-filling, "
-            "fixed quantizers fitted at the prefill",
-            _palu(palu_bits=1.5),
-        ),
-        Tier(
-            "palu-1.25bit",
-            "keys before RoPE where supported, 1.25 code bits per element by water-filling, "
-            "fixed quantizers fitted at the prefill",
-            _palu(palu_bits=1.25),
-        ),
-        Tier(
-            "palu-1bit",
-            "keys before RoPE where supported, 1 code bit per element by water-filling, "
-            "fixed quantizers fitted at the prefill",
-            _palu(palu_bits=1.0),
-        ),
+        *(_scaled_tier(bits) for bits in (3, 2.5, 2)),
+        *(_relative_tier(bits) for bits in (3.25, 3, 2.5, 2.25, 2)),
+        *(_fixed_tier(bits) for bits in (3, 2, 1.5, 1.25, 1)),
     )
 }
 

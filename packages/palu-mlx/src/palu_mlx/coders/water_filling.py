@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -35,6 +36,16 @@ __all__ = ["WaterFilling", "DEFAULT_PALU_BITS", "fit_variances", "fixed_coder"]
 #: on the real model, SmolLM2-135M-Instruct, at 2,048 tokens of context
 #: (``benchmarks/results/palu_real_model.json``; see docs/palu-mlx.md).
 DEFAULT_PALU_BITS = 2.5
+
+
+def is_bit_budget(bits: Any) -> bool:
+    """Whether ``bits`` is an average code-bit budget the coder takes: a finite number in (0, 8]."""
+    return (
+        isinstance(bits, (int, float))
+        and not isinstance(bits, bool)
+        and math.isfinite(bits)
+        and 0 < bits <= 8
+    )
 
 
 @dataclass(frozen=True)
@@ -67,14 +78,10 @@ class WaterFilling:
     relative: bool = False
 
     def __post_init__(self) -> None:
-        b = self.bits
-        if (
-            not isinstance(b, (int, float))
-            or isinstance(b, bool)
-            or not math.isfinite(b)
-            or not 0.0 < b <= 8.0
-        ):
-            raise KVConfigError(f"WaterFilling bits={b!r} must be a number in (0, 8] (code bits per element)")
+        if not is_bit_budget(self.bits):
+            raise KVConfigError(
+                f"WaterFilling bits={self.bits!r} must be a number in (0, 8] (code bits per element)"
+            )
         if not isinstance(self.token_scale, bool):
             raise KVConfigError(f"WaterFilling token_scale={self.token_scale!r} must be True or False")
         for name in ("key_weight", "value_weight"):
