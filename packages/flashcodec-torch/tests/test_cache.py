@@ -123,6 +123,9 @@ def test_storage_is_measured_and_split(tier):
         "kivi64r-k3v2": (64 * d * 3 // 8 + d * 4 + 64 * d // 4 + 64 * 4) // 2,
         # 8-bit side information: a uint8 scale and a zero point (int8, or fp16 for the keys under
         # the exact sink) per channel or token, one fp16 base per block and stream
+        "kivi64r-k4v4-w64i8-s8": (64 * d // 2 + d * 3 + 2 + 64 * d // 2 + 64 * 2 + 2) // 2,
+        "kivi64r-k3v3-w64i8-s8z4": (64 * d * 3 // 8 + d * 3 + 2 + 64 * d * 3 // 8 + 64 + 32 + 2) // 2,
+        "kivi64r-k3v2-w64i8-s8z4": (64 * d * 3 // 8 + d * 3 + 2 + 64 * d // 4 + 64 + 32 + 2) // 2,
         "kivi64r-k8v8-w32-s8": (64 * d + d * 3 + 2 + 64 * d + 64 * 2 + 2) // 2,
         "kivi64r-k3v3-w0i8-s8": (64 * d * 3 // 8 + d * 3 + 2 + 64 * d * 3 // 8 + 64 * 2 + 2) // 2,
         "kivi64r-k3v2-w0i8-s8z4": (64 * d * 3 // 8 + d * 3 + 2 + 64 * d // 4 + 64 + 32 + 2) // 2,
