@@ -391,6 +391,11 @@ def _block(name: str, render: Callable[[dict[str, Any]], list[str]]) -> Block:
     return Block(f"<!-- fc-{name}:start -->", f"<!-- fc-{name}:end -->", f"flashcodec_{name}.json", render)
 
 
+def _tier_block(name: str) -> Block:
+    """A block of tiers beside hqq on the real model (``real_tiers.py --long-windows 2 --out ...``)."""
+    return _block(name, lambda result: _tier_table(result, f"flashcodec_{name}.json"))
+
+
 #: every generated block of docs/flashcodec.md
 BLOCKS: tuple[Block, ...] = (
     _block("reconstruct", render_reconstruct),
@@ -399,6 +404,9 @@ BLOCKS: tuple[Block, ...] = (
     _block("e2e", render_e2e),
     _block("real_tiers", render_real_tiers),
     _block("rotated_tiers_2w", render_rotated_tiers),
+    _tier_block("lowbit_tiers_2w"),
+    _tier_block("lowbit_tiers_w64_2w"),
+    _tier_block("lowbit_tiers_s8z4_2w"),
     _block("step_raw", render_step_raw),
     _block("lossless", render_lossless),
     _block("kv_recipes", render_kv_recipes),
