@@ -16,7 +16,7 @@ from typing import Any
 from kvspec import KVConfigError
 
 from .coders.hilo import HiLoSplit
-from .coders.water_filling import DEFAULT_PALU_BITS, WaterFilling
+from .coders.water_filling import DEFAULT_PALU_BITS, WaterFilling, is_weight
 from .mixed_bit import PACKABLE_BITS, UNQUANTIZED_BITS
 
 __all__ = [
@@ -238,9 +238,10 @@ class KVCacheConfig:
         if not isinstance(self.palu_relative_error, bool):
             raise KVConfigError(f"palu_relative_error={self.palu_relative_error!r} must be True or False")
         for name in ("palu_key_weight", "palu_value_weight"):
-            w = getattr(self, name)
-            if not _is_real(w) or not math.isfinite(w) or w <= 0:
-                raise KVConfigError(f"{name}={w!r} must be a finite number > 0 (a water-filling weight)")
+            if not is_weight(getattr(self, name)):
+                raise KVConfigError(
+                    f"{name}={getattr(self, name)!r} must be a finite number > 0 (a water-filling weight)"
+                )
         if not isinstance(self.palu_quantize_values, bool):
             raise KVConfigError(f"palu_quantize_values={self.palu_quantize_values!r} must be True or False")
         if self.palu_min_fit_tokens is not None and (

@@ -48,6 +48,16 @@ def is_bit_budget(bits: Any) -> bool:
     )
 
 
+def is_weight(weight: Any) -> bool:
+    """Whether ``weight`` is a water-filling weight the coder takes: a finite number > 0."""
+    return (
+        isinstance(weight, (int, float))
+        and not isinstance(weight, bool)
+        and math.isfinite(weight)
+        and weight > 0
+    )
+
+
 @dataclass(frozen=True)
 class WaterFilling:
     """The bit-budget latent coder.
@@ -86,7 +96,7 @@ class WaterFilling:
             raise KVConfigError(f"WaterFilling token_scale={self.token_scale!r} must be True or False")
         for name in ("key_weight", "value_weight"):
             w = getattr(self, name)
-            if not isinstance(w, (int, float)) or isinstance(w, bool) or not math.isfinite(w) or w <= 0:
+            if not is_weight(w):
                 raise KVConfigError(f"WaterFilling {name}={w!r} must be a finite number > 0")
         if not isinstance(self.relative, bool):
             raise KVConfigError(f"WaterFilling relative={self.relative!r} must be True or False")
