@@ -81,6 +81,10 @@ class AffineCodes(BlockCodec):
         a codec storing them in fewer bits (:mod:`flashcodec.codecs.rotated`) expands them here."""
         return parts[1].float(), parts[2].float()
 
+    def _side_scales(self, parts: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The scales of :meth:`_side` alone, for a reader that needs no zero points."""
+        return parts[1].float()
+
     @abstractmethod
     def _dequantize(self, parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
         """``codes * scale + zero`` ``[..., n, R, D]`` in ``dtype``, for checked ``parts``."""
@@ -120,7 +124,7 @@ class RowAffine(AffineCodes):
     ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
         """``((codes,), fp32 scales [..., n, R])``; the zero points are :meth:`row_offsets`."""
         self.check_parts(parts)
-        return (self._kernel_codes(parts[0]),), self._side(parts)[0][..., 0]
+        return (self._kernel_codes(parts[0]),), self._side_scales(parts)[..., 0]
 
     def row_offsets(self, parts: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
         """fp32 ``[..., n, R]``: the zero point added to every element of each stored row."""

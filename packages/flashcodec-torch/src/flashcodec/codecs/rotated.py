@@ -394,6 +394,9 @@ class _Side8:
             return side8_values(parts[1], parts[2], parts[3])
         return parts[1].float(), parts[2].float()
 
+    def _side_scales(self, parts: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return _scale_of(parts[1], parts[3]) if self.side_bits == 8 else parts[1].float()
+
     def check_part(self, spec: PartSpec, part: torch.Tensor, *, check_finite: bool) -> None:
         if spec.name == "scale_base" and not bool(torch.isfinite(part).all() and (part >= 0).all()):
             raise KVDataError(
