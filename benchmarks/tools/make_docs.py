@@ -21,6 +21,7 @@ from typing import Any
 from flashcodec_blocks import BLOCKS as FLASHCODEC_BLOCKS
 from kvbench.report import LEGEND, format_bytes, render_markdown
 from kvbench.results import read_json
+from long_run_block import render_long_run
 from palu_long_block import PALU_LONG_END, PALU_LONG_FILE, PALU_LONG_START, render_palu_long_block
 from palu_real_block import PALU_REAL_END, PALU_REAL_FILE, PALU_REAL_START, render_palu_real_block
 
@@ -138,9 +139,10 @@ def _ppl_against(tier: dict[str, Any], peer: dict[str, Any]) -> str:
     )
 
 
-def reading(rows: list[dict[str, Any]]) -> list[str]:
+def reading(rows: list[dict[str, Any]], speed: bool = True) -> list[str]:
     """Bullet points read off one run by fixed rules: what keeps the baseline's quality, what wins
-    and loses against the peers, how decode speed compares, what the cache keeps beyond its codes."""
+    and loses against the peers, how decode speed compares (unless ``speed`` is False: a run that
+    timed too little to read), what the cache keeps beyond its codes."""
     base = rows[0]
     tiers = [r for r in rows if r["kind"] == "tier"]
     peers = [r for r in rows if r["kind"] == "peer"]
@@ -199,21 +201,8 @@ def reading(rows: list[dict[str, Any]]) -> list[str]:
             quality = "better" if _kl(tier) < _kl(p) else "worse"
             out.append(f"{_at(tier)} is {size} but {quality} than {_at(p)}.")
 
-    slow = [r for r in caches if r["decode_speed_ratio"] < 1 - SPEED_BAND]
-    fast = [r for r in caches if r["decode_speed_ratio"] > 1 + SPEED_BAND]
-    even = [r for r in caches if r not in slow and r not in fast]
-    parts = []
-    if slow:
-        parts.append("slower: " + ", ".join(f"`{r['name']}` {r['decode_speed_ratio']:.2f}x" for r in slow))
-    if even:
-        parts.append(f"within {_pct(SPEED_BAND)}: " + ", ".join(f"`{r['name']}`" for r in even))
-    if fast:
-        parts.append("faster: " + ", ".join(f"`{r['name']}` {r['decode_speed_ratio']:.2f}x" for r in fast))
-    out.append(
-        f"Decode speed against the baseline's {base['decode_tokens_per_s']:.1f} tokens/s: "
-        + "; ".join(parts)
-        + "."
-    )
+    if speed:
+        out.append(_speed_reading(base, caches))
     if abs(base["kv_ratio"] - 1) > 1e-9:
         out.append(
             f"The baseline itself holds {base['kv_ratio']:.3f}x the bytes of its tokens: it reserves "
@@ -230,6 +219,24 @@ def reading(rows: list[dict[str, Any]]) -> list[str]:
             + "."
         )
     return out
+
+
+def _speed_reading(base: dict[str, Any], caches: list[dict[str, Any]]) -> str:
+    slow = [r for r in caches if r["decode_speed_ratio"] < 1 - SPEED_BAND]
+    fast = [r for r in caches if r["decode_speed_ratio"] > 1 + SPEED_BAND]
+    even = [r for r in caches if r not in slow and r not in fast]
+    parts = []
+    if slow:
+        parts.append("slower: " + ", ".join(f"`{r['name']}` {r['decode_speed_ratio']:.2f}x" for r in slow))
+    if even:
+        parts.append(f"within {_pct(SPEED_BAND)}: " + ", ".join(f"`{r['name']}`" for r in even))
+    if fast:
+        parts.append("faster: " + ", ".join(f"`{r['name']}` {r['decode_speed_ratio']:.2f}x" for r in fast))
+    return (
+        f"Decode speed against the baseline's {base['decode_tokens_per_s']:.1f} tokens/s: "
+        + "; ".join(parts)
+        + "."
+    )
 
 
 # --------------------------------------------------------------------------- page
@@ -310,8 +317,9 @@ def _section(stem: str, title: str, peers: str, result: dict[str, Any]) -> list[
     return lines
 
 
-def render_doc(results: dict[str, dict[str, Any]]) -> str:
-    """The whole of docs/benchmarks.md for ``results`` (``{stem: result}``)."""
+def render_doc(results: dict[str, dict[str, Any]], long_run: list[str] | None = None) -> str:
+    """The whole of docs/benchmarks.md for ``results`` (``{stem: result}``), with ``long_run`` (the
+    long run's section, :func:`long_run_block.render_long_run`) before the caveats."""
     lines = [
         "# Benchmarks: every tier beside the baseline and the peers",
         "",
@@ -354,6 +362,7 @@ def render_doc(results: dict[str, dict[str, Any]]) -> str:
             lines += _section(stem, title, peers, results[stem])
         else:
             lines += [f"## {title}", "", f"No results yet: `benchmarks/results/{stem}.json` is missing.", ""]
+    lines += long_run or []
     lines += _caveats(results)
     return "\n".join(lines).rstrip() + "\n"
 
@@ -639,7 +648,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     results = load_results(args.results)
-    pages: dict[Path, str] = {DOC: render_doc(results)}
+    pages: dict[Path, str] = {DOC: render_doc(results, render_long_run(args.results, reading))}
 
     def put(path: Path, block: str, start: str, end: str) -> None:
         """Replace one marked block of ``path`` (several blocks of one page chain)."""
