@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
+import kvspec
 import pytest
 import torch
 from conftest import random_walk
@@ -22,15 +23,6 @@ from flashcodec.attention import codec_decode_attention
 from flashcodec.codecs import MixedJPEGCodec, make_codec
 from flashcodec.codecs.quant import pack_int4
 from flashcodec.stream import CodecStream
-from kvspec import (
-    KVConfigError,
-    KVDataError,
-    KVDtypeError,
-    KVShapeError,
-    KVSpecError,
-    KVTrimError,
-    KVValueError,
-)
 from snapshots import snapshot
 
 pytest.importorskip("transformers")
@@ -117,117 +109,122 @@ CATALOGUE = {
     "cache-check-finite-string": (
         None,
         lambda o, c: CodecKVCache(check_finite="no"),
-        KVConfigError,
+        kvspec.KVConfigError,
         "check_finite must be True or False; got 'no'",
     ),
     "cache-check-finite-int": (
         None,
         lambda o, c: CodecKVCache(check_finite=1),
-        KVConfigError,
+        kvspec.KVConfigError,
         "check_finite must be True or False; got 1",
     ),
     "cache-initial-blocks-zero": (
         None,
         lambda o, c: CodecKVCache(initial_blocks=0),
-        KVConfigError,
+        kvspec.KVConfigError,
         "initial_blocks must be an integer >= 1",
     ),
     "cache-initial-blocks-bool": (
         None,
         lambda o, c: CodecKVCache(initial_blocks=True),
-        KVConfigError,
+        kvspec.KVConfigError,
         "initial_blocks must be an integer >= 1; got True",
     ),
     "cache-codec-and-keyword": (
         None,
         lambda o, c: CodecKVCache(codec=PNGCodec(), block_size=4),
-        KVConfigError,
+        kvspec.KVConfigError,
         "not both",
     ),
     "cache-codec-not-a-codec": (
         None,
         lambda o, c: CodecKVCache(codec="png"),
-        KVConfigError,
+        kvspec.KVConfigError,
         "codec must be a codec object",
     ),
-    "cache-unknown-mode": (None, lambda o, c: CodecKVCache(mode="gif"), KVConfigError, "mode must be one of"),
+    "cache-unknown-mode": (
+        None,
+        lambda o, c: CodecKVCache(mode="gif"),
+        kvspec.KVConfigError,
+        "mode must be one of",
+    ),
     "jpeg-keep-freqs-above-r": (
         None,
         lambda o, c: JPEGCodec(8, keep_freqs=9),
-        KVConfigError,
+        kvspec.KVConfigError,
         "keep_freqs must be an integer in 1..block_size=8; got 9",
     ),
     "jpeg-quant-bits-6": (
         None,
         lambda o, c: JPEGCodec(8, quant_bits=6),
-        KVConfigError,
+        kvspec.KVConfigError,
         "quant_bits must be None, 8 or 4; got 6",
     ),
     "png-keep-ratio-zero": (
         None,
         lambda o, c: PNGCodec(8, keep_ratio=0.0),
-        KVConfigError,
+        kvspec.KVConfigError,
         r"keep_ratio must be a number in \(0, 1\]",
     ),
     "png-delta-dtype-fp16": (
         None,
         lambda o, c: PNGCodec(8, delta_dtype=torch.float16),
-        KVConfigError,
+        kvspec.KVConfigError,
         "delta_dtype must be",
     ),
     "block-size-zero": (
         None,
         lambda o, c: JPEGCodec(0),
-        KVConfigError,
+        kvspec.KVConfigError,
         "block_size must be an integer >= 1; got 0",
     ),
     "mixed-freq-bits-3": (
         None,
         lambda o, c: MixedJPEGCodec(2, freq_bits=(8, 3)),
-        KVConfigError,
+        kvspec.KVConfigError,
         "freq_bits must be 2 values",
     ),
     "make-codec-other-modes-option": (
         None,
         lambda o, c: make_codec("jpeg", keep_ratio=0.5),
-        KVConfigError,
+        kvspec.KVConfigError,
         "keep_ratio applies to mode='png' only",
     ),
     "dct-keep-freqs-12-of-8": (
         None,
         lambda o, c: dct_matrix(8, keep_freqs=12),
-        KVConfigError,
+        kvspec.KVConfigError,
         "keep_freqs must be an integer in 1..8; got 12",
     ),
     "dct-integer-dtype": (
         None,
         lambda o, c: dct_matrix(8, dtype=torch.int32),
-        KVConfigError,
+        kvspec.KVConfigError,
         "dtype must be a floating torch.dtype",
     ),
     "storage-negative-bytes": (
         None,
         lambda o, c: CodecStorage(used=-1),
-        KVConfigError,
+        kvspec.KVConfigError,
         r"CodecStorage.used must be a byte count \(an integer >= 0\); got -1",
     ),
-    "tier-unknown": (None, lambda o, c: tier("jpeg-k3"), KVConfigError, "tier must be one of"),
+    "tier-unknown": (None, lambda o, c: tier("jpeg-k3"), kvspec.KVConfigError, "tier must be one of"),
     "stream-batch-zero": (
         None,
         lambda o, c: CodecStream(PNGCodec(), 0, 1, 4, torch.float32, "cpu"),
-        KVConfigError,
+        kvspec.KVConfigError,
         "batch must be an integer >= 1; got 0",
     ),
     "codec-encode-not-a-tensor": (
         None,
         lambda o, c: JPEGCodec().encode([[1.0] * 4] * 8),
-        KVDtypeError,
+        kvspec.KVDtypeError,
         "codec input must be a floating-point torch.Tensor",
     ),
     "codec-encode-partial-block": (
         None,
         lambda o, c: JPEGCodec().encode(torch.zeros(1, 1, 7, 4)),
-        KVShapeError,
+        kvspec.KVShapeError,
         "must be a multiple of block_size=8",
     ),
     "codec-decode-missing-part": (
@@ -235,25 +232,25 @@ CATALOGUE = {
         lambda o, c: JPEGCodec(8, quant_bits=8).decode(
             (torch.zeros(1, 1, 1, 8, 4, dtype=torch.int8),), torch.float32
         ),
-        KVShapeError,
+        kvspec.KVShapeError,
         r"jpeg codec parts must be 2 tensor\(s\) \(coeffs, scales\)",
     ),
     "delta-variance-one-token": (
         None,
         lambda o, c: delta_variance_ratio(torch.zeros(1, 1, 1, 4)),
-        KVShapeError,
+        kvspec.KVShapeError,
         "S >= 2",
     ),
     "pack-int4-code-too-wide": (
         None,
         lambda o, c: pack_int4(torch.tensor([3, 9])),
-        KVValueError,
+        kvspec.KVValueError,
         "int4 codes must be whole numbers in -8..7",
     ),
     "pack-int4-fractional-code": (
         None,
         lambda o, c: pack_int4(torch.tensor([0.5, 1.0])),
-        KVValueError,
+        kvspec.KVValueError,
         "int4 codes must be whole numbers",
     ),
     "png-decode-missing-delta-rows": (
@@ -261,62 +258,62 @@ CATALOGUE = {
         lambda o, c: PNGCodec(8).decode(
             (torch.zeros(1, 1, 2, 4), torch.zeros(1, 1, 2, 5, 4, dtype=torch.float64)), torch.float32
         ),
-        KVShapeError,
+        kvspec.KVShapeError,
         r"deltas \[\.\.\., n, r-1, D\] with r-1=7",
     ),
     "hf-config-not-a-config": (
         None,
         lambda o, c: FlashCodecCache(config=object()),
-        KVConfigError,
+        kvspec.KVConfigError,
         "num_hidden_layers",
     ),
     "hf-from-config-none": (
         None,
         lambda o, c: FlashCodecCache.from_config(None),
-        KVConfigError,
+        kvspec.KVConfigError,
         "needs a model config",
     ),
     # appends
     "update-not-a-tensor": (
         lambda c: filled(),
         lambda o, c: o.update_and_fetch(good().tolist(), good()),
-        KVDtypeError,
+        kvspec.KVDtypeError,
         "keys must be a torch.Tensor; got list",
     ),
     "update-rank-3": (
         lambda c: filled(),
         lambda o, c: o.update_and_fetch(good()[0], good()[0]),
-        KVShapeError,
+        kvspec.KVShapeError,
         r"must be 4-D \[B, H, S, D\]",
     ),
     "update-batch-changed": (
         lambda c: filled(),
         lambda o, c: o.update_and_fetch(good(b=1), good(b=1)),
-        KVShapeError,
+        kvspec.KVShapeError,
         "fixed by the first update",
     ),
     "update-int-dtype": (
         lambda c: filled(),
         lambda o, c: o.update_and_fetch(good().long(), good().long()),
-        KVDtypeError,
+        kvspec.KVDtypeError,
         "dtype must be one of float32, float16, bfloat16; got torch.int64",
     ),
     "update-dtype-changed": (
         lambda c: filled(),
         lambda o, c: o.update_and_fetch(good().half(), good().half()),
-        KVDtypeError,
+        kvspec.KVDtypeError,
         "dtype is fixed by the first update at torch.float32",
     ),
     "update-nan": (
         lambda c: filled(),
         lambda o, c: o.update_and_fetch(_set(good(), float("nan")), good()),
-        KVValueError,
+        kvspec.KVValueError,
         "keys contain NaN or infinity",
     ),
     "update-zero-length": (
         lambda c: filled(),
         lambda o, c: o.update_and_fetch(good(s=0), good(s=0)),
-        KVShapeError,
+        kvspec.KVShapeError,
         "every dimension must be >= 1",
     ),
     "jpeg-fp16-overflow": (
@@ -324,75 +321,75 @@ CATALOGUE = {
         lambda o, c: o.update_and_fetch(
             torch.full((2, 3, 16, 16), 30000.0, dtype=torch.float16), good(s=16, dtype=torch.float16)
         ),
-        KVValueError,
+        kvspec.KVValueError,
         "keys: the jpeg codec's stored torch.float16 values overflow",
     ),
     "forward-bad-input-keeps-old-tokens": (
         lambda c: filled(),
         lambda o, c: o.forward(good(), good(b=1)),
-        KVShapeError,
+        kvspec.KVShapeError,
         "must agree on B, H and S",
     ),
     # edits
     "crop-float": (
         lambda c: filled(),
         lambda o, c: o.crop(2.5),
-        KVTrimError,
+        kvspec.KVTrimError,
         "max_length must be an integer; got 2.5",
     ),
-    "trim-negative": (lambda c: filled(), lambda o, c: o.trim(-5), KVTrimError, "-5"),
+    "trim-negative": (lambda c: filled(), lambda o, c: o.trim(-5), kvspec.KVTrimError, "-5"),
     "reorder-out-of-range": (
         lambda c: filled(),
         lambda o, c: o.reorder(torch.tensor([0, 2])),
-        KVShapeError,
+        kvspec.KVShapeError,
         r"beam_idx entries must lie in -2..1",
     ),
     "reorder-float-indices": (
         lambda c: filled(),
         lambda o, c: o.reorder(torch.tensor([0.0, 1.0])),
-        KVShapeError,
+        kvspec.KVShapeError,
         "beam_idx must be a 1-D integer tensor",
     ),
     "reorder-empty": (
         lambda c: filled(),
         lambda o, c: o.reorder([]),
-        KVShapeError,
+        kvspec.KVShapeError,
         "beam_idx must select at least one batch row",
     ),
     "reorder-boolean": (
         lambda c: filled(),
         lambda o, c: o.reorder(torch.tensor([True, False])),
-        KVShapeError,
+        kvspec.KVShapeError,
         "beam_idx must hold integer indices, not booleans",
     ),
     "reorder-string": (
         lambda c: filled(),
         lambda o, c: o.reorder("01"),
-        KVShapeError,
+        kvspec.KVShapeError,
         "beam_idx must be a 1-D integer tensor or sequence; got str",
     ),
     "reorder-empty-cache-float": (
         lambda c: CodecKVCache(),
         lambda o, c: o.reorder([0.5]),
-        KVShapeError,
+        kvspec.KVShapeError,
         "beam_idx must be a 1-D integer tensor",
     ),
     "hf-select-on-empty-layer-string": (
         lambda c: FlashCodecLayer(),
         lambda o, c: o.batch_select_indices("0"),
-        KVShapeError,
+        kvspec.KVShapeError,
         "indices must be a 1-D integer tensor or sequence; got str",
     ),
     "hf-mask-sizes-negative": (
         lambda c: FlashCodecLayer(),
         lambda o, c: o.get_mask_sizes(-1),
-        KVShapeError,
+        kvspec.KVShapeError,
         "query_length must be an integer >= 0",
     ),
     "reorder-never-filled-cache": (
         lambda c: CodecKVCache(),
         lambda o, c: o.reorder([5]),
-        KVShapeError,
+        kvspec.KVShapeError,
         r"cannot gather batch rows \[5\] \(beam_idx\) from a cache that never stored a token",
     ),
     # attention on the stored rows (the cache whose streams it reads must not change)
@@ -401,56 +398,56 @@ CATALOGUE = {
         lambda o, c: codec_decode_attention(
             good(s=1), o.keys, o.values, key_mask=torch.tensor([[True] * 13, [False] * 13])
         ),
-        KVValueError,
+        kvspec.KVValueError,
         r"key_mask must leave every sequence at least one key.*batch rows \[1\] have none",
     ),
     "decode-attention-float64-query": (
         lambda c: filled(JPEGCodec(8, quant_bits=8)),
         lambda o, c: codec_decode_attention(good(s=1).double(), o.keys, o.values),
-        KVDtypeError,
+        kvspec.KVDtypeError,
         "query dtype must be one of float32, float16, bfloat16; got torch.float64",
     ),
     # from_state (the source cache is the object that must not change)
     "from-state-offset-past-the-data": (
         lambda c: filled(),
         lambda o, c: CodecKVCache.from_state(o.state, with_meta(o, offset=99)),
-        KVDataError,
+        kvspec.KVDataError,
         "records offset=99",
     ),
     "from-state-negative-offset": (
         lambda c: filled(),
         lambda o, c: CodecKVCache.from_state(o.state, with_meta(o, offset=-1)),
-        KVConfigError,
+        kvspec.KVConfigError,
         "offset must be an integer >= 0; got -1",
     ),
     "from-state-fractional-offset": (
         lambda c: filled(),
         lambda o, c: CodecKVCache.from_state(o.state, with_meta(o, offset=1.5)),
-        KVConfigError,
+        kvspec.KVConfigError,
         "offset must be an integer >= 0; got 1.5",
     ),
     "from-state-block-size-edited": (
         lambda c: filled(JPEGCodec(8, keep_freqs=2)),
         lambda o, c: CodecKVCache.from_state(o.state, with_meta(o, block_size=16)),
-        KVDataError,
+        kvspec.KVDataError,
         "block_size=16",
     ),
     "from-state-png-block-size-edited": (
         lambda c: filled(),
         lambda o, c: CodecKVCache.from_state(o.state, with_meta(o, block_size=4)),
-        KVDataError,
+        kvspec.KVDataError,
         "block_size=4",
     ),
     "from-state-wrong-dtype": (
         lambda c: filled(),
         lambda o, c: CodecKVCache.from_state(with_array(o, 0, lambda t: t.double()), o.meta_state),
-        KVDataError,
+        kvspec.KVDataError,
         "part 'anchors' must be",
     ),
     "from-state-wrong-shape": (
         lambda c: filled(),
         lambda o, c: CodecKVCache.from_state(with_array(o, 1, lambda t: t[..., :3, :]), o.meta_state),
-        KVDataError,
+        kvspec.KVDataError,
         "part 'deltas' must be",
     ),
     "from-state-tail-too-long": (
@@ -458,214 +455,214 @@ CATALOGUE = {
         lambda o, c: CodecKVCache.from_state(
             with_array(o, 2, lambda t: torch.cat([t, t, t], 2)), o.meta_state
         ),
-        KVDataError,
+        kvspec.KVDataError,
         "t < block_size=8",
     ),
     "from-state-nan": (
         lambda c: filled(),
         lambda o, c: CodecKVCache.from_state(with_array(o, 1, lambda t: _set(t, float("nan"))), o.meta_state),
-        KVDataError,
+        kvspec.KVDataError,
         "'deltas' holds NaN or infinity",
     ),
     "from-state-negative-scale": (
         lambda c: filled(JPEGCodec(8, quant_bits=8)),
         lambda o, c: CodecKVCache.from_state(with_array(o, 1, lambda t: _set(t, -1.0)), o.meta_state),
-        KVDataError,
+        kvspec.KVDataError,
         "negative scale",
     ),
     "from-state-int8-code-128": (
         lambda c: filled(JPEGCodec(8, quant_bits=8)),
         lambda o, c: CodecKVCache.from_state(with_array(o, 0, lambda t: _set(t, -128)), o.meta_state),
-        KVDataError,
+        kvspec.KVDataError,
         "int8 code -128",
     ),
     "from-state-int4-zero-nibble": (
         lambda c: filled(JPEGCodec(8, quant_bits=4)),
         lambda o, c: CodecKVCache.from_state(with_array(o, 0, lambda t: _set(t, 0)), o.meta_state),
-        KVDataError,
+        kvspec.KVDataError,
         "0 nibble",
     ),
     "from-state-check-finite-yes": (
         lambda c: filled(),
         lambda o, c: CodecKVCache.from_state(o.state, with_meta(o, check_finite="yes")),
-        KVConfigError,
+        kvspec.KVConfigError,
         "check_finite must be True or False; got 'yes'",
     ),
     "from-state-unknown-format": (
         lambda c: filled(),
         lambda o, c: CodecKVCache.from_state(o.state, with_meta(o, format="flashcodec-cache-9")),
-        KVConfigError,
+        kvspec.KVConfigError,
         "meta_state format must be .flashcodec-cache-3.; got .flashcodec-cache-9.",
     ),
     "from-state-repeated-key": (
         lambda c: filled(),
         lambda o, c: CodecKVCache.from_state(o.state, (*o.meta_state, "offset=13")),
-        KVConfigError,
+        kvspec.KVConfigError,
         "names a key twice",
     ),
     "from-state-a-tensor": (
         lambda c: filled(),
         lambda o, c: CodecKVCache.from_state(o.state[0], o.meta_state),
-        KVDataError,
+        kvspec.KVDataError,
         "state must be a sequence of tensors",
     ),
     "from-state-keys-values-disagree": (
         lambda c: filled(),
         lambda o, c: CodecKVCache.from_state(with_array(o, 5, lambda t: t[:, :, :1]), o.meta_state),
-        KVDataError,
+        kvspec.KVDataError,
         "keys and values state must agree",
     ),
     # transformers cache and layer
     "hf-update-float-layer-idx": (
         lambda c: filled_hf(),
         lambda o, c: o.update(good(b=3), good(b=3), 1.5),
-        KVConfigError,
+        kvspec.KVConfigError,
         "layer_idx must be an integer >= 0; got 1.5",
     ),
     "hf-update-negative-layer-idx": (
         lambda c: filled_hf(),
         lambda o, c: o.update(good(b=3), good(b=3), -1),
-        KVConfigError,
+        kvspec.KVConfigError,
         "layer_idx must be an integer >= 0; got -1",
     ),
     "hf-update-past-the-config": (
         lambda c: FlashCodecCache.from_config(c.model.config),
         lambda o, c: o.update(good(), good(), 4),
-        KVConfigError,
+        kvspec.KVConfigError,
         r"layer_idx must be an integer in 0..3; got 4",
     ),
     "hf-update-bad-input-on-new-layer": (
         lambda c: filled_hf(),
         lambda o, c: o.update(good(), good(b=1), 3),
-        KVShapeError,
+        kvspec.KVShapeError,
         "must agree on B, H and S",
     ),
     "hf-fresh-layer-bad-input": (
         lambda c: FlashCodecLayer(),
         lambda o, c: o.update(good(), good()[..., :2, :]),
-        KVShapeError,
+        kvspec.KVShapeError,
         "must agree on B, H and S",
     ),
     "hf-fresh-layer-empty-int-step": (
         lambda c: FlashCodecLayer(),
         lambda o, c: o.update(good(s=0).long(), good(s=0).long()),
-        KVDtypeError,
+        kvspec.KVDtypeError,
         "got torch.int64",
     ),
     "hf-repeat-fractional": (
         lambda c: filled_hf(),
         lambda o, c: o.batch_repeat_interleave(2.7),
-        KVShapeError,
+        kvspec.KVShapeError,
         "repeats must be an integer >= 1; got 2.7",
     ),
     "hf-repeat-zero": (
         lambda c: filled_hf(),
         lambda o, c: o.batch_repeat_interleave(0),
-        KVShapeError,
+        kvspec.KVShapeError,
         "repeats must be an integer >= 1; got 0",
     ),
     "hf-select-out-of-range": (
         lambda c: filled_hf(),
         lambda o, c: o.batch_select_indices(torch.tensor([0, 3])),
-        KVShapeError,
+        kvspec.KVShapeError,
         r"^indices entries must lie in -3..2",
     ),
     "hf-select-mask-length": (
         lambda c: filled_hf(),
         lambda o, c: o.batch_select_indices(torch.tensor([True, False])),
-        KVShapeError,
+        kvspec.KVShapeError,
         r"indices as a boolean mask must have shape \[3\]",
     ),
     "hf-reorder-float": (
         lambda c: filled_hf(),
         lambda o, c: o.reorder_cache(torch.tensor([0.5])),
-        KVShapeError,
+        kvspec.KVShapeError,
         "beam_idx must be a 1-D integer tensor",
     ),
     "hf-crop-float": (
         lambda c: filled_hf(),
         lambda o, c: o.crop(1.5),
-        KVTrimError,
+        kvspec.KVTrimError,
         "tokens_to_remove must be an integer; got 1.5",
     ),
     "hf-storage-bytes-negative-layer": (
         lambda c: filled_hf(),
         lambda o, c: o.storage_bytes(-1),
-        KVConfigError,
+        kvspec.KVConfigError,
         "layer_idx=-1 is not a codec layer",
     ),
     # patches on models
     "apply-flash-codec-on-object": (
         None,
         lambda o, c: apply_flash_codec(object()),
-        KVConfigError,
+        kvspec.KVConfigError,
         "model must be a transformers model with generate",
     ),
     "remove-flash-codec-on-object": (
         None,
         lambda o, c: remove_flash_codec(3),
-        KVConfigError,
+        kvspec.KVConfigError,
         "model must be a transformers model",
     ),
     "apply-codec-attention-on-object": (
         None,
         lambda o, c: apply_codec_attention(SimpleNamespace()),
-        KVConfigError,
+        kvspec.KVConfigError,
         "model must be a torch.nn.Module; got SimpleNamespace",
     ),
     "remove-codec-attention-on-object": (
         None,
         lambda o, c: remove_codec_attention(object()),
-        KVConfigError,
+        kvspec.KVConfigError,
         "model must be a torch.nn.Module; got object",
     ),
     "apply-codec-attention-bad-backend": (
         model,
         lambda o, c: apply_codec_attention(o, backend="cuda"),
-        KVConfigError,
+        kvspec.KVConfigError,
         "backend must be one of",
     ),
     "apply-flash-codec-bad-flag": (
         model,
         lambda o, c: apply_flash_codec(o, materialization_free="yes"),
-        KVConfigError,
+        kvspec.KVConfigError,
         "materialization_free must be True or False",
     ),
     "apply-flash-codec-bad-per-layer": (
         model,
         lambda o, c: apply_flash_codec(o, per_layer={9: {"keep_freqs": 2}}),
-        KVConfigError,
+        kvspec.KVConfigError,
         "per_layer names layer 9",
     ),
     "calibration-unknown-candidate": (
         None,
         lambda o, c: Calibration(schedule={0: "b"}, candidates={"a": PNGCodec()}, budget=1.0, ratio=1.0),
-        KVConfigError,
+        kvspec.KVConfigError,
         r"schedule names candidates \['b'\]",
     ),
     "calibration-negative-budget": (
         None,
         lambda o, c: Calibration(schedule={}, candidates={}, budget=-1.0, ratio=1.0),
-        KVConfigError,
+        kvspec.KVConfigError,
         "budget must be a finite number >= 0",
     ),
     # files
     "calibration-missing-file": (
         lambda c: c.tmp,
         lambda o, c: Calibration.load(o / "nope.json"),
-        KVDataError,
+        kvspec.KVDataError,
         "nope.json.*cannot be read",
     ),
     "calibration-corrupt-json": (
         corrupt_json,
         lambda o, c: Calibration.load(o),
-        KVDataError,
+        kvspec.KVDataError,
         "schedule.json.*cannot be read as JSON",
     ),
     "calibration-edited-after-save": (
         tampered,
         lambda o, c: Calibration.load(o),
-        KVDataError,
+        kvspec.KVDataError,
         "schedule.json.*fails its sha256 check",
     ),
 }
@@ -699,5 +696,5 @@ def test_bad_input(name, tmp_path, tiny):
     before = _snap(obj)
     with pytest.raises(error, match=pattern) as info:
         call(obj, ctx)
-    assert isinstance(info.value, KVSpecError) and isinstance(info.value, (ValueError, TypeError))
+    assert isinstance(info.value, kvspec.KVSpecError) and isinstance(info.value, (ValueError, TypeError))
     assert _snap(obj) == before, f"{name}: the object changed although the call raised"

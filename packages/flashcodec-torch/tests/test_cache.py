@@ -2,25 +2,17 @@
 
 from __future__ import annotations
 
+import kvspec
 import pytest
 import torch
 from conftest import CODECS, gaussian, random_walk
 from flashcodec import CodecKVCache
 from flashcodec.codecs import ChannelInt4Codec
 from flashcodec.stream import SPARE_BLOCKS, spare_blocks
-from kvspec import (
-    KVCacheLayer,
-    KVConfigError,
-    KVDataError,
-    KVDtypeError,
-    KVShapeError,
-    KVTrimError,
-    KVValueError,
-)
 
 
 def test_meets_the_kvspec_protocol():
-    assert isinstance(CodecKVCache(), KVCacheLayer)
+    assert isinstance(CodecKVCache(), kvspec.KVCacheLayer)
 
 
 @pytest.mark.parametrize("tier", CODECS)
@@ -169,13 +161,13 @@ def test_from_state_rejects_bad_meta_and_arrays():
     a = CodecKVCache("jpeg", keep_freqs=2)
     x = random_walk(s=20)
     a.forward(x, x)
-    with pytest.raises(KVConfigError, match="meta_state"):
+    with pytest.raises(kvspec.KVConfigError, match="meta_state"):
         CodecKVCache.from_state(a.state, ("mode=jpeg",))
-    with pytest.raises(KVDataError, match="state must hold"):
+    with pytest.raises(kvspec.KVDataError, match="state must hold"):
         CodecKVCache.from_state(a.state[:2], a.meta_state)
     bad = list(a.state)
     bad[0] = bad[0][:, :, :, :1]  # wrong K
-    with pytest.raises(KVDataError, match="coeffs"):
+    with pytest.raises(kvspec.KVDataError, match="coeffs"):
         CodecKVCache.from_state(bad, a.meta_state)
 
 
@@ -215,7 +207,7 @@ def test_forward_starts_over():
     ],
 )
 def test_bad_config_raises(kwargs, match):
-    with pytest.raises(KVConfigError, match=match):
+    with pytest.raises(kvspec.KVConfigError, match=match):
         CodecKVCache(**kwargs)
 
 
@@ -241,19 +233,19 @@ def _bad_inputs():
     inf = good.clone()
     inf[1, 2, 0, 0] = float("inf")
     return {
-        "rank": (KVShapeError, good[0], good[0]),
-        "kv-mismatch": (KVShapeError, good, good[:, :, :2]),
-        "batch-changed": (KVShapeError, good[:1], good[:1]),
-        "heads-changed": (KVShapeError, good[:, :2], good[:, :2]),
-        "dim-changed": (KVShapeError, good[..., :8], good),
-        "zero-length": (KVShapeError, good[:, :, :0], good[:, :, :0]),
-        "kv-dtype": (KVDtypeError, good, good.half()),
-        "dtype-changed": (KVDtypeError, good.half(), good.half()),
-        "int-dtype": (KVDtypeError, good.long(), good.long()),
-        "float64": (KVDtypeError, good.double(), good.double()),
-        "not-a-tensor": (KVDtypeError, good.numpy(), good),
-        "nan": (KVValueError, nan, good),
-        "inf": (KVValueError, good, inf),
+        "rank": (kvspec.KVShapeError, good[0], good[0]),
+        "kv-mismatch": (kvspec.KVShapeError, good, good[:, :, :2]),
+        "batch-changed": (kvspec.KVShapeError, good[:1], good[:1]),
+        "heads-changed": (kvspec.KVShapeError, good[:, :2], good[:, :2]),
+        "dim-changed": (kvspec.KVShapeError, good[..., :8], good),
+        "zero-length": (kvspec.KVShapeError, good[:, :, :0], good[:, :, :0]),
+        "kv-dtype": (kvspec.KVDtypeError, good, good.half()),
+        "dtype-changed": (kvspec.KVDtypeError, good.half(), good.half()),
+        "int-dtype": (kvspec.KVDtypeError, good.long(), good.long()),
+        "float64": (kvspec.KVDtypeError, good.double(), good.double()),
+        "not-a-tensor": (kvspec.KVDtypeError, good.numpy(), good),
+        "nan": (kvspec.KVValueError, nan, good),
+        "inf": (kvspec.KVValueError, good, inf),
     }
 
 
@@ -278,9 +270,9 @@ def test_bad_input_raises_and_leaves_cache_unchanged(tier, case):
 def test_error_messages_name_the_value():
     cache = CodecKVCache()
     cache.forward(gaussian(), gaussian())
-    with pytest.raises(KVDtypeError, match="float16"):
+    with pytest.raises(kvspec.KVDtypeError, match="float16"):
         cache.update_and_fetch(gaussian().half(), gaussian().half())
-    with pytest.raises(KVConfigError, match="got 9"):
+    with pytest.raises(kvspec.KVConfigError, match="got 9"):
         CodecKVCache(keep_freqs=9)
 
 
@@ -298,7 +290,7 @@ def test_bad_trim_raises_and_leaves_cache(n):
     x = random_walk(s=13)
     cache.forward(x, x)
     snap = _snapshot(cache)
-    with pytest.raises(KVTrimError):
+    with pytest.raises(kvspec.KVTrimError):
         cache.trim(n)
     assert _same(cache, snap)
 
@@ -318,7 +310,7 @@ def test_bad_beam_index_raises_and_leaves_cache(idx):
     x = random_walk(s=13)
     cache.forward(x, x)
     snap = _snapshot(cache)
-    with pytest.raises(KVShapeError, match="beam_idx"):
+    with pytest.raises(kvspec.KVShapeError, match="beam_idx"):
         cache.reorder(torch.tensor(idx))
     assert _same(cache, snap)
 
@@ -330,8 +322,8 @@ def test_device_mixing_raises_and_leaves_cache():
     cache.forward(x, x)
     snap = _snapshot(cache)
     on_meta = torch.empty(2, 3, 1, 16, device="meta")
-    with pytest.raises(KVDtypeError, match="one device"):
+    with pytest.raises(kvspec.KVDtypeError, match="one device"):
         cache.update_and_fetch(x[:, :, :1], on_meta)
-    with pytest.raises(KVDtypeError, match="device is fixed"):
+    with pytest.raises(kvspec.KVDtypeError, match="device is fixed"):
         cache.update_and_fetch(on_meta, on_meta)
     assert _same(cache, snap)

@@ -13,20 +13,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import kvspec
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
 from cache_snapshots import array_bytes, build, kv, snapshot, synthetic_calibration
-from kvspec import (
-    KVConfigError,
-    KVDataError,
-    KVDtypeError,
-    KVShapeError,
-    KVSpecError,
-    KVTrimError,
-    KVValueError,
-)
 from palu_helpers import make_tiny_qwen3
 from palu_mlx import (
     FixedSplitPolicy,
@@ -59,7 +51,7 @@ from palu_mlx.spec import PaluAdapter
 class Bad:
     subject: Callable[[], Any]  # builds the object the call must leave unchanged
     call: Callable[[Any], Any]
-    error: type[KVSpecError]
+    error: type[kvspec.KVSpecError]
     match: str  # the message names the problem
 
 
@@ -167,103 +159,115 @@ def cache(kind):
 CATALOGUE: dict[str, Bad] = {
     # ---- update_and_fetch
     "update: keys a list": Bad(
-        cache(FITTED), lambda c: c.update_and_fetch([1.0], k1()[1]), KVDtypeError, "mlx.core.array"
+        cache(FITTED), lambda c: c.update_and_fetch([1.0], k1()[1]), kvspec.KVDtypeError, "mlx.core.array"
     ),
     "update: 3-D keys": Bad(
-        cache(NAIVE), lambda c: c.update_and_fetch(k1()[0][0], k1()[1][0]), KVShapeError, "4-D"
+        cache(NAIVE), lambda c: c.update_and_fetch(k1()[0][0], k1()[1][0]), kvspec.KVShapeError, "4-D"
     ),
     "update: keys and values disagree on S": Bad(
-        cache(FITTED), lambda c: c.update_and_fetch(kv(2, 1)[0], k1()[1]), KVShapeError, "agree on B, H and S"
+        cache(FITTED),
+        lambda c: c.update_and_fetch(kv(2, 1)[0], k1()[1]),
+        kvspec.KVShapeError,
+        "agree on B, H and S",
     ),
     "update: int32 keys": Bad(
         cache(EXACT),
         lambda c: c.update_and_fetch(*(x.astype(mx.int32) for x in k1())),
-        KVDtypeError,
+        kvspec.KVDtypeError,
         "int32 is not supported",
     ),
     "update: dtype differs from the cache's": Bad(
         cache(FITTED),
         lambda c: c.update_and_fetch(*k1(mx.float16)),
-        KVDtypeError,
+        kvspec.KVDtypeError,
         "differs from the cache's dtype",
     ),
     "update: head dim changed": Bad(
         cache(CALIB),
         lambda c: c.update_and_fetch(mx.zeros((1, 2, 1, 64)), mx.zeros((1, 2, 1, 64))),
-        KVShapeError,
+        kvspec.KVShapeError,
         "fixed by the first update",
     ),
     "update: NaN keys": Bad(
-        cache(FITTED), lambda c: c.update_and_fetch(k1()[0] * float("nan"), k1()[1]), KVValueError, "NaN"
+        cache(FITTED),
+        lambda c: c.update_and_fetch(k1()[0] * float("nan"), k1()[1]),
+        kvspec.KVValueError,
+        "NaN",
     ),
     "update: infinite values (naive)": Bad(
-        cache(NAIVE), lambda c: c.update_and_fetch(k1()[0], k1()[1] * float("inf")), KVValueError, "infinity"
+        cache(NAIVE),
+        lambda c: c.update_and_fetch(k1()[0], k1()[1] * float("inf")),
+        kvspec.KVValueError,
+        "infinity",
     ),
     "update: latents beyond float16 scales": Bad(
-        cache(FITTED), lambda c: c.update_and_fetch(k1()[0], k1()[1] * 1e6), KVValueError, "65504"
+        cache(FITTED), lambda c: c.update_and_fetch(k1()[0], k1()[1] * 1e6), kvspec.KVValueError, "65504"
     ),
     # ---- trim
-    "trim: negative": Bad(cache(FITTED), lambda c: c.trim(-1), KVTrimError, "n=-1"),
-    "trim: fractional": Bad(cache(NAIVE), lambda c: c.trim(1.5), KVTrimError, "n=1.5"),
-    "trim: bool": Bad(cache(CALIB), lambda c: c.trim(True), KVTrimError, "n=True"),
+    "trim: negative": Bad(cache(FITTED), lambda c: c.trim(-1), kvspec.KVTrimError, "n=-1"),
+    "trim: fractional": Bad(cache(NAIVE), lambda c: c.trim(1.5), kvspec.KVTrimError, "n=1.5"),
+    "trim: bool": Bad(cache(CALIB), lambda c: c.trim(True), kvspec.KVTrimError, "n=True"),
     # ---- make_mask (called by mlx-lm's models)
-    "make_mask: zero queries": Bad(cache(FITTED), lambda c: c.make_mask(0), KVShapeError, "N=0"),
+    "make_mask: zero queries": Bad(cache(FITTED), lambda c: c.make_mask(0), kvspec.KVShapeError, "N=0"),
     "make_mask: window of 0": Bad(
-        cache(NAIVE), lambda c: c.make_mask(2, window_size=0), KVConfigError, "window_size=0"
+        cache(NAIVE), lambda c: c.make_mask(2, window_size=0), kvspec.KVConfigError, "window_size=0"
     ),
     "make_mask: return_array 'yes'": Bad(
-        cache(CALIB), lambda c: c.make_mask(2, return_array="yes"), KVConfigError, "return_array='yes'"
+        cache(CALIB), lambda c: c.make_mask(2, return_array="yes"), kvspec.KVConfigError, "return_array='yes'"
     ),
     # ---- from_state: metadata
     "from_state: offset past the data": Bad(
         cache(FITTED),
         lambda c: restore(c, meta=with_runtime(c, offset=c.offset + 4)),
-        KVDataError,
+        kvspec.KVDataError,
         "has shape",
     ),
     "from_state: negative offset": Bad(
-        cache(NAIVE), lambda c: restore(c, meta=with_runtime(c, offset=-1)), KVDataError, "offset=-1"
+        cache(NAIVE), lambda c: restore(c, meta=with_runtime(c, offset=-1)), kvspec.KVDataError, "offset=-1"
     ),
     "from_state: fractional offset": Bad(
-        cache(CALIB), lambda c: restore(c, meta=with_runtime(c, offset=2.5)), KVDataError, "offset=2.5"
+        cache(CALIB), lambda c: restore(c, meta=with_runtime(c, offset=2.5)), kvspec.KVDataError, "offset=2.5"
     ),
     "from_state: bool offset": Bad(
-        cache(EXACT), lambda c: restore(c, meta=with_runtime(c, offset=True)), KVDataError, "offset=True"
+        cache(EXACT),
+        lambda c: restore(c, meta=with_runtime(c, offset=True)),
+        kvspec.KVDataError,
+        "offset=True",
     ),
     "from_state: shape of three dims": Bad(
         cache(FITTED),
         lambda c: restore(c, meta=with_runtime(c, shape=[1, 2, 32])),
-        KVDataError,
+        kvspec.KVDataError,
         "shape=.*four",
     ),
     "from_state: unsupported dtype": Bad(
         cache(NAIVE),
         lambda c: restore(c, meta=with_runtime(c, dtype="float64")),
-        KVDataError,
+        kvspec.KVDataError,
         "dtype='float64'",
     ),
     "from_state: another class's meta_state": Bad(
         cache(NAIVE),
         lambda c: PaluKVCache.from_state(c.state, c.meta_state),
-        KVDataError,
+        kvspec.KVDataError,
         "written by class 'NaiveQuantKVCache'",
     ),
     "from_state: non-contiguous segments": Bad(
         cache(FITTED),
         lambda c: restore(c, meta=with_runtime(c, key_segments=[[0, 2, 4], [3, 8, 2]])),
-        KVDataError,
+        kvspec.KVDataError,
         "key_segments.*contiguous",
     ),
     "from_state: segment of 9 bits": Bad(
         cache(FITTED),
         lambda c: restore(c, meta=with_runtime(c, value_segments=[[0, 8, 9]])),
-        KVDataError,
+        kvspec.KVDataError,
         "bits one of",
     ),
     "from_state: fixed width 0": Bad(
         cache(FIXED),
         lambda c: restore(c, meta=with_runtime(c, key_fixed_widths=[0, 2])),
-        KVDataError,
+        kvspec.KVDataError,
         r"key_fixed_widths.*ints in \[1, 8\]",
     ),
     "from_state: fixed widths disagree with segments": Bad(
@@ -272,52 +276,61 @@ CATALOGUE: dict[str, Bad] = {
             c,
             meta=with_runtime(c, key_fixed_widths=[8] * len(json.loads(c.meta_state[1])["key_fixed_widths"])),
         ),
-        KVDataError,
+        kvspec.KVDataError,
         "do not match",
     ),
     "from_state: segments on an unfitted cache": Bad(
         cache(EXACT),
         lambda c: restore(c, meta=with_runtime(c, key_segments=[[0, 8, 2]])),
-        KVDataError,
+        kvspec.KVDataError,
         "both null \\(before the fit\\) or both set",
     ),
     "from_state: empty cache with an offset": Bad(
         lambda: build("palu-empty"),
         lambda c: restore(c, meta=with_runtime(c, offset=3)),
-        KVDataError,
+        kvspec.KVDataError,
         "empty cache needs",
     ),
     "from_state: odd rope dims": Bad(
         cache(ROPE),
         lambda c: restore(c, meta=with_runtime(c, rope={"dims": 7, "traditional": False})),
-        KVDataError,
+        kvspec.KVDataError,
         "rope dims=7",
     ),
     "from_state: rope dims above the head dim": Bad(
         cache(ROPE),
         lambda c: restore(c, meta=with_runtime(c, rope={"dims": 64, "traditional": False})),
-        KVDataError,
+        kvspec.KVDataError,
         "key head dim 32",
     ),
     "from_state: meta_state of one item": Bad(
-        cache(FITTED), lambda c: restore(c, meta=c.meta_state[:1]), KVDataError, "two strings; got 1 items"
+        cache(FITTED),
+        lambda c: restore(c, meta=c.meta_state[:1]),
+        kvspec.KVDataError,
+        "two strings; got 1 items",
     ),
     "from_state: runtime not JSON": Bad(
-        cache(CALIB), lambda c: restore(c, meta=(c.meta_state[0], "{offset")), KVDataError, "not valid JSON"
+        cache(CALIB),
+        lambda c: restore(c, meta=(c.meta_state[0], "{offset")),
+        kvspec.KVDataError,
+        "not valid JSON",
     ),
     "from_state: unknown config field": Bad(
-        cache(FITTED), lambda c: restore(c, meta=with_settings(c, palu_turbo=True)), KVDataError, "palu_turbo"
+        cache(FITTED),
+        lambda c: restore(c, meta=with_settings(c, palu_turbo=True)),
+        kvspec.KVDataError,
+        "palu_turbo",
     ),
     "from_state: check_finite 'no' in naive settings": Bad(
         cache(NAIVE),
         lambda c: restore(c, meta=with_settings(c, check_finite="no")),
-        KVDataError,
+        kvspec.KVDataError,
         "check_finite='no'",
     ),
     "from_state: naive settings missing a field": Bad(
         cache(NAIVE),
         lambda c: restore(c, meta=(json.dumps({"quant_bits": 2}), c.meta_state[1])),
-        KVDataError,
+        kvspec.KVDataError,
         "exactly quant_bits",
     ),
     "from_state: sink arrays dropped with the config field that kept them": Bad(
@@ -325,83 +338,86 @@ CATALOGUE: dict[str, Bad] = {
         lambda c: restore(
             c, state=state_with(c, sink__keys=None, sink__values=None), meta=without(c, ("palu_sink_tokens",))
         ),
-        KVDataError,
+        kvspec.KVDataError,
         r"config lacks the fields \['palu_sink_tokens'\]",
     ),
     "from_state: palu_group_size changed after the fit (fixed quantizers)": Bad(
         cache(FIXED),
         lambda c: restore(c, meta=with_settings(c, palu_group_size=7)),
-        KVDataError,
+        kvspec.KVDataError,
         r"palu_group_size=7, but the state's codes were made with palu_group_size=32; allowed: 32",
     ),
     "from_state: palu_group_size changed after the fit (same group count)": Bad(
         cache(FITTED),
         lambda c: restore(c, meta=with_settings(c, palu_group_size=33)),
-        KVDataError,
+        kvspec.KVDataError,
         "palu_group_size=33, but the state's codes were made with palu_group_size=32",
     ),
     "from_state: palu_hi_bit changed after the fit": Bad(
         cache(FITTED),
         lambda c: restore(c, meta=with_settings(c, palu_hi_bit=8)),
-        KVDataError,
+        kvspec.KVDataError,
         "palu_hi_bit=8, but the state's codes were made with palu_hi_bit=None",
     ),
     "from_state: coded_with missing after the fit": Bad(
         cache(FIXED),
         lambda c: restore(c, meta=without(c, runtime=("coded_with",))),
-        KVDataError,
+        kvspec.KVDataError,
         "'coded_with'",
     ),
     "from_state: coded_with before the fit": Bad(
         cache(EXACT),
         lambda c: restore(c, meta=with_runtime(c, coded_with={"palu_bits": 2.0})),
-        KVDataError,
+        kvspec.KVDataError,
         "coded_with=.*must be null before the fit",
     ),
     # ---- from_state: arrays
     "from_state: state not a dict": Bad(
-        cache(FITTED), lambda c: restore(c, state=list(c.state.values())), KVDataError, "state must be a dict"
+        cache(FITTED),
+        lambda c: restore(c, state=list(c.state.values())),
+        kvspec.KVDataError,
+        "state must be a dict",
     ),
     "from_state: numpy array in state": Bad(
         cache(NAIVE),
         lambda c: restore(c, state=state_with(c, key__codes=lambda a: np.array(a))),
-        KVDataError,
+        kvspec.KVDataError,
         "'key.codes' must map",
     ),
     "from_state: missing array": Bad(
         cache(FITTED),
         lambda c: restore(c, state=state_with(c, key__basis=None)),
-        KVDataError,
+        kvspec.KVDataError,
         "missing array 'key.basis'",
     ),
     "from_state: extra array": Bad(
         cache(CALIB),
         lambda c: restore(c, state=state_with(c, extra=lambda _: mx.zeros(1))),
-        KVDataError,
+        kvspec.KVDataError,
         r"\['extra'\].*does not describe",
     ),
     "from_state: array of the wrong dtype": Bad(
         cache(FITTED),
         lambda c: restore(c, state=state_with(c, key__mean=lambda a: a.astype(mx.float32))),
-        KVDataError,
+        kvspec.KVDataError,
         "'key.mean' has dtype float32",
     ),
     "from_state: array of the wrong shape": Bad(
         cache(EXACT),
         lambda c: restore(c, state=state_with(c, exact_values=lambda a: a[..., :16])),
-        KVDataError,
+        kvspec.KVDataError,
         "'exact_values' has shape",
     ),
     "from_state: NaN in an array": Bad(
         cache(NAIVE),
         lambda c: restore(c, state=state_with(c, value__scales=lambda a: a * float("nan"))),
-        KVDataError,
+        kvspec.KVDataError,
         "'value.scales'.*NaN",
     ),
     "from_state: zero quantizer steps": Bad(
         cache(CALIB),
         lambda c: restore(c, state=state_with(c, key__steps=lambda a: a * 0)),
-        KVDataError,
+        kvspec.KVDataError,
         "'key.steps'.*> 0",
     ),
     "from_state: calibrated widths longer than the steps": Bad(
@@ -409,202 +425,236 @@ CATALOGUE: dict[str, Bad] = {
         lambda c: restore(
             c, meta=with_runtime(c, key_widths=[*json.loads(c.meta_state[1])["key_widths"], 1])
         ),
-        KVDataError,
+        kvspec.KVDataError,
         "'key.basis' has shape",
     ),
     "from_state: allocation_policy not a policy": Bad(
-        cache(FITTED), lambda c: restore(c, allocation_policy=5), KVConfigError, "allocation_policy"
+        cache(FITTED), lambda c: restore(c, allocation_policy=5), kvspec.KVConfigError, "allocation_policy"
     ),
     # ---- constructors and configuration
     "config: check_finite 'no'": Bad(
         KVCacheConfig,
         lambda c: dataclasses.replace(c, palu_check_finite="no"),
-        KVConfigError,
+        kvspec.KVConfigError,
         "palu_check_finite='no'",
     ),
     "config: check_finite 1": Bad(
         KVCacheConfig,
         lambda c: dataclasses.replace(c, palu_check_finite=1),
-        KVConfigError,
+        kvspec.KVConfigError,
         "palu_check_finite=1",
     ),
     "config: from_json of broken JSON": Bad(
-        KVCacheConfig, lambda c: KVCacheConfig.from_json(c.to_json()[:-2]), KVConfigError, "not valid JSON"
+        KVCacheConfig,
+        lambda c: KVCacheConfig.from_json(c.to_json()[:-2]),
+        kvspec.KVConfigError,
+        "not valid JSON",
     ),
     "naive: check_finite 'yes'": Bad(
         cache(NAIVE),
         lambda c: NaiveQuantKVCache(2, 32, check_finite="yes"),
-        KVConfigError,
+        kvspec.KVConfigError,
         "check_finite='yes'",
     ),
     "naive: quant_bits 2.0": Bad(
-        cache(NAIVE), lambda c: NaiveQuantKVCache(2.0, 32), KVConfigError, "quant_bits=2.0"
+        cache(NAIVE), lambda c: NaiveQuantKVCache(2.0, 32), kvspec.KVConfigError, "quant_bits=2.0"
     ),
     "naive_roundtrip: D not a multiple of the group": Bad(
         lambda: mx.ones((2, 48)),
         lambda x: naive_roundtrip(x, 2, 32),
-        KVShapeError,
+        kvspec.KVShapeError,
         "multiple of group_size=32",
     ),
     "policy: hi_fraction 2.0": Bad(
-        KVCacheConfig, lambda c: FixedSplitPolicy(4, 2, 2.0), KVConfigError, r"hi_fraction=2.0.*\[0, 1\]"
+        KVCacheConfig,
+        lambda c: FixedSplitPolicy(4, 2, 2.0),
+        kvspec.KVConfigError,
+        r"hi_fraction=2.0.*\[0, 1\]",
     ),
-    "policy: hi_bit 9": Bad(KVCacheConfig, lambda c: FixedSplitPolicy(9, 2, 0.25), KVConfigError, "hi_bit=9"),
-    "policy: uniform 0 bits": Bad(KVCacheConfig, lambda c: UniformPolicy(0), KVConfigError, "bits=0"),
+    "policy: hi_bit 9": Bad(
+        KVCacheConfig, lambda c: FixedSplitPolicy(9, 2, 0.25), kvspec.KVConfigError, "hi_bit=9"
+    ),
+    "policy: uniform 0 bits": Bad(KVCacheConfig, lambda c: UniformPolicy(0), kvspec.KVConfigError, "bits=0"),
     "policy: water-filling max_bits 9": Bad(
-        KVCacheConfig, lambda c: WaterFillingPolicy(2.0, max_bits=9), KVConfigError, "max_bits=9"
+        KVCacheConfig, lambda c: WaterFillingPolicy(2.0, max_bits=9), kvspec.KVConfigError, "max_bits=9"
     ),
     "policy: NaN singular values": Bad(
         lambda: np.array([[1.0, np.nan]]),
         lambda sv: FixedSplitPolicy(4, 2, 0.5).allocate(sv),
-        KVConfigError,
+        kvspec.KVConfigError,
         "NaN",
     ),
     "segment: stop before start": Bad(
-        KVCacheConfig, lambda c: Segment(3, 1, 2), KVConfigError, "start <= stop"
+        KVCacheConfig, lambda c: Segment(3, 1, 2), kvspec.KVConfigError, "start <= stop"
     ),
     "water_fill: NaN variance": Bad(
-        lambda: np.array([1.0, np.nan]), lambda v: water_fill([v], 4), KVConfigError, r"variances\[0\].*NaN"
+        lambda: np.array([1.0, np.nan]),
+        lambda v: water_fill([v], 4),
+        kvspec.KVConfigError,
+        r"variances\[0\].*NaN",
     ),
-    "segment: float start": Bad(KVCacheConfig, lambda c: Segment(0.5, 2, 2), KVConfigError, "must be ints"),
+    "segment: float start": Bad(
+        KVCacheConfig, lambda c: Segment(0.5, 2, 2), kvspec.KVConfigError, "must be ints"
+    ),
     "cli main: argv a string": Bad(
-        KVCacheConfig, lambda c: cli_main("calibrate"), KVConfigError, "argv='calibrate'"
+        KVCacheConfig, lambda c: cli_main("calibrate"), kvspec.KVConfigError, "argv='calibrate'"
     ),
     "conformance adapter: text as an array": Bad(
         KVCacheConfig,
         lambda c: PaluAdapter().to_native("keys", "float32"),
-        KVDtypeError,
+        kvspec.KVDtypeError,
         "numeric array; got str",
     ),
     "coder: group_size 0": Bad(
         KVCacheConfig,
         lambda c: MixedBitCoder((Segment(0, 4, 2),), 0, mx.float16),
-        KVConfigError,
+        kvspec.KVConfigError,
         "group_size=0",
     ),
     "coder: latents of another rank": Bad(
         lambda: mx.ones((1, 5)),
         lambda x: MixedBitCoder((Segment(0, 4, 2),), 4, mx.float16).encode(x),
-        KVShapeError,
+        kvspec.KVShapeError,
         "5 channels; coder rank is 4",
     ),
     "pack_codes: code wider than its bits": Bad(
         lambda: mx.array([1, 4, 0], dtype=mx.uint32),
         lambda codes: pack_codes(codes, 2),
-        KVValueError,
+        kvspec.KVValueError,
         r"\[0, 4\].*2-bit.*neighbour",
     ),
     "pack_codes: negative code": Bad(
         lambda: mx.array([1, -1], dtype=mx.int32),
         lambda codes: pack_codes(codes, 3),
-        KVValueError,
+        kvspec.KVValueError,
         r"\[-1, 1\]",
     ),
     "pack_codes: float codes": Bad(
-        lambda: mx.array([0.5, 1.0]), lambda codes: pack_codes(codes, 2), KVDtypeError, "integer array"
+        lambda: mx.array([0.5, 1.0]), lambda codes: pack_codes(codes, 2), kvspec.KVDtypeError, "integer array"
     ),
     "pack_codes: 9 bits": Bad(
-        lambda: mx.array([1], dtype=mx.uint32), lambda codes: pack_codes(codes, 9), KVConfigError, "bits=9"
+        lambda: mx.array([1], dtype=mx.uint32),
+        lambda codes: pack_codes(codes, 9),
+        kvspec.KVConfigError,
+        "bits=9",
     ),
     "unpack_codes: more codes than the words hold": Bad(
-        lambda: mx.array([3], dtype=mx.uint8), lambda w: unpack_codes(w, 2, 5), KVShapeError, r"n=5.*\[0, 4\]"
+        lambda: mx.array([3], dtype=mx.uint8),
+        lambda w: unpack_codes(w, 2, 5),
+        kvspec.KVShapeError,
+        r"n=5.*\[0, 4\]",
     ),
     "fit_group_projection: rank 0": Bad(
-        lambda: mx.ones((1, 2, 4, 8)), lambda x: fit_group_projection(x, 1, 0), KVConfigError, "palu_rank=0"
+        lambda: mx.ones((1, 2, 4, 8)),
+        lambda x: fit_group_projection(x, 1, 0),
+        kvspec.KVConfigError,
+        "palu_rank=0",
     ),
     "project: head dim differs from the projection's": Bad(
         lambda: mx.ones((1, 2, 4, 8)),
         lambda x: project(x, fit_group_projection(mx.ones((1, 2, 4, 16)), 1, 2)),
-        KVShapeError,
+        kvspec.KVShapeError,
         "head dim 8; the projection's is 16",
     ),
     "select_rank: threshold 0": Bad(
-        lambda: np.ones((1, 4)), lambda sv: select_rank(sv, 0.0), KVConfigError, "energy_threshold=0.0"
+        lambda: np.ones((1, 4)), lambda sv: select_rank(sv, 0.0), kvspec.KVConfigError, "energy_threshold=0.0"
     ),
     # ---- builder, files, calibration
     "for_model: None as model": Bad(
         KVCacheConfig,
         lambda c: KVCacheBuilder.for_model(None, c),
-        KVConfigError,
+        kvspec.KVConfigError,
         "model must be an mlx-lm model",
     ),
     "for_model: config a dict": Bad(
         tiny_model,
         lambda m: KVCacheBuilder.for_model(m, {"head_dim": 32}),
-        KVConfigError,
+        kvspec.KVConfigError,
         "config must be a KVCacheConfig",
     ),
     "for_model: allocation_policy a string": Bad(
         tiny_model,
         lambda m: KVCacheBuilder.for_model(m, KVCacheConfig(head_dim=32), "4bit"),
-        KVConfigError,
+        kvspec.KVConfigError,
         "allocation_policy",
     ),
     "install: not a model": Bad(
-        KVCacheConfig, lambda c: KVCacheBuilder.install(object(), c), KVConfigError, "got object"
+        KVCacheConfig, lambda c: KVCacheBuilder.install(object(), c), kvspec.KVConfigError, "got object"
     ),
     "install: config of another head dim": Bad(
         tiny_model,
         lambda m: KVCacheBuilder.install(m, KVCacheConfig(head_dim=64)),
-        KVConfigError,
+        kvspec.KVConfigError,
         "head_dim=64",
     ),
     "uninstall: a string": Bad(
         KVCacheConfig,
         lambda c: KVCacheBuilder.uninstall("model"),
-        KVConfigError,
+        kvspec.KVConfigError,
         "model must be an mlx-lm model",
     ),
     "install: a module without layers": Bad(
         KVCacheConfig,
         lambda c: KVCacheBuilder.install(nn.Linear(2, 2), c),
-        KVConfigError,
+        kvspec.KVConfigError,
         "neither a list of .layers",
     ),
     "save_prompt_cache: cache a string": Bad(
         lambda: saved_file(PATHS[0]),
         lambda f: save_prompt_cache(f.path, "caches"),
-        KVConfigError,
+        kvspec.KVConfigError,
         "cache must be a list",
     ),
     "save_prompt_cache: metadata not str -> str": Bad(
         lambda: saved_file(PATHS[0]),
         lambda f: save_prompt_cache(f.path, [build(NAIVE)], {"n": 3}),
-        KVConfigError,
+        kvspec.KVConfigError,
         "metadata must be None or a dict of str -> str",
     ),
     "save_prompt_cache: a layer that is not a cache": Bad(
         lambda: saved_file(PATHS[0]),
         lambda f: save_prompt_cache(f.path, [build(NAIVE), object()]),
-        KVConfigError,
+        kvspec.KVConfigError,
         "layer 1: cannot save a object",
     ),
     "load_prompt_cache: return_metadata 'yes'": Bad(
         lambda: saved_file(PATHS[0]),
         lambda f: load_prompt_cache(f.path, return_metadata="yes"),
-        KVConfigError,
+        kvspec.KVConfigError,
         "return_metadata='yes'",
     ),
     "load_prompt_cache: file_name None": Bad(
-        lambda: saved_file(PATHS[0]), lambda f: load_prompt_cache(None), KVConfigError, "file_name=None"
+        lambda: saved_file(PATHS[0]),
+        lambda f: load_prompt_cache(None),
+        kvspec.KVConfigError,
+        "file_name=None",
     ),
     "calibrate: not a model": Bad(
         KVCacheConfig,
         lambda c: calibrate(object(), FakeTokenizer()),
-        KVConfigError,
+        kvspec.KVConfigError,
         "model must be an mlx-lm model",
     ),
     "calibrate: max_tokens 0": Bad(
-        tiny_model, lambda m: calibrate(m, FakeTokenizer(), max_tokens=0), KVConfigError, "max_tokens=0"
+        tiny_model,
+        lambda m: calibrate(m, FakeTokenizer(), max_tokens=0),
+        kvspec.KVConfigError,
+        "max_tokens=0",
     ),
     "calibration check_model: None": Bad(
-        KVCacheConfig, lambda c: synthetic_calibration().check_model(None), KVConfigError, "model must be"
+        KVCacheConfig,
+        lambda c: synthetic_calibration().check_model(None),
+        kvspec.KVConfigError,
+        "model must be",
     ),
     "model_identity: not a model": Bad(
-        KVCacheConfig, lambda c: model_identity("qwen3"), KVConfigError, "model must be an mlx-lm model"
+        KVCacheConfig,
+        lambda c: model_identity("qwen3"),
+        kvspec.KVConfigError,
+        "model must be an mlx-lm model",
     ),
     "kv_weights_digest: not a model": Bad(
-        KVCacheConfig, lambda c: kv_weights_digest(3), KVConfigError, "model must be an mlx-lm model"
+        KVCacheConfig, lambda c: kv_weights_digest(3), kvspec.KVConfigError, "model must be an mlx-lm model"
     ),
     "calibrated from_state: key and value head counts differ": Bad(
         lambda: build("calibrated-empty"),
@@ -612,13 +662,13 @@ CATALOGUE: dict[str, Bad] = {
             state_with(c, **{f"value__{n}": (lambda a: a[:1]) for n in ("basis", "mean", "steps")}),
             c.meta_state,
         ),
-        KVDataError,
+        kvspec.KVDataError,
         "2 heads but value.basis 1",
     ),
     "calibrated from_state: widths of 9 bits": Bad(
         cache(CALIB),
         lambda c: CalibratedKVCache.from_state(c.state, with_runtime(c, value_widths=[9])),
-        KVDataError,
+        kvspec.KVDataError,
         r"value_widths=\[9\]",
     ),
 }
@@ -639,5 +689,5 @@ def test_bad_input(name, tmp_path):
     with pytest.raises(bad.error, match=bad.match) as info:
         bad.call(subject)
     # the library's own error, and a builtin a generic caller can catch
-    assert isinstance(info.value, KVSpecError) and isinstance(info.value, (ValueError, TypeError))
+    assert isinstance(info.value, kvspec.KVSpecError) and isinstance(info.value, (ValueError, TypeError))
     assert observe(subject) == before
