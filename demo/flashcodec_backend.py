@@ -21,9 +21,9 @@ class FlashcodecBackend(Backend):
     key = "flashcodec"
     title = "flashcodec (transformers)"
     closest_choice = "png-keep1"
-    # the tier at hqq 4-bit's bytes with the lowest KL on the real model (KIVI's split after a fixed
-    # rotation of each head's channels)
-    default_choice = "kivi64r-k4v4-w64i8"
+    # the tier under hqq 4-bit's bytes with the lowest KL on the real model (KIVI's split after a
+    # fixed rotation of each head's channels, 8-bit scales and zero points)
+    default_choice = "kivi64r-k4v4-w64i8-s8"
     has_materialization_free = True
 
     def __init__(self, dtype: str = "bfloat16", device: str | None = None):

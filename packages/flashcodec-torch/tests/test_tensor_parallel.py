@@ -29,7 +29,7 @@ from tp_worker import PROMPT as TP_PROMPT  # noqa: E402
 from tp_worker import case_names, tier_tokens  # noqa: E402
 
 #: the tiers the two-rank test checks: the lossless tier and the default lossy candidate
-TP_TIERS = ("png-keep1", "kivi64r-k4v4-w64i8")
+TP_TIERS = ("png-keep1", "kivi64r-k4v4-w64i8-s8")
 NEW_TOKENS = 80  # the prompt (~40 tokens) + 80 spans two 64-token blocks and a window per layer
 WORKER = Path(__file__).with_name("tp_worker.py")
 

@@ -16,7 +16,7 @@ Formats (:class:`PagedKVCoder`):
 
 * ``"raw"``: the pages' K/V as they are (the reference the other formats are measured against);
 * ``"exponent"``: :class:`~flashcodec.codecs.lossless.ExponentCoder`, bit-exact for bf16 / fp16;
-* any tier name of :data:`flashcodec.tiers.TIERS` (e.g. ``"kivi64r-k4v4-w64i8"``): the tier's
+* any tier name of :data:`flashcodec.tiers.TIERS` (e.g. ``"kivi64r-k4v4-w64i8-s8"``, the default): the tier's
   codec, applied as a cache applies it (:class:`~flashcodec.stream.CodecStream`: complete codec
   blocks coded, the newest tokens in the codec's tail form), lossy.
 """
@@ -107,7 +107,7 @@ class PagedKVCoder:
             :data:`flashcodec.tiers.TIERS`.
     """
 
-    format: str = "kivi64r-k4v4-w64i8"
+    format: str = "kivi64r-k4v4-w64i8-s8"
 
     def __post_init__(self) -> None:
         if not isinstance(self.format, str) or (

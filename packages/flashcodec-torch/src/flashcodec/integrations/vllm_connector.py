@@ -11,7 +11,7 @@ KV-transfer config::
         kv_connector="FlashcodecConnector",
         kv_connector_module_path="flashcodec.integrations.vllm_connector",
         kv_role="kv_both",
-        kv_connector_extra_config={"shared_storage_path": "/tmp/kv", "flashcodec_format": "kivi64r-k4v4-w64i8"},
+        kv_connector_extra_config={"shared_storage_path": "/tmp/kv", "flashcodec_format": "kivi64r-k4v4-w64i8-s8"},
     )
     llm = LLM(model=..., block_size=128, kv_transfer_config=ktc)
 
@@ -63,7 +63,7 @@ class FlashcodecConnector(ExampleConnector):
 
     ``kv_connector_extra_config`` keys: ``shared_storage_path`` (the store's folder, as for
     ``ExampleConnector``; each format keeps its files in its own subfolder) and ``flashcodec_format`` (:class:`PagedKVCoder`'s ``format``: a tier
-    name, ``"exponent"`` or ``"raw"``; default ``"kivi64r-k4v4-w64i8"``).
+    name, ``"exponent"`` or ``"raw"``; default ``"kivi64r-k4v4-w64i8-s8"``, the default tier).
     """
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
@@ -73,7 +73,7 @@ class FlashcodecConnector(ExampleConnector):
                 "FlashcodecConnector handles the page layout of vLLM's CPU attention backend only; "
                 f"this platform is {current_platform.device_name!r}"
             )
-        fmt = self._kv_transfer_config.get_from_extra_config("flashcodec_format", "kivi64r-k4v4-w64i8")
+        fmt = self._kv_transfer_config.get_from_extra_config("flashcodec_format", PagedKVCoder.format)
         self.coder = PagedKVCoder(fmt)
         # one folder per format: a prompt stored in one format is never read as another
         self._storage_path = os.path.join(self._storage_path, self.coder.format)
