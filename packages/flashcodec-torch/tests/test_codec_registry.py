@@ -29,13 +29,16 @@ from flashcodec.codecs import (
     keyword_codec,
     make_codec,
 )
-from flashcodec.codecs.base import check_block_size, from_blocks, to_blocks
+from flashcodec.codecs.affine import TokenRows
+from flashcodec.codecs.base import check_block_size, to_blocks
 from kvspec import KVConfigError, KVDataError
 
 
 @dataclass(frozen=True)
-class RawCodec(BlockCodec):
-    """Stores each block's ``r`` tokens as they are: lossless, ``A`` is the identity."""
+class RawCodec(TokenRows):
+    """Stores each block's ``r`` tokens as they are: lossless. :class:`TokenRows`, the base of the
+    codecs whose stored rows are the block's tokens, gives ``R = r``, the identity synthesis matrix
+    and the decode from :meth:`stored_rows`."""
 
     mode: ClassVar[str] = "raw"
 
@@ -43,10 +46,6 @@ class RawCodec(BlockCodec):
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "block_size", check_block_size(self.block_size))
-
-    @property
-    def rows(self) -> int:
-        return self.block_size
 
     @property
     def lossless(self) -> bool:
@@ -58,14 +57,8 @@ class RawCodec(BlockCodec):
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return (to_blocks(x, self.block_size).clone(),)
 
-    def decode(self, parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
-        return from_blocks(parts[0]).to(dtype)
-
     def stored_rows(self, parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
         return parts[0].to(dtype)
-
-    def synthesis_matrix(self, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
-        return torch.eye(self.block_size, dtype=dtype, device=device)
 
 
 @pytest.fixture
