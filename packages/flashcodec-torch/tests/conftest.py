@@ -84,7 +84,8 @@ def tiny_model(
 ):
     """A random ``kind`` ("qwen3" or "llama") causal LM in eval mode: ``layers`` layers, hidden size 64,
     4 query / ``kv_heads`` KV heads of 16, vocabulary 128; the same weights for the same seed.
-    ``config``: further fields of its transformers config (sliding windows, :data:`TOKEN_IDS`, ...).
+    ``config``: further fields of its transformers config, or other values for these (sliding
+    windows, :data:`TOKEN_IDS`, another ``vocab_size``, ...).
     Needs transformers (imported here, so test files that skip without it can still import this module)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
@@ -96,8 +97,8 @@ def tiny_model(
         num_attention_heads=4,
         num_key_value_heads=kv_heads,
         max_position_embeddings=max_positions,
-        **config,
     )
+    common.update(config)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if kind == "qwen3":

@@ -13,14 +13,14 @@ import warnings
 
 import pytest
 import torch
+from conftest import TOKEN_IDS, tiny_model
 
 pytest.importorskip("transformers")
 
 from flashcodec.hf import FlashCodecCache, apply_flash_codec, get_flash_codec_patch, remove_flash_codec  # noqa: E402
 from flashcodec.tiers import TIERS  # noqa: E402
-from hybrid_fixture import seeded_model  # noqa: E402
 from kvbench.models import embedded_model_path  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache  # noqa: E402
 
 PROMPT = "The loop should not be running.\n\nThis is idempotent and"
 NEW = 72  # > 64 new tokens, and prompt + NEW spans 11 blocks of 8 per layer
@@ -107,19 +107,8 @@ class RecordingCache(FlashCodecCache):
 def test_assisted_decoding_png_exact(model, ids, baseline):
     # A random draft model is mostly wrong, so the main model's cache is cropped after each
     # rejected draft: greedy assisted decoding equals plain greedy only if those crops are exact.
-    draft_config = Qwen3Config(
-        vocab_size=model.config.vocab_size,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        bos_token_id=model.config.bos_token_id,
-        eos_token_id=model.config.eos_token_id,
-        pad_token_id=model.config.pad_token_id,
-    )
-    draft = seeded_model(Qwen3ForCausalLM, draft_config, seed=0)
+    special = {name: getattr(model.config, name) for name in TOKEN_IDS}  # the model's, not the fixture's
+    draft = tiny_model(layers=1, kv_heads=1, vocab_size=model.config.vocab_size, **special)
     cache = RecordingCache.from_config(model.config, **PNG)
     out = model.generate(
         ids, cache=cache, assistant_model=draft, max_new_tokens=24, min_new_tokens=24, do_sample=False
