@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from common import compare_result, tier_list
@@ -64,6 +65,31 @@ def summarize(result: dict, run_name: str = "long") -> list[dict]:
     return out
 
 
+def compare_cli(tiers: Sequence[str], model: str | None = None, long_windows: int = 1) -> list[str]:
+    """``flashcodec compare``'s arguments for ``tiers``: :data:`COMPARE_ARGS` with ``long_windows``
+    windows in the long run, led by ``--model`` when one is given (else compare's default model)."""
+    compare_args = list(COMPARE_ARGS)
+    compare_args[compare_args.index("--long-windows") + 1] = str(long_windows)
+    cli = ["--tiers", ",".join(tiers), *compare_args]
+    return ["--model", model, *cli] if model else cli
+
+
+def write_summary(result: dict, out: Path, width: int = 26, speed: bool = False) -> None:
+    """Add ``summary_long`` (:func:`summarize`) to ``result``, write it to ``out`` and print a line a
+    row: the name padded to ``width``, bytes, KL, top-1 and their ratios to hqq-q4 (with ``speed``,
+    the decode speed's ratio too)."""
+    result["summary_long"] = summarize(result)
+    write_json(out, result)
+    for row in result["summary_long"]:
+        line = (
+            f"{row['name']:{width}s} bytes {row['resident_ratio_decode_mean']:.3f}  KL {row['kl_mean']:.2e}  "
+            f"top-1 {row['top1_agreement']:.3f}  bytes x hqq-q4 {row.get('bytes_vs_hqq_q4') or 0:.3f}  "
+            f"KL x hqq-q4 {row.get('kl_vs_hqq_q4') or 0:.3f}"
+        )
+        print(line + (f"  decode x hqq-q4 {row.get('decode_vs_hqq_q4') or 0:.2f}" if speed else ""))
+    print(f"wrote {out}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiers", type=tier_list, default=tier_list(TIERS))
@@ -76,22 +102,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compare-json", type=Path, help="summarize this compare JSON instead of running")
     parser.add_argument("--out", type=Path, default=results_path("flashcodec_real_tiers.json"))
     args = parser.parse_args(argv)
-    compare_args = list(COMPARE_ARGS)
-    compare_args[compare_args.index("--long-windows") + 1] = str(args.long_windows)
-    cli = ["--tiers", ",".join(args.tiers), *compare_args]
-    if args.model:
-        cli = ["--model", args.model, *cli]
+    cli = compare_cli(args.tiers, args.model, args.long_windows)
     result = compare_result(cli, args.compare_json)
     result["command"] = "python -m flashcodec.compare " + " ".join(cli)
-    result["summary_long"] = summarize(result)
-    write_json(args.out, result)
-    for row in result["summary_long"]:
-        print(
-            f"{row['name']:26s} bytes {row['resident_ratio_decode_mean']:.3f}  KL {row['kl_mean']:.2e}  "
-            f"top-1 {row['top1_agreement']:.3f}  bytes x hqq-q4 {row.get('bytes_vs_hqq_q4') or 0:.3f}  "
-            f"KL x hqq-q4 {row.get('kl_vs_hqq_q4') or 0:.3f}  decode x hqq-q4 {row.get('decode_vs_hqq_q4') or 0:.2f}"
-        )
-    print(f"wrote {args.out}")
+    write_summary(result, args.out, speed=True)
     return 0
 
 

@@ -35,8 +35,8 @@ import torch
 from common import add_window_options, compare_result, exact_windows, save_window_result, score_replaced_kv
 from flashcodec.codecs import BlockCodec, KIVICodec
 from flashcodec.codecs.rotated import RotatedKIVICodec
-from kvbench.results import results_path, write_json
-from real_tiers import COMPARE_ARGS, summarize
+from kvbench.results import results_path
+from real_tiers import compare_cli, write_summary
 
 _NAME = re.compile(r"kivi(?P<r>\d+)(?P<family>r|rk|rg|rkg|u)?-k(?P<k>\d)v(?P<v>\d)-w(?P<w>\d+)i8")
 
@@ -147,11 +147,7 @@ QUICK_TIERS = ",".join(
 def run_compare(names: list[str], out: Path, model: str | None, long_windows: int = 1) -> None:
     for name in names:
         register(name.removesuffix("-mf"))
-    args = list(COMPARE_ARGS)
-    args[args.index("--long-windows") + 1] = str(long_windows)
-    cli = ["--tiers", ",".join(names), *args]
-    if model:
-        cli = ["--model", model, *cli]
+    cli = compare_cli(names, model, long_windows)
     t0 = time.perf_counter()
     result = compare_result(cli)
     result["command"] = (
@@ -160,15 +156,7 @@ def run_compare(names: list[str], out: Path, model: str | None, long_windows: in
     result["compare_args"] = cli
     result["candidates"] = {n: _describe(n.removesuffix("-mf"), _codec(n.removesuffix("-mf"))) for n in names}
     result["wall_s"] = time.perf_counter() - t0
-    result["summary_long"] = summarize(result)
-    write_json(out, result)
-    for row in result["summary_long"]:
-        print(
-            f"{row['name']:26s} bytes {row['resident_ratio_decode_mean']:.3f}  KL {row['kl_mean']:.2e}  "
-            f"top-1 {row['top1_agreement']:.3f}  bytes x hqq-q4 {row.get('bytes_vs_hqq_q4') or 0:.3f}  "
-            f"KL x hqq-q4 {row.get('kl_vs_hqq_q4') or 0:.3f}"
-        )
-    print(f"wrote {out}")
+    write_summary(result, out)
 
 
 def run_quick(names: list[str], args: argparse.Namespace) -> None:
