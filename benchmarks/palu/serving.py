@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -39,13 +38,9 @@ from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from kvbench.process import free_port
+
 KINDS = ("mlx-lm", "palu-mlx")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _texts(tokenizer: Any, n_tokens: int, count: int) -> list[str]:
@@ -70,7 +65,7 @@ def run_kind(kind: str, args: argparse.Namespace) -> dict[str, Any]:
     from palu_mlx.server import PaluModelProvider, server_parser
     from palu_mlx.serving import resolve_model_arg
 
-    port = _free_port()
+    port = free_port()
     argv = ["--model", resolve_model_arg(args.model), "--port", str(port), "--max-tokens", "64"]
     if kind == "palu-mlx" and args.palu_bits is not None:
         argv += ["--palu-bits", str(args.palu_bits)]

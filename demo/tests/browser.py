@@ -5,16 +5,11 @@ from __future__ import annotations
 
 import io
 import re
-import socket
-import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
-import pytest
+from kvbench.process import free_port, served
 
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 300  # both models load and warm up before the page is served; CI's 2 cores are slow
@@ -81,49 +76,14 @@ def context_tokens(row: dict[str, str]) -> int:
     return int(row["context + new tokens"].split("+")[0].strip().replace(",", ""))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextmanager
 def served_app(model: str, log_dir: Path):
     """``hatch run chat``'s app on ``model``, served on a free port while the block runs: its URL."""
     port = free_port()
-    log_path = log_dir / "app.log"
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "demo", "--model", model, "--port", str(port)],
-            cwd=ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
     url = f"http://127.0.0.1:{port}/"
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            if process.poll() is not None:
-                pytest.fail(f"the app exited with {process.returncode}:\n{log_path.read_text()[-4000:]}")
-            try:
-                with urllib.request.urlopen(url, timeout=5) as response:
-                    if response.status == 200:
-                        break
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(
-                    f"the app did not serve within {START_TIMEOUT_S} s:\n{log_path.read_text()[-4000:]}"
-                )
-            time.sleep(1)
+    command = [sys.executable, "-m", "demo", "--model", model, "--port", str(port)]
+    with served(command, url, log_dir / "app.log", timeout_s=START_TIMEOUT_S, cwd=ROOT, name="the app"):
         yield url
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 @contextmanager

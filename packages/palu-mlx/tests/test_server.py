@@ -6,13 +6,12 @@ import http.client
 import json
 import os
 import socket
-import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
+from kvbench.process import free_port, served
 
 openai = pytest.importorskip("openai")
 
@@ -32,47 +31,22 @@ def test_every_mlx_lm_server_option_is_kept():
     assert {"--palu-bits", "--palu-tier", "--calibration"} <= {s for s, _ in ours}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     if not os.path.isdir(MODEL):
         pytest.skip(f"the embedded model is not at {MODEL}")
-    port = _free_port()
+    port = free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
     cmd = [sys.executable, "-m", "palu_mlx.cli", "server", "--model", MODEL, "--port", str(port)]
     cmd += ["--max-tokens", "12", "--palu-bits", "2"]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"palu-mlx server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-            try:
-                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-                conn.request("GET", "/health")
-                if conn.getresponse().status == 200:
-                    break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"palu-mlx server did not answer in 180 s:\n{log.read_text()[-3000:]}")
-            time.sleep(0.5)
+    health = f"http://127.0.0.1:{port}/health"
+    with served(
+        cmd, health, log, timeout_s=180, poll_s=0.5, stop_timeout_s=20, name="palu-mlx server", log_chars=3000
+    ):
         client = openai.OpenAI(
             base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120
         )
         yield client, port, log
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def _chat(client, messages, stream=False, max_tokens=8):

@@ -6,6 +6,7 @@
 * :mod:`kvbench.report`: terminal and markdown tables, the chart.
 * :mod:`kvbench.cli`: the options both compare commands share and the short- and long-context runs.
 * :mod:`kvbench.models`: the default inputs (the shipped held-out text, the embedded model).
+* :mod:`kvbench.process`: a server in a child process on a free port, waited for and stopped.
 """
 
 from .models import default_text_path, embedded_model_path
