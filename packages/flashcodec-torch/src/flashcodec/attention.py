@@ -93,8 +93,9 @@ def coded_rows(stream: CodecStream) -> CodedRows:
 
     The codec says how its parts are addressed (:meth:`flashcodec.BlockCodec.row_segments`; jpeg:
     the coefficients, int8 or not, and their scales; png: the anchors and the deltas, as views),
-    its zero points if it has any (:meth:`flashcodec.BlockCodec.row_offsets`, jpeg-int4z) and its
-    synthesis matrix ``A [r, R]`` in fp32.
+    its zero points if it has any (:meth:`flashcodec.BlockCodec.row_offsets`, jpeg-int4z), its
+    synthesis matrix ``A [r, R]`` in fp32, and the stream's sink decoded (a few tokens, when the
+    codec keeps one: :attr:`flashcodec.BlockCodec.sink_tokens`).
     """
     codec = stream.codec
     parts = stream.archived_parts()
@@ -110,6 +111,7 @@ def coded_rows(stream: CodecStream) -> CodedRows:
         *(channel or (None, None)),
         identity_synthesis=codec.synthesis_is_identity,
         rotation=codec.channel_rotation(stream.dim, stream.device),
+        sink=stream.sink() if stream.sink_len else None,
     )
 
 

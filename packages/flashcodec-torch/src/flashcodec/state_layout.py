@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 from kvspec import KVDataError
 
-from .codecs.base import BlockCodec
+from .codecs.base import BlockCodec, check_finite_part
 
 __all__ = ["check_state_layout"]
 
@@ -90,8 +90,8 @@ def _check_stream(
     check_finite: bool,
     dtype: torch.dtype | None,
 ) -> None:
-    n_parts = len(codec.part_specs(1))
-    parts, tails = arrays[:n_parts], arrays[n_parts:]
+    n_parts, n_sink = len(codec.part_specs(1)), len(codec.sink_specs(1))
+    parts, sinks, tails = arrays[:n_parts], arrays[n_parts : n_parts + n_sink], arrays[n_parts + n_sink :]
     tail = tails[0]
     r, w = codec.block_size, codec.raw_window
     if tail.dim() != 4 or tail.shape[2] >= r + w or 0 in (tail.shape[0], tail.shape[1], tail.shape[3]):
@@ -129,6 +129,21 @@ def _check_stream(
                 f"got {tuple(part.shape)} {part.dtype} on {part.device}"
             )
     _contents(name, lambda: codec.check_stored(parts, check_finite=check_finite))
+    # the sink: the codec's sink_tokens tokens once a block is archived, none before
+    k = codec.sink_tokens if n > 0 else 0
+    for spec, part in zip(codec.sink_specs(d), sinks, strict=True):
+        want_shape, want_dtype = (b, h, k, *spec.shape), spec.dtype or stream_dtype
+        if tuple(part.shape) != want_shape or part.dtype != want_dtype or part.device != tail.device:
+            raise KVDataError(
+                f"{name} {spec.name} must be {want_shape} {want_dtype} on {tail.device} for {codec!r} "
+                f"({n} blocks archived); got {tuple(part.shape)} {part.dtype} on {part.device}"
+            )
+    for spec, part in zip(codec.sink_specs(d), sinks, strict=True):  # what the tail coder writes
+        if part.numel():
+            finite = check_finite or spec.dtype is not None  # a raw sink only when asked, as a raw tail
+            _contents(
+                name, lambda spec=spec, part=part, f=finite: check_finite_part(spec, part, check_finite=f)
+            )
 
 
 def _contents(name: str, check: Callable[[], None]) -> None:

@@ -58,8 +58,15 @@ A stream with batch ``B``, heads ``H``, head dimension ``D``, input dtype ``dt``
   last read (one batched decode), copies the tail behind them and returns the first ``seq_len``
   tokens. ``release_view()`` drops it; the next ``read()`` rebuilds it.
 
-Token ``p`` of the sequence is archived block ``p // r`` row ``p % r`` if ``p < n_blocks * r``,
-else tail token ``p - n_blocks * r``.
+* **sink** (only for a codec with ``sink_tokens = k > 0``): the first ``k`` tokens of the
+  sequence, stored by the tail coder (``[B, H, k, *part_shape]`` per part), kept from the moment
+  block 0 is archived (before that they are tail tokens) until a ``crop`` drops block 0. They
+  replace block 0's first ``k`` rows wherever tokens are read (``read()``, a crop's re-stored
+  head, :func:`flashcodec.attention.coded_rows`): an attention sink held at the tail's precision
+  for a few bytes. Block 0 still codes all its ``r`` tokens (so the codec's parts keep one shape).
+
+Token ``p`` of the sequence is the sink's token ``p`` if ``p < k`` and a block is archived, else
+archived block ``p // r`` row ``p % r`` if ``p < n_blocks * r``, else tail token ``p - n_blocks * r``.
 
 The stream trusts its inputs: :class:`flashcodec.CodecKVCache` validates every call first.
 """
@@ -112,7 +119,16 @@ def spare_blocks(block_size: int) -> int:
 TAIL_STEP = 16
 
 #: the attributes of a stream an append may change: saved before it, put back by its undo
-_APPEND_STATE = ("_archive", "_tail", "n_blocks", "tail_len", "_view", "view_blocks", "_view_version")
+_APPEND_STATE = (
+    "_archive",
+    "_tail",
+    "_sink",
+    "n_blocks",
+    "tail_len",
+    "_view",
+    "view_blocks",
+    "_view_version",
+)
 
 
 def tail_slots(tokens: int, full: int) -> int:
@@ -130,7 +146,8 @@ class AppendPlan:
     to write from tail slot ``rest_at`` (when no block completes: the input's, after the tail
     tokens; when blocks complete: the whole new tail, from slot 0), the completed blocks' encoded
     parts, the grown archive (None when the old one has room) and new tail buffers already
-    holding the whole new tail (None when ``rest`` is written into the old ones, which have room)."""
+    holding the whole new tail (None when ``rest`` is written into the old ones, which have room),
+    and the sink's parts when this append archives block 0 of a codec with ``sink_tokens`` (else None)."""
 
     x: torch.Tensor
     rest: tuple[torch.Tensor, ...]
@@ -138,6 +155,7 @@ class AppendPlan:
     parts: tuple[torch.Tensor, ...]
     archive: tuple[torch.Tensor, ...] | None
     tail: tuple[torch.Tensor, ...] | None = None
+    sink: tuple[torch.Tensor, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -149,6 +167,7 @@ class ReorderPlan:
     tail: tuple[torch.Tensor, ...]
     view: torch.Tensor | None
     view_trusted: bool
+    sink: tuple[torch.Tensor, ...] = ()
 
 
 def _version(t: torch.Tensor) -> int | None:
@@ -206,6 +225,8 @@ class CodecStream:
         # buffers that follow its length (tail_slots; sized for an empty tail here)
         self._tail = self._tail_buffers(0)
         self.tail_len = 0
+        # the first sink_tokens tokens apart from block 0 (empty until block 0 is archived)
+        self._sink = self._no_sink()
         self._view: torch.Tensor | None = None
         self._view_version: int | None = None  # the view's version counter after this stream's last write
         self.view_blocks = 0
@@ -284,6 +305,40 @@ class CodecStream:
         return tuple(buf[:, :, start:stop] for buf in self._tail)
 
     @property
+    def sink_len(self) -> int:
+        """Tokens the sink holds: the codec's ``sink_tokens`` once a block is archived, else 0."""
+        return self._sink[0].shape[2] if self._sink else 0
+
+    def sink_parts(self) -> tuple[torch.Tensor, ...]:
+        """The sink as stored (one array per part of :meth:`~flashcodec.codecs.BlockCodec.sink_specs`;
+        the arrays themselves, ``[B, H, sink_len, *part_shape]``): empty tuple without a sink."""
+        return self._sink
+
+    def sink(self) -> torch.Tensor:
+        """The sink's tokens ``[B, H, sink_len, D]`` in the stream dtype (``sink_len`` may be 0)."""
+        if not self._sink:
+            return torch.empty(self.batch, self.heads, 0, self.dim, dtype=self.dtype, device=self.device)
+        return self.codec.tail_coder.decode(self._sink, self.dtype)
+
+    def _no_sink(self) -> tuple[torch.Tensor, ...]:
+        """Empty sink arrays (``[B, H, 0, ...]``), or ``()`` for a codec without a sink."""
+        return tuple(
+            torch.zeros(
+                self.batch, self.heads, 0, *spec.shape, dtype=spec.dtype or self.dtype, device=self.device
+            )
+            for spec in self.codec.sink_specs(self.dim)
+        )
+
+    def _decoded_blocks(self, start: int, stop: int) -> torch.Tensor:
+        """Archived blocks ``start .. stop-1`` decoded, ``[B, H, (stop-start) * r, D]`` in the stream
+        dtype, block 0's first tokens taken from the sink."""
+        out = self.codec.decode(tuple(buf[:, :, start:stop] for buf in self._archive), self.dtype)
+        k = self.sink_len
+        if start == 0 and k and stop > start:
+            out[:, :, :k] = self.sink()
+        return out
+
+    @property
     def tail_capacity(self) -> int:
         """Slots of the tail buffers (:func:`tail_slots` of a recent tail length, >= ``tail_len``)."""
         return self._tail[0].shape[2]
@@ -346,7 +401,13 @@ class CodecStream:
         # stay intact for the undo), else the new tail is written over the old one from slot 0
         n_rest = rest[0].shape[2]
         tail = None if tail_slots(n_rest, r + w) == self.tail_capacity else self._tail_buffers(n_rest, rest)
-        return AppendPlan(x=x, rest=rest, rest_at=0, parts=parts, archive=grown, tail=tail)
+        sink = None
+        k = self.codec.sink_tokens
+        if k and self.n_blocks == 0:
+            # block 0 leaves the tail: its first k tokens stay as the tail stored them (copies of
+            # the stored parts, so reading them after the archive changes nothing), else coded now
+            sink = tuple(p.clone() for p in self.tail_parts(0, k)) if t >= k else coder.encode(seq[:, :, :k])
+        return AppendPlan(x=x, rest=rest, rest_at=0, parts=parts, archive=grown, tail=tail, sink=sink)
 
     @torch.no_grad()
     def commit_append(self, plan: AppendPlan) -> Callable[[], None]:
@@ -365,6 +426,8 @@ class CodecStream:
             for buf, part in zip(self._archive, plan.parts, strict=True):
                 buf[:, :, start : start + n_new].copy_(part)
             self.n_blocks = start + n_new
+        if plan.sink is not None:
+            self._sink = plan.sink
         if plan.tail is not None:
             self._tail = plan.tail
         else:
@@ -459,8 +522,7 @@ class CodecStream:
         assert self._view is not None
         a, b = self.view_blocks, self.n_blocks
         if a < b:
-            new = tuple(buf[:, :, a:b] for buf in self._archive)
-            self._view[:, :, a * r : b * r].copy_(self.codec.decode(new, self.dtype))
+            self._view[:, :, a * r : b * r].copy_(self._decoded_blocks(a, b))
             self.view_blocks = b
         if self.tail_len:
             self._view[:, :, b * r : total].copy_(self.tail())
@@ -498,8 +560,7 @@ class CodecStream:
             assert self._view is not None
             head = self._view[:, :, keep_blocks * r : keep_blocks * r + rem].clone()
         else:
-            block = tuple(buf[:, :, keep_blocks : keep_blocks + 1] for buf in self._archive)
-            head = self.codec.decode(block, self.dtype)[:, :, :rem]
+            head = self._decoded_blocks(keep_blocks, keep_blocks + 1)[:, :, :rem]
         return self._tail_buffers(rem, self.codec.tail_coder.encode(head))
 
     @torch.no_grad()
@@ -515,6 +576,8 @@ class CodecStream:
         self.tail_len = rem
         self.n_blocks = keep_blocks
         self.view_blocks = min(self.view_blocks, keep_blocks)
+        if keep_blocks == 0:  # block 0 is gone: its first tokens are tail tokens again
+            self._sink = self._no_sink()
 
     def crop(self, n: int) -> None:
         """Keep the first ``n`` tokens (``0 <= n <= seq_len``, validated by the caller).
@@ -533,11 +596,12 @@ class CodecStream:
             tail=tuple(buf.index_select(0, index) for buf in self._tail),
             view=None if self._view is None else self._view.index_select(0, index),
             view_trusted=self._view_is_trusted(),
+            sink=tuple(buf.index_select(0, index) for buf in self._sink),
         )
 
     def commit_reorder(self, plan: ReorderPlan) -> None:
         """Install :meth:`prepare_reorder`'s buffers."""
-        self._archive, self._tail = plan.archive, plan.tail
+        self._archive, self._tail, self._sink = plan.archive, plan.tail, plan.sink
         self._view = plan.view
         if not plan.view_trusted:
             self.view_blocks = 0  # a caller wrote into it: the next read decodes every block again
@@ -552,20 +616,24 @@ class CodecStream:
     def storage_bytes(self) -> CodecStorage:
         """Bytes measured from the tensors held (see :class:`CodecStorage` for what each field counts)."""
         itemsize = self.dtype.itemsize
+        sink = sum(p.nbytes for p in self._sink)  # held with the archive: block 0's first tokens
         return CodecStorage(
-            used=sum(p.nbytes for p in self.archived_parts()),
+            used=sum(p.nbytes for p in self.archived_parts()) + sink,
             tail=sum(p.nbytes for p in self.tail_parts(0, self.tail_len)),
-            allocated=sum(b.nbytes for b in (*self._archive, *self._tail)),
+            allocated=sum(b.nbytes for b in (*self._archive, *self._tail)) + sink,
             view=0 if self._view is None else self._view.nbytes,
             raw=self.batch * self.heads * self.seq_len * self.dim * itemsize,
         )
 
     def state(self) -> tuple[torch.Tensor, ...]:
-        """``(*archived_parts(), *tail parts)`` as copies: exactly the bytes of :meth:`storage_bytes` ``.held``.
+        """``(*archived_parts(), *sink_parts(), *tail parts)`` as copies (the codec's
+        ``stream_state_specs``): exactly the bytes of :meth:`storage_bytes` ``.held``.
 
         Copies, so that writing into them never changes the stream (a serialization path, not a hot one).
         """
-        return tuple(t.clone() for t in (*self.archived_parts(), *self.tail_parts(0, self.tail_len)))
+        return tuple(
+            t.clone() for t in (*self.archived_parts(), *self._sink, *self.tail_parts(0, self.tail_len))
+        )
 
     @classmethod
     def from_state(
@@ -578,8 +646,8 @@ class CodecStream:
     ) -> CodecStream:
         """Rebuild from :meth:`state` of a stream of ``dtype`` (shapes and dtypes checked by the
         caller). Copies the arrays."""
-        n_parts = len(codec.part_specs(1))
-        parts, tail = arrays[:n_parts], arrays[n_parts:]
+        n_parts, n_sink = len(codec.part_specs(1)), len(codec.sink_specs(1))
+        parts, sink, tail = arrays[:n_parts], arrays[n_parts : n_parts + n_sink], arrays[n_parts + n_sink :]
         b, h, _, d = tail[0].shape
         stream = cls(codec, b, h, d, dtype, tail[0].device, initial_blocks=initial_blocks)
         n = parts[0].shape[2]
@@ -588,6 +656,8 @@ class CodecStream:
             for buf, part in zip(stream._archive, parts, strict=True):
                 buf[:, :, :n].copy_(part)
             stream.n_blocks = n
+        if sink and sink[0].shape[2]:
+            stream._sink = tuple(p.clone() for p in sink)
         stream._tail = stream._tail_buffers(tail[0].shape[2], tail)
         stream.tail_len = tail[0].shape[2]
         return stream

@@ -62,10 +62,10 @@ SYMMETRIC_INT8_MAX = 127
 def check_finite_part(spec: PartSpec, part: torch.Tensor, *, check_finite: bool) -> None:
     """``KVDataError`` when a float part holds NaN / inf (scales always; any other part when
     ``check_finite``: with it off, an infinite input leaves infinite coefficients), or a negative
-    scale (a part named ``scales`` / ``tail_scales``: a range over levels, never below 0)."""
+    scale (a part named ``scales`` / ``tail_scales`` / ``sink_scales``: a range over levels, never below 0)."""
     if not part.is_floating_point():
         return
-    is_scale = spec.name in ("scales", "tail_scales")
+    is_scale = spec.name in ("scales", "tail_scales", "sink_scales")
     if (check_finite or is_scale) and not _all_finite(part):
         raise KVDataError(f"part {spec.name!r} holds NaN or infinity")
     if is_scale and bool((part < 0).any()):
@@ -149,6 +149,11 @@ class BlockCodec(ABC):
     #: how the tail (the incomplete block and the raw window) is stored: None = in the input dtype,
     #: 8 = int8 per token (:mod:`flashcodec.codecs.tail`); a codec with a ``window_bits`` field overrides it
     window_bits: int | None = None
+    #: the sequence's first tokens a stream keeps apart, in the tail's form (:attr:`tail_coder`),
+    #: once block 0 is archived: they replace block 0's first rows wherever tokens are read (an
+    #: attention sink kept at the tail's precision). 0 here; a codec with a ``sink_tokens`` field
+    #: overrides it
+    sink_tokens: int = 0
 
     @property
     def value_codec(self) -> BlockCodec:
@@ -164,10 +169,21 @@ class BlockCodec(ABC):
 
         return tail_coder(self.window_bits)
 
+    def sink_specs(self, dim: int) -> tuple[PartSpec, ...]:
+        """The arrays of the sink a stream keeps apart (:attr:`sink_tokens`; none without one): the
+        tail coder's parts, named ``sink_*``; the array for ``k`` tokens is ``[B, H, k, *shape]``."""
+        if not self.sink_tokens:
+            return ()
+        return tuple(
+            PartSpec("sink" + spec.name.removeprefix("tail"), spec.shape, spec.dtype)
+            for spec in self.tail_coder.part_specs(dim)
+        )
+
     def stream_state_specs(self, dim: int) -> tuple[PartSpec, ...]:
         """The arrays one stream's saved state holds, in order: the archive parts
-        (:meth:`part_specs`, per block), then the tail parts (:attr:`tail_coder`, per token)."""
-        return (*self.part_specs(dim), *self.tail_coder.part_specs(dim))
+        (:meth:`part_specs`, per block), the sink's (:meth:`sink_specs`, per token: ``sink_tokens``
+        of them once a block is archived, else none), then the tail parts (:attr:`tail_coder`, per token)."""
+        return (*self.part_specs(dim), *self.sink_specs(dim), *self.tail_coder.part_specs(dim))
 
     @property
     @abstractmethod

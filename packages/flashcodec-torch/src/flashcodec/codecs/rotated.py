@@ -36,6 +36,12 @@ under ``exact_sink`` (they hold the first key). The kernels read the scales and 
 expanded to fp32 (:meth:`~flashcodec.codecs.affine.AffineCodes._side`), as they read the fp16 ones. 4- and 8-bit codes are read by
 the kernels as stored; 2- and 3-bit codes are widened to int8 codes for them (a transient copy of
 one byte an element per call: the kernels read only int8 and packed int4 rows).
+
+``value_sink_tokens=k`` keeps the values of the sequence's first ``k`` tokens apart from block 0,
+in the int8 window's form (the value stream's sink, :mod:`flashcodec.stream`): with
+``exact_sink`` the attention sink's key is exact, and its value, which a sink token passes on to
+every query that attends to it, keeps 8 bits instead of 2-4. Block 0 still codes all its tokens,
+so the parts keep their shape; the sink costs ``k`` int8 tokens a head.
 """
 
 from __future__ import annotations
@@ -440,6 +446,15 @@ def _check_fit(fit: object) -> str:
     return fit
 
 
+def _check_sink(name: str, tokens: object, block_size: int) -> int:
+    if isinstance(tokens, bool) or not isinstance(tokens, numbers.Integral) or not 0 <= tokens <= block_size:
+        raise KVConfigError(
+            f"{name} must be an integer from 0 to block_size={block_size} (the first tokens kept apart); "
+            f"got {tokens!r}"
+        )
+    return int(tokens)
+
+
 def _check_seed(seed: object) -> int:
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
         raise KVConfigError(f"seed must be an integer >= 0 (the rotation's random signs); got {seed!r}")
@@ -463,6 +478,9 @@ class RotatedTokenIntCodec(_Side8, _Rotated, TokenRows, RowAffine):
             int8 zero point per token, one fp16 ``scale_base`` per block; min-max only).
         zero_bits: with ``side_bits=8``, each token's zero point in 8 bits (default) or 4 (-7..7
             half steps, two tokens a byte; a token whose middle is further from 0 gets a coarser step).
+        sink_tokens: the sequence's first tokens (0 to ``block_size``; default 0) a stream keeps
+            apart in the tail's form (int8 per token with ``window_bits=8``), unrotated, once block
+            0 is archived: a value sink (:attr:`~flashcodec.codecs.BlockCodec.sink_tokens`).
     """
 
     mode: ClassVar[str] = "token-int-rot"
@@ -476,10 +494,12 @@ class RotatedTokenIntCodec(_Side8, _Rotated, TokenRows, RowAffine):
     range_fit: str = "minmax"
     side_bits: int = 16
     zero_bits: int = 8
+    sink_tokens: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "block_size", check_block_size(self.block_size))
         object.__setattr__(self, "bits", _check_bits("bits", self.bits))
+        object.__setattr__(self, "sink_tokens", _check_sink("sink_tokens", self.sink_tokens, self.block_size))
         set_window_fields(self)
         object.__setattr__(self, "rotate", _check_flag("rotate", self.rotate))
         object.__setattr__(self, "seed", _check_seed(self.seed))
@@ -550,6 +570,11 @@ class RotatedKIVICodec(_Side8, _Rotated, TokenRows, ChannelAffine):
             zero points stay fp16 under ``exact_sink`` (min-max only).
         value_zero_bits: with ``side_bits=8``, the values' per-token zero points in 8 bits
             (default) or 4 (:class:`RotatedTokenIntCodec`'s ``zero_bits``).
+        value_sink_tokens: the values of the sequence's first tokens (0 to ``block_size``; default
+            0) kept apart in the tail's form (int8 per token with ``window_bits=8``) once block 0 is
+            archived, instead of in block 0's codes (:class:`RotatedTokenIntCodec`'s
+            ``sink_tokens``): with ``exact_sink``, the attention sink's key is exact and its value
+            at the window's precision.
     """
 
     mode: ClassVar[str] = "kivi-rot"
@@ -566,6 +591,7 @@ class RotatedKIVICodec(_Side8, _Rotated, TokenRows, ChannelAffine):
     range_fit: str = "minmax"
     side_bits: int = 16
     value_zero_bits: int = 8
+    value_sink_tokens: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "block_size", check_block_size(self.block_size))
@@ -580,6 +606,8 @@ class RotatedKIVICodec(_Side8, _Rotated, TokenRows, ChannelAffine):
         object.__setattr__(self, "side_bits", _check_side(self.side_bits, self.range_fit))
         zero_bits = _check_zero_bits("value_zero_bits", self.value_zero_bits, self.side_bits, self.block_size)
         object.__setattr__(self, "value_zero_bits", zero_bits)
+        sink = _check_sink("value_sink_tokens", self.value_sink_tokens, self.block_size)
+        object.__setattr__(self, "value_sink_tokens", sink)
 
     def _rotates(self) -> bool:
         return self.rotate_keys
@@ -602,6 +630,7 @@ class RotatedKIVICodec(_Side8, _Rotated, TokenRows, ChannelAffine):
             self.range_fit,
             self.side_bits,
             self.value_zero_bits,
+            self.value_sink_tokens,
         )
 
     @property

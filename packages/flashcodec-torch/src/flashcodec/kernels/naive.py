@@ -35,9 +35,11 @@ __all__ = [
     "decode_attention_naive",
     "as_float",
     "decoded_chunk",
+    "hide_sink",
     "in_rotated_domain",
     "online_softmax_update",
     "prefill_attention_naive",
+    "sink_partial",
 ]
 
 #: the running max of a split with no visible token: finite, so ``exp(EMPTY_MAX - m)`` is 0, not NaN
@@ -70,6 +72,11 @@ class CodedRows(NamedTuple):
             and everything above describes those rotated tokens; the tail holds the tokens
             unrotated. Scores use ``q . x = (q @ M) . (x @ M)``, outputs ``sum p x = (sum p (x @ M)) @ M^T``.
             :func:`decoded_chunk` returns the tokens rotated back; :func:`dense_rows` the rows as stored.
+        sink: ``[B, H, k, D]`` (the tail's dtype, unrotated like the tail), or None (the default):
+            the first ``k`` tokens of the sequence as the stream keeps them apart, replacing
+            archived block 0's first ``k`` tokens (the stream's sink). :func:`decoded_chunk` puts
+            them in; decode attention hides those archived tokens and attends the sink's in a split
+            of its own (:func:`sink_partial`), after the tail's.
     """
 
     segments: tuple[torch.Tensor, ...]
@@ -81,6 +88,12 @@ class CodedRows(NamedTuple):
     channel_offsets: torch.Tensor | None = None
     identity_synthesis: bool = False
     rotation: torch.Tensor | None = None
+    sink: torch.Tensor | None = None
+
+    @property
+    def sink_len(self) -> int:
+        """Tokens the sink replaces (0 without one, or with no archived block)."""
+        return 0 if self.sink is None or self.n_blocks == 0 else self.sink.shape[2]
 
     @property
     def n_blocks(self) -> int:
@@ -297,12 +310,15 @@ def decode_attention_partials(
     Returns:
         ``(m, denom, acc)``: fp32 ``[B, Hq, n_splits + 1]``, ``[B, Hq, n_splits + 1]`` and
         ``[B, Hq, n_splits + 1, Dv]``; split ``n_splits`` (the last) is the raw tail. A split that
-        sees no token has ``m = EMPTY_MAX``, ``denom = 0``, ``acc = 0``.
+        sees no token has ``m = EMPTY_MAX``, ``denom = 0``, ``acc = 0``. With a sink
+        (:attr:`CodedRows.sink` on either side) there is one more split, after the tail's: the
+        sink's tokens (:func:`sink_partial`), hidden in the archived splits.
     """
     b, hq, d = query.shape
     hkv = keys.segments[0].shape[1]
     g = hq // hkv
     r, n = keys.block_size, keys.n_blocks
+    sink_mask, key_mask = key_mask, hide_sink(keys, values, key_mask, b, query.device)
     q = (query.float() * scale).reshape(b, hkv, g, d)
     # rotated archives (CodedRows.rotation): the archived keys meet the query rotated alike, and
     # each archived split's output is rotated back before it meets the (unrotated) tail's
@@ -337,11 +353,64 @@ def decode_attention_partials(
     m, denom, p = _softmax_partial(scores)
     ms.append(m), ls.append(denom), accs.append(torch.einsum("bhgt,bhtd->bhgd", p, tail_v))
     dv = values.tail.shape[-1]
+    sink = sink_partial(query, keys, values, scale=scale, key_mask=sink_mask)
+    if sink is not None:
+        ms.append(sink[0].reshape(b, hkv, g)), ls.append(sink[1].reshape(b, hkv, g))
+        accs.append(sink[2].reshape(b, hkv, g, dv))
     return (
         torch.stack(ms, dim=-1).reshape(b, hq, -1),
         torch.stack(ls, dim=-1).reshape(b, hq, -1),
         torch.stack(accs, dim=-2).reshape(b, hq, -1, dv),
     )
+
+
+def _sink_len(keys: CodedRows, values: CodedRows) -> int:
+    return max(keys.sink_len, values.sink_len)
+
+
+def hide_sink(
+    keys: CodedRows, values: CodedRows, key_mask: torch.Tensor | None, batch: int, device: torch.device
+) -> torch.Tensor | None:
+    """``key_mask`` (additive fp32 ``[B, S]``, or None) with the archived tokens a sink replaces
+    hidden (``-inf``): what the archived splits of a decode step read. Unchanged without a sink."""
+    k = _sink_len(keys, values)
+    if not k:
+        return key_mask
+    mask = key_mask if key_mask is not None else torch.zeros(batch, keys.seq_len, device=device)
+    mask = mask.clone()
+    mask[:, :k] = -math.inf
+    return mask
+
+
+def sink_partial(
+    query: torch.Tensor,
+    keys: CodedRows,
+    values: CodedRows,
+    *,
+    scale: float,
+    key_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The decode split of a sink: ``(m [B, Hq], denom [B, Hq], acc [B, Hq, Dv])`` over the first
+    ``k`` tokens, each side taken from its sink or, without one, from archived block 0 decoded
+    (:func:`decoded_chunk`); None without a sink. ``query [B, Hq, D]`` unscaled, in the basis of
+    the tails (both kernels call this same function, so their partials agree by construction);
+    ``key_mask`` the caller's additive ``[B, S]`` (None: all visible)."""
+    k = _sink_len(keys, values)
+    if not k:
+        return None
+    b, hq, d = query.shape
+    hkv = keys.tail.shape[1]
+    g = hq // hkv
+    # fp32, not rounded to the stream dtype: as the archived splits read a side without a sink
+    sink_k = decoded_chunk(keys, 0, 1, torch.float32)[:, :, :k]  # [B, Hkv, k, D]
+    sink_v = decoded_chunk(values, 0, 1, torch.float32)[:, :, :k]
+    q = (query.float() * scale).reshape(b, hkv, g, d)
+    scores = torch.einsum("bhgd,bhtd->bhgt", q, sink_k)
+    if key_mask is not None:
+        scores = scores + key_mask[:, None, None, :k]
+    m, denom, p = _softmax_partial(scores)
+    acc = torch.einsum("bhgt,bhtd->bhgd", p, sink_v)
+    return m.reshape(b, hq), denom.reshape(b, hq), acc.reshape(b, hq, -1)
 
 
 def in_rotated_domain(
@@ -355,11 +424,16 @@ def in_rotated_domain(
     (``out' @ M_v^T``). Streams without a rotation pass through unchanged; ``query [B, Hq, D]``.
     """
     mk, mv, dtype = keys.rotation, values.rotation, query.dtype
+
+    def turned(t: torch.Tensor | None, m: torch.Tensor) -> torch.Tensor | None:
+        return None if t is None else t.float() @ m.float()
+
+    # a sink is held unrotated like the tail, so it turns with it
     if mk is not None:
         query = query.float() @ mk.float()
-        keys = keys._replace(tail=keys.tail.float() @ mk.float(), rotation=None)
+        keys = keys._replace(tail=turned(keys.tail, mk), sink=turned(keys.sink, mk), rotation=None)
     if mv is not None:
-        values = values._replace(tail=values.tail.float() @ mv.float(), rotation=None)
+        values = values._replace(tail=turned(values.tail, mv), sink=turned(values.sink, mv), rotation=None)
 
     def back(out: torch.Tensor) -> torch.Tensor:
         return (out if mv is None else out.float() @ mv.float().T).to(dtype)
@@ -399,13 +473,15 @@ def decode_attention_naive(
 
 
 # --------------------------------------------------------------------------- multi-token steps
-def decoded_chunk(rows: CodedRows, start: int, stop: int) -> torch.Tensor:
+def decoded_chunk(rows: CodedRows, start: int, stop: int, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Blocks ``start .. stop-1`` decoded: ``[B, H, (stop-start) * r, D]`` in the tail's dtype.
 
     ``A @ rows`` on the stored rows of those blocks only (rotated back by ``rotation^T`` when set). The arithmetic runs in fp64 when a
     segment is fp64 (png deltas: every partial sum is exact there, so the tokens come back bit
     for bit) and in fp32 otherwise; the result is rounded to the stream dtype (``tail.dtype``),
-    exactly like the codec's own decode, so a chunk equals the same slice of the materialized view.
+    exactly like the codec's own decode, so a chunk equals the same slice of the materialized view
+    (``dtype``: another dtype instead). Block 0's first tokens come from :attr:`CodedRows.sink`
+    where there is one.
     """
     wide = any(seg.dtype == torch.float64 for seg in rows.segments)
     cdt = torch.float64 if wide else torch.float32
@@ -425,7 +501,12 @@ def decoded_chunk(rows: CodedRows, start: int, stop: int) -> torch.Tensor:
     if rows.rotation is not None:  # the tokens in their own channels, like the codec's decode
         blocks = blocks @ rows.rotation.to(cdt).T
     b, h, nb, r, d = blocks.shape
-    return blocks.reshape(b, h, nb * r, d).to(rows.tail.dtype)
+    out = blocks.reshape(b, h, nb * r, d).to(rows.tail.dtype if dtype is None else dtype)
+    k = rows.sink_len
+    if start == 0 and k and stop > start:  # block 0's first tokens as the sink holds them
+        assert rows.sink is not None
+        out[:, :, :k] = rows.sink.to(out.dtype)
+    return out
 
 
 def online_softmax_update(

@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .naive import EMPTY_MAX, CodedRows
+from .naive import EMPTY_MAX, CodedRows, hide_sink, sink_partial
 
 __all__ = [
     "DEFAULT_TILE",
@@ -341,7 +341,11 @@ def decode_attention_partials_triton(
     Same arguments, shapes and split boundaries as
     :func:`flashcodec.kernels.naive.decode_attention_partials` (``blocks_per_split=None`` picks
     :func:`default_blocks_per_split`). ``query [B, Hq, D]``; ``key_mask`` additive fp32 ``[B, S]``.
+    A sink (:attr:`~flashcodec.kernels.naive.CodedRows.sink`) is hidden from the kernel through the
+    mask and attended by :func:`~flashcodec.kernels.naive.sink_partial` (a few tokens), whose split
+    follows the kernel's, as in the reference.
     """
+    sink_mask, key_mask = key_mask, hide_sink(keys, values, key_mask, query.shape[0], query.device)
     b, hq, d = query.shape
     hkv = keys.segments[0].shape[1]
     groups = hq // hkv
@@ -387,6 +391,11 @@ def decode_attention_partials_triton(
         PACKED_K0=keys.segments[0].dtype == torch.uint8, PACKED_K1=keys.segments[-1].dtype == torch.uint8,
         PACKED_V0=values.segments[0].dtype == torch.uint8, PACKED_V1=values.segments[-1].dtype == torch.uint8,
     )  # fmt: skip
+    sink = sink_partial(query, keys, values, scale=scale, key_mask=sink_mask)
+    if sink is not None:
+        m = torch.cat([m, sink[0][..., None]], dim=-1)
+        denom = torch.cat([denom, sink[1][..., None]], dim=-1)
+        acc = torch.cat([acc, sink[2][:, :, None]], dim=-2)
     return m, denom, acc
 
 
