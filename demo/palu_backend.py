@@ -40,8 +40,9 @@ class PaluBackend(Backend):
     key = "palu"
     title = "palu-mlx (mlx-lm)"
     closest_choice = "full-rank-fp16"
-    # the uncalibrated default tier (per-token scales, exact first and newest tokens)
-    default_choice = "palu-2.5bit-scaled"
+    # the tier KVCacheConfig()'s defaults are (no file; relative-error weighing, per-token scales,
+    # exact first and newest tokens)
+    default_choice = "palu-2.25bit-scaled+rel"
 
     def __init__(self, dtype: str = "bfloat16", compute_dtype: str = "auto"):
         super().__init__(PaluHarness(), dtype)

@@ -23,7 +23,8 @@ MLX's CPU wheel multiplies float32 through the preloaded OpenBLAS and bfloat16 w
   memory allocated just before the step (the step's transient arrays: activations, attention);
 * ``--chunks``: the packed path also run reading that many tokens at a time (what
   ``palu_mlx.attention.PACKED_CHUNK`` was chosen from);
-* ``palu-2.5bit-scaled`` (the default tier, fitted on the sequence) runs twice: its attention
+* the palu tier (``--tier``; by default ``palu-2.25bit-scaled+rel``, the tier ``KVCacheConfig()``'s
+  defaults are; the file records which) runs twice: its attention
   reading the packed codes (``packed``, what ``latent_attention`` does by default) and reading
   the coder's float32 latents, ``CHUNK`` tokens at a time (``latents``, the path every coder
   had before the packed one; the same cache objects, so the same bytes).
@@ -52,7 +53,8 @@ from palu_mlx.builder import model_kv_dims
 from palu_mlx.compare import load_model, tier_config
 
 OUT = results_path("palu_decode_speed.json")
-TIER = "palu-2.5bit-scaled"
+#: the tier measured unless ``--tier`` says otherwise: the one ``KVCacheConfig()``'s defaults are
+TIER = "palu-2.25bit-scaled+rel"
 
 
 def stamp() -> dict:
@@ -62,14 +64,14 @@ def stamp() -> dict:
     }
 
 
-def caches_for(model: Any) -> dict[str, Callable[[], list[Any]]]:
+def caches_for(model: Any, tier: str = TIER) -> dict[str, Callable[[], list[Any]]]:
     head_dim, n_kv = model_kv_dims(model)
-    config = tier_config(TIER, head_dim, n_kv)
+    config = tier_config(tier, head_dim, n_kv)
     return {
         "baseline": lambda: [KVCache() for _ in model.layers],
         "mlx-lm-q4": lambda: [QuantizedKVCache(group_size=64, bits=4) for _ in model.layers],
         "mlx-lm-q8": lambda: [QuantizedKVCache(group_size=64, bits=8) for _ in model.layers],
-        TIER: lambda: KVCacheBuilder.for_model(model, config),
+        tier: lambda: KVCacheBuilder.for_model(model, config),
     }
 
 
@@ -98,19 +100,24 @@ def decode(model: Any, cache: list[Any], token: mx.array, steps: int, path: str 
 
 
 def measure_context(
-    model: Any, kv: list[tuple[mx.array, mx.array]], steps: int, rounds: int, chunks: list[int]
+    model: Any,
+    kv: list[tuple[mx.array, mx.array]],
+    steps: int,
+    rounds: int,
+    chunks: list[int],
+    tier: str = TIER,
 ) -> dict:
-    factories = caches_for(model)
+    factories = caches_for(model, tier)
     built = {name: fill(make(), kv) for name, make in factories.items()}
     runs: dict[str, tuple[list[Any], str | None]] = {
         "baseline": (built["baseline"], None),
         "mlx-lm-q4": (built["mlx-lm-q4"], None),
         "mlx-lm-q8": (built["mlx-lm-q8"], None),
-        f"{TIER} (packed)": (built[TIER], "packed"),
-        f"{TIER} (latents)": (built[TIER], "latents"),
+        f"{tier} (packed)": (built[tier], "packed"),
+        f"{tier} (latents)": (built[tier], "latents"),
     }
     for n in chunks:
-        runs[f"{TIER} (packed, chunk {n})"] = (built[TIER], f"packed:{n}")
+        runs[f"{tier} (packed, chunk {n})"] = (built[tier], f"packed:{n}")
     token = mx.array([[11]])
     peaks = {}
     for name, (cache, path) in runs.items():  # warm-up: graph shapes, buffer growth, tables
@@ -159,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
         default=[512, 2048],
         help="also run the packed path at these chunk sizes",
     )
+    parser.add_argument(
+        "--tier", default=TIER, help=f"the palu tier to measure (default: {TIER}, KVCacheConfig()'s)"
+    )
     parser.add_argument("--out", default=str(OUT))
     args = parser.parse_args(argv)
     model, tokenizer, info = load_model(args.model, "bfloat16", "float32")
@@ -166,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {
         **stamp(),
         "model": info,
-        "tier": TIER,
+        "tier": args.tier,
         "fill_chunk": CHUNK,
         "steps": args.steps,
         "rounds": args.rounds,
@@ -177,7 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     for n in args.contexts:
         tokens = mx.array((text_tokens * (n // len(text_tokens) + 1))[:n])[None]
         kv = context_kv(model, tokens)
-        result["contexts"][str(n)] = measure_context(model, kv, args.steps, args.rounds, args.chunks)
+        result["contexts"][str(n)] = measure_context(
+            model, kv, args.steps, args.rounds, args.chunks, args.tier
+        )
         del kv
         for name, row in result["contexts"][str(n)]["candidates"].items():
             print(

@@ -70,6 +70,11 @@ def test_the_calibration_source_checks_its_dims_and_arguments():
 def test_a_state_saved_before_later_config_fields_loads_with_their_defaults(kind, dropped):
     cache = build(kind)
     settings, runtime = cache.meta_state
+    # the state as a version before those fields coded it: with the values they read as (the
+    # weighing's default, automatic now, was squared error then)
+    as_then = {**json.loads(settings), **{k: LATER_CONFIG_FIELDS[k] for k in dropped}}
+    cache = type(cache).from_state(cache.state, (json.dumps(as_then), runtime))
+    settings, runtime = cache.meta_state
     earlier = {k: v for k, v in json.loads(settings).items() if k not in dropped}
     restored = type(cache).from_state(cache.state, (json.dumps(earlier), runtime))
     assert restored.config == cache.config
@@ -113,4 +118,11 @@ def test_every_config_field_added_later_has_the_value_earlier_states_read():
     later = {f.name for f in dataclasses.fields(KVCacheConfig)} - FIRST_SAVED_FIELDS
     assert later == set(LATER_CONFIG_FIELDS)
     defaults = KVCacheConfig()
-    assert all(getattr(defaults, name) == value for name, value in LATER_CONFIG_FIELDS.items())
+    # the weighing's default became automatic (relative error at the prefill) after states saved
+    # without the field were coded by squared error: those read it as False, not as the default
+    assert LATER_CONFIG_FIELDS["palu_relative_error"] is False and defaults.palu_relative_error is None
+    assert all(
+        getattr(defaults, name) == value
+        for name, value in LATER_CONFIG_FIELDS.items()
+        if name != "palu_relative_error"
+    )

@@ -43,7 +43,7 @@ def test_registry_is_keyed_by_tier_name_in_display_order():
 
 def test_reference_default_is_the_config_defaults_with_one_head_group_after_rope():
     # the reference cached post-RoPE keys: its tier keeps doing so, so the change shows in results
-    # (and without the per-token scale and exact first tokens, which came later)
+    # (and without the per-token scale, exact first tokens and automatic weighing, which came later)
     assert tier("reference-default").config == KVCacheConfig(
         method="palu",
         palu_n_head_groups=1,
@@ -51,6 +51,7 @@ def test_reference_default_is_the_config_defaults_with_one_head_group_after_rope
         palu_token_scale=False,
         palu_sink_tokens=0,
         palu_recent_tokens=0,
+        palu_relative_error=False,
         **REFERENCE_SPLIT,
     )
 

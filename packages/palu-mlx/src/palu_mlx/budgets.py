@@ -161,7 +161,8 @@ class SensitivityProfile:
         for i in range(self.n_layers):
             layer_bits = int(widths[2 * i].sum() + widths[2 * i + 1].sum())
             share = max(layer_bits, 1) / (dims[2 * i] + dims[2 * i + 1])
-            out.append(WaterFilling(min(share, 8.0), token_scale, float(wk[i]), float(wv[i])))
+            # the weights are per unit of squared error: never the automatic relative weighing
+            out.append(WaterFilling(min(share, 8.0), token_scale, float(wk[i]), float(wv[i]), relative=False))
         return out
 
     def check_model(self, model: Any) -> None:

@@ -269,6 +269,9 @@ def _layer_configs(model: nn.Module, config: KVCacheConfig, n_layers: int) -> li
             palu_bits=coder.bits,
             palu_key_weight=coder.key_weight,
             palu_value_weight=coder.value_weight,
+            # the profile's weighing, stated: a layer whose weights come out 1 and 1 must not turn
+            # the automatic relative-error weighing on once palu_sensitivity is gone
+            palu_relative_error=config.relative_error,
         )
         for coder in coders
     ]

@@ -7,6 +7,7 @@ a model forward.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -111,8 +112,12 @@ class KVCacheConfig:
             runs over the channel variances times these. 1 and 1 (the default): keys and values alike.
         palu_relative_error: water-filling only: each tensor's variances are divided by its total
             variance before the level is set (:attr:`~palu_mlx.coders.WaterFilling.relative`), so keys
-            and values are weighed by relative error, computed at the prefill with no file. False
-            (the default): by squared error.
+            and values are weighed by relative error, computed at the prefill with no file. False:
+            by squared error. None (the default) is automatic (:attr:`relative_error` reads the
+            outcome): relative error for the water-filling coder fitted at the prefill when nothing
+            else chooses the weighing, i.e. no ``palu_calibration``, no ``palu_sensitivity`` and
+            ``palu_key_weight`` / ``palu_value_weight`` left at 1; squared error otherwise (the hi/lo
+            split, a calibration or a profile, explicit weights), as those were measured.
         palu_quantize_values: False keeps value latents unquantized (input dtype; fp16
             for fp16 models), still low-rank.
         palu_min_fit_tokens: tokens held exactly before the projections are fitted;
@@ -166,7 +171,7 @@ class KVCacheConfig:
     palu_sensitivity: str | None = None
     palu_key_weight: float = 1.0
     palu_value_weight: float = 1.0
-    palu_relative_error: bool = False
+    palu_relative_error: bool | None = None
     palu_min_fit_tokens: int | None = None
     palu_check_finite: bool = True
     palu_pre_rope: bool = True
@@ -235,8 +240,10 @@ class KVCacheConfig:
             raise KVConfigError(
                 f"palu_sensitivity={self.palu_sensitivity!r} must be None or a file path (a sensitivity profile)"
             )
-        if not isinstance(self.palu_relative_error, bool):
-            raise KVConfigError(f"palu_relative_error={self.palu_relative_error!r} must be True or False")
+        if self.palu_relative_error is not None and not isinstance(self.palu_relative_error, bool):
+            raise KVConfigError(
+                f"palu_relative_error={self.palu_relative_error!r} must be None (automatic), True or False"
+            )
         for name in ("palu_key_weight", "palu_value_weight"):
             if not is_weight(getattr(self, name)):
                 raise KVConfigError(
@@ -273,7 +280,9 @@ class KVCacheConfig:
             )
         if self.naive_group_size not in (32, 64, 128) or not _is_int(self.naive_group_size):
             raise KVConfigError(f"naive_group_size={self.naive_group_size!r} must be 32, 64 or 128")
-        weighted = (self.palu_key_weight, self.palu_value_weight) != (1.0, 1.0) or self.palu_relative_error
+        weighted = (self.palu_key_weight, self.palu_value_weight) != (1.0, 1.0) or bool(
+            self.palu_relative_error
+        )
         if (weighted or self.palu_sensitivity is not None) and self.uses_split:
             raise KVConfigError(
                 "palu_sensitivity, palu_relative_error and the palu_key_weight / palu_value_weight water-filling "
@@ -297,9 +306,11 @@ class KVCacheConfig:
                         f"one of them ({name} left at 1, or equal to the coder's)"
                     )
                 owned[name] = w
-            if self.palu_relative_error and not coder.relative:
+            if self.palu_relative_error is not None and self.palu_relative_error != coder.relative:
                 raise KVConfigError(
-                    f"coder={coder!r} and palu_relative_error=True both choose the weighing; allowed: one of them"
+                    f"coder={coder!r} and palu_relative_error={self.palu_relative_error!r} both choose the "
+                    "weighing; allowed: one of them (palu_relative_error left at None, or equal to the "
+                    "coder's relative)"
                 )
             owned["palu_relative_error"] = coder.relative
         elif isinstance(coder, HiLoSplit):
@@ -327,6 +338,15 @@ class KVCacheConfig:
         """Whether the latents are coded by the reference's rank + hi/lo split (:attr:`coder_choice` is a
         :class:`~palu_mlx.coders.HiLoSplit`)."""
         return isinstance(self.coder_choice, HiLoSplit)
+
+    @property
+    def relative_error(self) -> bool:
+        """Whether the water-filling level weighs relative error (:attr:`coder_choice`'s
+        :attr:`~palu_mlx.coders.WaterFilling.relative_error`): ``palu_relative_error``, or when it is
+        None True for the water-filling coder fitted at the prefill with no ``palu_calibration``, no
+        ``palu_sensitivity`` and both weights 1; False for the hi/lo split."""
+        coder = self.coder_choice
+        return isinstance(coder, WaterFilling) and coder.relative_error
 
     @property
     def coder_bits(self) -> float | None:
@@ -397,7 +417,8 @@ def _coder(config: KVCacheConfig) -> HiLoSplit | WaterFilling:
     ``palu_energy_threshold``, ``palu_hi_bit``, ``palu_lo_bit`` or ``palu_hi_fraction`` is set
     (unset widths take :data:`REFERENCE_SPLIT`'s); otherwise
     :class:`~palu_mlx.coders.WaterFilling` at ``palu_bits`` (:data:`DEFAULT_PALU_BITS` when None)
-    with ``palu_token_scale``.
+    with ``palu_token_scale``, the weights and the weighing resolved (``relative`` True or False, never
+    None: a calibration or a sensitivity profile turns the automatic weighing off).
     """
     split = (
         config.palu_rank,
@@ -409,13 +430,14 @@ def _coder(config: KVCacheConfig) -> HiLoSplit | WaterFilling:
     if config.palu_bits is None and any(v is not None for v in split):
         return HiLoSplit(config.hi_bit, config.lo_bit, config.hi_fraction)
     bits = DEFAULT_PALU_BITS if config.palu_bits is None else config.palu_bits
-    return WaterFilling(
-        bits,
-        config.palu_token_scale,
-        config.palu_key_weight,
-        config.palu_value_weight,
-        config.palu_relative_error,
+    relative = config.palu_relative_error
+    if relative is None and (config.palu_calibration is not None or config.palu_sensitivity is not None):
+        # a calibration sets its own widths and a profile's weights are per unit of squared error
+        relative = False
+    coder = WaterFilling(
+        bits, config.palu_token_scale, config.palu_key_weight, config.palu_value_weight, relative
     )
+    return dataclasses.replace(coder, relative=coder.relative_error)
 
 
 # A property set after the class is made: the dataclass decorator takes every annotated class

@@ -109,14 +109,22 @@ class Tier:
 
 
 def _palu(**fields) -> KVCacheConfig:
-    # the tiers defined before the per-token scale and the exact first tokens keep them off,
-    # so each name still means the configuration it was measured as
-    fields = {"palu_token_scale": False, "palu_sink_tokens": 0, "palu_recent_tokens": 0, **fields}
+    # the tiers defined before the per-token scale, the exact first tokens and the automatic
+    # relative-error weighing keep them off, so each name still means the configuration it was
+    # measured as (only the "+rel" tiers weigh by relative error)
+    fields = {
+        "palu_token_scale": False,
+        "palu_sink_tokens": 0,
+        "palu_recent_tokens": 0,
+        "palu_relative_error": False,
+        **fields,
+    }
     return KVCacheConfig(method="palu", head_dim=None, palu_n_head_groups=1, **fields)
 
 
-#: the coder for real models' K/V (``KVCacheConfig()``'s defaults): a per-token scale beside the
-#: fixed quantizers, the first tokens (attention sinks) and the newest tokens held exactly
+#: the coder for real models' K/V (``KVCacheConfig()``'s defaults, which also weigh by relative error:
+#: the ``+rel`` tiers): a per-token scale beside the fixed quantizers, the first tokens (attention
+#: sinks) and the newest tokens held exactly
 _SCALED = dict(palu_token_scale=True, palu_sink_tokens=SINK_TOKENS, palu_recent_tokens=RECENT_TOKENS)
 
 
@@ -200,7 +208,7 @@ CALIBRATED_TIERS: dict[str, Tier] = {
     for t in (
         _calibrated_twin(base)
         for base in TIERS.values()
-        if base.config.palu_bits is not None and not base.config.palu_relative_error
+        if base.config.palu_bits is not None and not base.config.relative_error
     )
 }
 
@@ -230,7 +238,7 @@ SENSITIVITY_TIERS: dict[str, Tier] = {
         for base in TIERS.values()
         if base.config.palu_bits is not None
         and base.config.palu_token_scale
-        and not base.config.palu_relative_error
+        and not base.config.relative_error
     )
 }
 #: and one with no twin in :data:`TIERS`: the smallest budget whose KL is at most mlx-lm's

@@ -8,7 +8,8 @@ each channel an integer width 0-8 for ``bits`` code bits per element; 0-bit chan
 each head's channel gets a fixed quantizer whose step is set by its variance over the fit tokens
 (:class:`~palu_mlx.coders.fixed.FixedQuantCoder`), optionally with a per-token scale. With a
 calibration file the same choice sets the calibrated cache's budget
-(:mod:`palu_mlx.calibrated`).
+(:mod:`palu_mlx.calibrated`). By default (``relative=None``) the level weighs each tensor's
+relative error (:attr:`WaterFilling.relative_error`).
 """
 
 from __future__ import annotations
@@ -31,11 +32,12 @@ from .hilo import fit_mixed_bit
 __all__ = ["WaterFilling", "DEFAULT_PALU_BITS", "fit_variances", "fixed_coder"]
 
 #: code bits per element of a config that names neither ``palu_bits`` nor the hi/lo split: the
-#: smallest uncalibrated tier (``palu-2.5bit-scaled``: water-filling, per-token scales, the first
-#: tokens exact) whose KL to the uncompressed model is at most mlx-lm's ``QuantizedKVCache(bits=4)``'s
-#: on the real model, SmolLM2-135M-Instruct, at 2,048 tokens of context
-#: (``benchmarks/results/palu_real_model.json``; see docs/palu-mlx.md).
-DEFAULT_PALU_BITS = 2.5
+#: smallest tier that needs no file (``palu-2.25bit-scaled+rel``: water-filling weighed by relative
+#: error at the prefill, per-token scales, the first and the newest tokens exact) whose KL to the
+#: uncompressed model is at most mlx-lm's ``QuantizedKVCache(bits=4)``'s on the real model,
+#: SmolLM2-135M-Instruct, at 2,048 tokens of context (``benchmarks/results/palu_real_model.json``;
+#: see docs/palu-mlx.md).
+DEFAULT_PALU_BITS = 2.25
 
 
 def is_bit_budget(bits: Any) -> bool:
@@ -58,7 +60,7 @@ def is_weight(weight: Any) -> bool:
     )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class WaterFilling:
     """The bit-budget latent coder.
 
@@ -78,14 +80,19 @@ class WaterFilling:
             small. The cache computes it at the prefill; nothing is measured beforehand. On
             SmolLM2-135M the KL per unit of relative error varies far less across layers and
             between keys and values than the KL per unit of squared error
-            (``benchmarks/results/palu_sensitivity.json``).
+            (``benchmarks/results/palu_sensitivity.json``). None (the default) is automatic:
+            relative error unless ``key_weight`` / ``value_weight`` set weights of their own
+            (:attr:`relative_error` reads the choice). A :class:`~palu_mlx.config.KVCacheConfig`
+            applies the same rule and also turns it off where a calibration file or a sensitivity
+            profile sets the widths. Two coders are equal when they code alike: ``None`` equals
+            the value it resolves to.
     """
 
     bits: float = DEFAULT_PALU_BITS
     token_scale: bool = True
     key_weight: float = 1.0
     value_weight: float = 1.0
-    relative: bool = False
+    relative: bool | None = None
 
     def __post_init__(self) -> None:
         if not is_bit_budget(self.bits):
@@ -98,8 +105,30 @@ class WaterFilling:
             w = getattr(self, name)
             if not is_weight(w):
                 raise KVConfigError(f"WaterFilling {name}={w!r} must be a finite number > 0")
-        if not isinstance(self.relative, bool):
-            raise KVConfigError(f"WaterFilling relative={self.relative!r} must be True or False")
+        if self.relative is not None and not isinstance(self.relative, bool):
+            raise KVConfigError(
+                f"WaterFilling relative={self.relative!r} must be None (automatic), True or False"
+            )
+
+    @property
+    def relative_error(self) -> bool:
+        """Whether the level weighs relative error: :attr:`relative`, or when it is None (automatic)
+        True unless ``key_weight`` / ``value_weight`` are weights of their own (not 1 and 1)."""
+        if self.relative is not None:
+            return self.relative
+        return (self.key_weight, self.value_weight) == (1.0, 1.0)
+
+    def _coding(self) -> tuple:
+        return (self.bits, self.token_scale, self.key_weight, self.value_weight, self.relative_error)
+
+    # equal when they code alike: relative=None is the same coder as the value it resolves to
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, WaterFilling):
+            return NotImplemented
+        return self._coding() == other._coding()
+
+    def __hash__(self) -> int:
+        return hash(self._coding())
 
     def policy(self) -> WaterFillingPolicy:
         """The same budget as a mixed-bit allocation policy (water-filled segments, per-group scales)."""
@@ -147,7 +176,7 @@ class WaterFilling:
         # the level is decided on every head's variances (all ranks' under tensor parallel)
         every = [v if gather is None else gather(v) for _, v in fitted]
         weights = [self.key_weight, self.value_weight]
-        if self.relative:
+        if self.relative_error:
             weights = [
                 w / max(float(v.mean(axis=0).sum()), 1e-30) for w, v in zip(weights, every, strict=True)
             ]
