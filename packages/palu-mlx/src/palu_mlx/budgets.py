@@ -57,6 +57,7 @@ __all__ = [
     "code_tensor",
     "measure_sensitivity",
     "profile_path",
+    "spread_windows",
     "WEIGHT_FLOOR",
 ]
 
@@ -72,6 +73,22 @@ def profile_path(model_dir: str | os.PathLike) -> Path:
     """Where a model's profile lives: ``<model directory>.palu-sensitivity.json`` beside it."""
     p = Path(model_dir)
     return p.with_name(p.name + ".palu-sensitivity.json")
+
+
+def spread_windows(tokens: Sequence[int], windows: int, length: int) -> list[list[int]]:
+    """``windows`` non-overlapping windows of ``length`` token ids spread evenly over ``tokens``, the
+    first at the start (kvbench's rule for its text windows, which the benchmarks' profiles used).
+    Raises ``KVConfigError`` when the text is too short or a count is not a positive int."""
+    for name, value in (("windows", windows), ("length", length)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise KVConfigError(f"{name}={value!r} must be a positive integer")
+    if len(tokens) < windows * length:
+        raise KVConfigError(
+            f"the text has {len(tokens)} tokens; {windows} window(s) of {length} tokens need "
+            f"{windows * length}: give a longer text or fewer / shorter windows"
+        )
+    stride = (len(tokens) - length) // (windows - 1) if windows > 1 else 0
+    return [list(tokens[i * stride : i * stride + length]) for i in range(windows)]
 
 
 def _floats(values: Any, name: str, n: int | None = None, positive: bool = False) -> tuple[float, ...]:
@@ -340,11 +357,15 @@ def measure_sensitivity(
     sink_tokens: int = 4,
     pre_rope: bool = True,
     progress: Callable[[str], None] | None = None,
+    kv_dtype: mx.Dtype | None = None,
 ) -> SensitivityProfile:
     """Code one layer's keys or values at a time (every other layer exact) and record the KL.
 
     Each window of token ids is read in one forward; the last ``scored`` positions' next-token
-    distributions are compared with the exact run's. ``2 * layers + 1`` forwards per window.
+    distributions are compared with the exact run's. ``2 * layers + 1`` forwards per window;
+    ``progress`` gets one line after each probe (``2 * layers`` per window). ``kv_dtype``: round
+    every layer's keys and values to it as they are cached, in the exact run too (a 16-bit model
+    run in float32 then codes and attends over what the 16-bit model caches); None: as computed.
     """
     from mlx_lm.models.cache import KVCache
 
@@ -366,6 +387,8 @@ def measure_sensitivity(
             self.layer, self.which = layer, which
 
         def update_and_fetch(self, keys, values):
+            if kv_dtype is not None:
+                keys, values = keys.astype(kv_dtype), values.astype(kv_dtype)
             if self.which is not None:
                 kv = [keys, values]
                 rotary = rotaries[self.layer] if self.which == 0 else None
@@ -384,7 +407,7 @@ def measure_sensitivity(
         # the exact run keeps every layer's output; a probe of layer l replays layers 0..l-1 from it
         hidden: list[mx.array] = []
         exact = {i: _Recorded(model.layers[i], hidden) for i in range(n)}
-        base = _window_log_probs(model, tokens, scored, [KVCache() for _ in range(n)], exact)
+        base = _window_log_probs(model, tokens, scored, [Probe(i, None) for i in range(n)], exact)
         for layer in range(n):
             replay = {i: _Replayed(model.layers[i], hidden[layer - 1]) for i in range(layer)}
             for which in (0, 1):

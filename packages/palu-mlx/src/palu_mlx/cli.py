@@ -3,6 +3,11 @@
 * ``palu-mlx calibrate --model PATH_OR_ID --out FILE [--text FILE] [--max-tokens N|all]
   [--weighting attention|none] [--dtype auto|float32|model]``: fit per-layer, per-KV-head
   projections on calibration text (:mod:`palu_mlx.calibration`); needs only palu-mlx.
+* ``palu-mlx sensitivity --model PATH_OR_ID [--out FILE] [--text FILE] [--bits B] [--context N]
+  [--scored N] [--windows N] [--dtype auto|float32|model]``: measure the model's per-layer
+  sensitivity to palu's coding, keys against values (:func:`palu_mlx.budgets.measure_sensitivity`),
+  and write the profile the ``+sens`` budgets read (``palu_sensitivity=``), by default beside the
+  model directory (:func:`palu_mlx.budgets.profile_path`); needs only palu-mlx.
 * ``palu-mlx generate [mlx_lm.generate's options] [--palu-bits B | --palu-tier NAME]
   [--calibration FILE]`` (:mod:`palu_mlx.generate`): mlx-lm's generate with palu's cache.
 * ``palu-mlx server [mlx_lm.server's options] [palu's options]`` (:mod:`palu_mlx.server`):
@@ -10,7 +15,7 @@
 * ``palu-mlx compare [options]`` (see :mod:`palu_mlx.compare`): needs the ``compare`` extra
   (kvbench); without it, it says how to install it.
 
-``--model`` of calibrate, generate and server also takes kvbench's named models
+``--model`` of calibrate, sensitivity, generate and server also takes kvbench's named models
 (``smollm2-135m``, ``tiny-qwen3``) when kvbench is installed.
 """
 
@@ -20,10 +25,13 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-__all__ = ["main", "calibrate_main"]
+__all__ = ["main", "calibrate_main", "sensitivity_main"]
 
 _CALIBRATE_HELP = "fit per-layer, per-KV-head projections for a model on calibration text"
 _GENERATE_HELP = "generate text with mlx-lm and palu's KV cache (mlx_lm.generate's options)"
+_SENSITIVITY_HELP = (
+    "measure a model's per-layer sensitivity to palu's coding, keys against values, for the +sens budgets"
+)
 _SERVER_HELP = "mlx-lm's OpenAI-compatible server with palu's KV cache (mlx_lm.server's options)"
 
 # Debian / Ubuntu's OpenBLAS (libopenblas0-pthread), whose libblas.so.3 mlx's Linux CPU wheel can be
@@ -38,6 +46,28 @@ def _max_tokens(value: str) -> int | None:
         return int(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{value!r} is neither a number of tokens nor 'all'") from None
+
+
+def _positive_int(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a positive whole number")
+    return number
+
+
+def _bit_budget(value: str) -> float:
+    from .coders.water_filling import is_bit_budget
+
+    try:
+        bits = float(value)
+    except ValueError:
+        bits = float("nan")
+    if not is_bit_budget(bits):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number of code bits per element in (0, 8]")
+    return bits
 
 
 def _blas_hint(model) -> str | None:
@@ -155,6 +185,152 @@ def calibrate_main(argv: Sequence[str]) -> int:
     return 0
 
 
+def sensitivity_main(argv: Sequence[str]) -> int:
+    """``palu-mlx sensitivity``: returns the exit code (1 with a one-line error on a user mistake)."""
+    parser = argparse.ArgumentParser(prog="palu-mlx sensitivity", description=_SENSITIVITY_HELP)
+    parser.add_argument(
+        "--model",
+        required=True,
+        help="mlx-lm model: a local path, a Hugging Face id, or a named model (smollm2-135m, tiny-qwen3; needs kvbench)",
+    )
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="profile to write (.json; default: <model directory>.palu-sensitivity.json beside a local "
+        "model, where the +sens budgets and the benchmarks look; a hub id needs --out)",
+    )
+    parser.add_argument(
+        "--text",
+        default=None,
+        help="UTF-8 text to measure on (default: the calibration text shipped with palu-mlx, never "
+        "kvbench's evaluation text)",
+    )
+    parser.add_argument(
+        "--bits", type=_bit_budget, default=2.0, help="code bits per element of the probed tensor (default 2)"
+    )
+    parser.add_argument(
+        "--context", type=_positive_int, default=512, help="tokens of context per window (default 512)"
+    )
+    parser.add_argument(
+        "--scored",
+        type=_positive_int,
+        default=64,
+        help="positions per window whose next-token distributions are compared (default 64)",
+    )
+    parser.add_argument("--windows", type=_positive_int, default=2, help="windows of text (default 2)")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "float32", "model"),
+        help="what the forward passes run in: auto (default): float32 where a quick probe finds float32 "
+        "matmuls at least twice as fast as the model's 16-bit ones, else the model's dtype; float32; "
+        "model. In float32 the keys and values are rounded to the model's dtype as they are cached",
+    )
+    parser.add_argument("--quiet", action="store_true", help="no progress bar (and no note on the BLAS)")
+    args = parser.parse_args(list(argv))
+
+    import os
+    import time
+    from pathlib import Path
+
+    import mlx_lm
+    from kvspec import KVSpecError
+    from tqdm import tqdm
+
+    from .budgets import measure_sensitivity, profile_path, spread_windows
+    from .calibration.fit import _compute_dtype, _model_dtype, default_calibration_text
+    from .serving import ModelNameError, resolve_model_arg
+
+    try:
+        model_path = resolve_model_arg(args.model, quiet=args.quiet)
+    except ModelNameError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if args.out is not None:
+        out = Path(args.out)
+    elif os.path.isdir(model_path):
+        out = profile_path(model_path)
+    else:
+        print(
+            f"error: --model {args.model!r} is not a local model directory, so there is no place beside "
+            "it for the profile; pass --out FILE",
+            file=sys.stderr,
+        )
+        return 1
+    if out.is_dir() or not out.parent.is_dir():
+        print(f"error: --out {str(out)!r} must be a file in an existing directory", file=sys.stderr)
+        return 1
+    try:
+        text = default_calibration_text() if args.text is None else open(args.text, encoding="utf-8").read()
+    except OSError as exc:
+        print(f"error: --text {args.text!r} cannot be read: {exc}", file=sys.stderr)
+        return 1
+    try:
+        model, tokenizer = mlx_lm.load(model_path)
+    except Exception as exc:  # noqa: BLE001 - any loading failure is the user's --model
+        print(f"error: --model {args.model!r} cannot be loaded: {exc}", file=sys.stderr)
+        return 1
+    # the text is tokenized whole, then cut into windows; the length warning does not apply
+    getattr(tokenizer, "_tokenizer", tokenizer).model_max_length = int(1e12)
+    try:
+        windows = spread_windows(
+            tokenizer.encode(text, add_special_tokens=False), args.windows, args.context + args.scored
+        )
+    except KVSpecError as exc:
+        print(f"error: --text / --windows / --context / --scored: {exc}", file=sys.stderr)
+        return 1
+    compute = _compute_dtype(model, args.dtype)
+    runs_in = str(compute if compute is not None else _model_dtype(model)).removeprefix("mlx.core.")
+    kv_dtype = None
+    if compute is not None:
+        # matmuls in float32; the caches hold what the model's own dtype would
+        kv_dtype = _model_dtype(model)
+        model.set_dtype(compute)
+    elif args.dtype == "auto" and not args.quiet:
+        hint = _blas_hint(model)
+        if hint:
+            print(hint.replace("calibration", "the measurement"), file=sys.stderr)
+    n_layers = len(model.layers)
+    bar = tqdm(
+        total=args.windows * n_layers * 2, desc="palu-mlx sensitivity", unit="probe", disable=args.quiet
+    )
+
+    def progress(line: str) -> None:
+        bar.set_postfix_str(line, refresh=False)
+        bar.update(1)
+
+    started = time.perf_counter()
+    try:
+        profile = measure_sensitivity(
+            model, windows, args.scored, args.bits, progress=progress, kv_dtype=kv_dtype
+        )
+        profile.save(out)
+    except (KVSpecError, ValueError, OSError) as exc:
+        bar.close()
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    bar.close()
+    seconds = time.perf_counter() - started
+    ranked = sorted(
+        (
+            (kl, f"layer {i} {name}")
+            for name, kls in (("keys", profile.key_kl), ("values", profile.value_kl))
+            for i, kl in enumerate(kls)
+        ),
+        reverse=True,
+    )
+    m = profile.model
+    print(
+        f"wrote {out}: {m['architecture']}, {m['n_layers']} layers x {m['n_kv_heads']} KV heads x head dim "
+        f"{m['head_dim']}, {args.windows} window(s) of {args.context} + {args.scored} tokens at "
+        f"{args.bits:g} bits, forward passes in {runs_in}, "
+        f"{seconds:.0f} s; KL summed over layers: keys {sum(profile.key_kl):.3g}, values "
+        f"{sum(profile.value_kl):.3g}; most sensitive: {ranked[0][1]} ({ranked[0][0]:.3g}). "
+        f"Use it with KVCacheConfig(palu_sensitivity={str(out)!r})"
+    )
+    return 0
+
+
 def _compare():
     from .compare import main
 
@@ -163,6 +339,10 @@ def _compare():
 
 def _calibrate():
     return calibrate_main
+
+
+def _sensitivity():
+    return sensitivity_main
 
 
 def _generate():
@@ -182,6 +362,7 @@ _COMMANDS = {
     "server": (_SERVER_HELP, _server),
     "compare": ("compare palu tiers with mlx-lm's caches on a model", _compare),
     "calibrate": (_CALIBRATE_HELP, _calibrate),
+    "sensitivity": (_SENSITIVITY_HELP, _sensitivity),
 }
 
 
