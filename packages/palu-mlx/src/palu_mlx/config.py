@@ -145,6 +145,15 @@ class KVCacheConfig:
             attention reads them instead of their codes (each token is coded when it arrives and
             read from its codes once newer ones push it out). Default :data:`DEFAULT_RECENT_TOKENS`
             (32); 0 keeps none.
+        palu_basis_bits: 16 (the default) holds a basis fitted at the prefill in 16 bits; 8 holds
+            it as int8 codes with one scale per column (:class:`~palu_mlx.lowrank.PackedProjection`),
+            about half the bytes, for quantized latents. A per-sequence basis of full rank is about
+            a tenth of mlx-lm's 4-bit cache at 2,048 tokens on a model with 64-wide heads.
+        palu_scale_bits: 16 (the default) stores the per-token scale (``palu_token_scale``) as a
+            bfloat16; 8 as a one-byte log code (:func:`~palu_mlx.coders.fixed.store_scales`), rounded
+            up so nothing clips: steps up to 4.4% coarser, one byte less per token, head and tensor.
+        palu_recent_bits: 16 (the default) keeps the ``palu_recent_tokens`` as given; 8 keeps them
+            as int8 with one scale per token and head (:class:`~palu_mlx.sinks.RecentWindow`).
         naive_bits, naive_group_size: bit width and group size of the ``"naive"`` baseline
             (uniform ``mx.quantize`` of the full K/V; group size 32, 64 or 128).
         coder: (init only) the latent coder as an object, :class:`~palu_mlx.coders.WaterFilling`
@@ -178,6 +187,9 @@ class KVCacheConfig:
     palu_token_scale: bool = True
     palu_sink_tokens: int = DEFAULT_SINK_TOKENS
     palu_recent_tokens: int = DEFAULT_RECENT_TOKENS
+    palu_basis_bits: int = 16
+    palu_scale_bits: int = 16
+    palu_recent_bits: int = 16
     naive_bits: int = 2
     naive_group_size: int = 64
     coder: InitVar[HiLoSplit | WaterFilling | None] = None
@@ -274,6 +286,16 @@ class KVCacheConfig:
             )
         if not isinstance(self.palu_token_scale, bool):
             raise KVConfigError(f"palu_token_scale={self.palu_token_scale!r} must be True or False")
+        for name in ("palu_basis_bits", "palu_scale_bits", "palu_recent_bits"):
+            value = getattr(self, name)
+            if not _is_int(value) or value not in (16, 8):
+                raise KVConfigError(f"{name}={value!r} must be 16 (as given) or 8 (compact)")
+        if self.palu_calibration is not None and (self.palu_basis_bits, self.palu_scale_bits) != (16, 16):
+            raise KVConfigError(
+                f"palu_basis_bits={self.palu_basis_bits} and palu_scale_bits={self.palu_scale_bits} with "
+                f"palu_calibration={self.palu_calibration!r}: the compact basis and scales are for caches "
+                "fitted at the prefill; allowed: 16 and 16"
+            )
         if not _is_int(self.naive_bits) or self.naive_bits not in PACKABLE_BITS:
             raise KVConfigError(
                 f"naive_bits={self.naive_bits!r} cannot be packed; allowed: {', '.join(map(str, PACKABLE_BITS))}"
