@@ -44,7 +44,7 @@ from kvbench.models import default_text_path
 from kvbench.protocol import Settings, text_windows
 from kvbench.results import environment_stamp, results_path, write_json
 from palu_mlx.cache import PaluKVCache
-from palu_mlx.coders.fixed import TOKEN_SCALE_BYTES, FixedQuantCoder
+from palu_mlx.coders.fixed import FixedQuantCoder
 from palu_mlx.compare import load_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -74,7 +74,8 @@ def palu_parts(cache: PaluKVCache) -> dict[str, int]:
             continue
         if not cache.source.per_model:
             for name, arr in proj.arrays().items():
-                parts[name if name in ("basis", "mean", "singular_values") else "other"] += arr.nbytes
+                part = "basis" if name == "basis_scale" else name  # an 8-bit basis' column scales
+                parts[part if part in ("basis", "mean", "singular_values") else "other"] += arr.nbytes
             for name, arr in coder.constants().items():
                 parts["steps" if name == "steps" else "other"] += arr.nbytes
         for name, buf in (codes or {}).items():
@@ -83,7 +84,7 @@ def palu_parts(cache: PaluKVCache) -> dict[str, int]:
             parts["capacity"] += b * h * (cap - n) * width * item
             written = b * h * n * width * item
             if isinstance(coder, FixedQuantCoder) and name == "codes":
-                scale = b * h * n * (TOKEN_SCALE_BYTES if coder.token_scale else 0)
+                scale = b * h * n * (coder.scale_bytes if coder.token_scale else 0)
                 parts["token_scales"] += scale
                 parts["codes"] += written - scale
                 parts["row_padding"] += b * h * n * (8 * coder.code_bytes - coder.bits_per_row) / 8

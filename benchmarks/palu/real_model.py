@@ -84,6 +84,13 @@ OTHER_BITS = {
     "palu-1.5bit-scaled+rel": ("palu-2bit-scaled+rel", 1.5),
     "palu-1.25bit-scaled+sens": ("palu-2bit-scaled+sens", 1.25),
 }
+#: the compact side information one part at a time, and budgets around half of q4's bytes with all
+#: of it (name -> (tier, fields replaced)); the registry's ``-compact`` tiers have all three parts
+COMPACT_PARTS = {
+    "palu-1.75bit-scaled+sens+basis8": ("palu-1.75bit-scaled+sens", dict(palu_basis_bits=8)),
+    "palu-1.75bit-scaled+sens+scale8": ("palu-1.75bit-scaled+sens", dict(palu_scale_bits=8)),
+    "palu-1.75bit-scaled+sens+recent8": ("palu-1.75bit-scaled+sens", dict(palu_recent_bits=8)),
+}
 PEERS = {"mlx-lm-q8": 8, "mlx-lm-q4": 4}
 
 
@@ -132,6 +139,9 @@ def candidates(
     for name, (source, bits) in OTHER_BITS.items():
         if source in configs:
             configs[name] = dataclasses.replace(configs[source], palu_bits=bits)
+    for name, (source, fields) in COMPACT_PARTS.items():
+        if source in configs:
+            configs[name] = dataclasses.replace(configs[source], **fields)
     out.update({name: entry(config) for name, config in configs.items()})
     base = tier_config("palu-3bit", head_dim, n_kv)
     for name, fields in ABLATION.items():

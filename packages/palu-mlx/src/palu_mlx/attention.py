@@ -43,6 +43,7 @@ import numpy as np
 from kvspec import KVConfigError, KVDataError
 from mlx_lm.models import base as mlx_base
 
+from .coders.fixed import read_scales, scale_bytes
 from .lowrank import GroupProjection, reconstruct
 from .rope import Rotary
 
@@ -75,8 +76,6 @@ _SCORES_PER_CHUNK = 1 << 18
 # that the next unmasked chunk's correction factor exp(-1e30 - m) wipes out (no NaN)
 _MASKED = -1e30
 
-#: bytes of the bfloat16 scale in front of a packed row with ``token_scale``
-_SCALE_BYTES = 2
 #: entries kept by each of the small memos below (layouts and RoPE tables; cleared when full)
 _MAX_MEMO = 64
 
@@ -94,12 +93,15 @@ class PackedRows:
         steps: ``[H, r]`` float32 quantizer steps; a code ``c`` of width ``w`` is the latent
             ``(c + 0.5 - 2^w / 2) * step`` (times the row's scale).
         token_scale: whether rows start with the scale.
+        scale_bits: how the scale is stored (:func:`~palu_mlx.coders.fixed.store_scales`): 16, a
+            bfloat16 in two bytes; 8, a one-byte log code.
     """
 
     rows: mx.array
     widths: tuple[int, ...]
     steps: mx.array
     token_scale: bool
+    scale_bits: int = 16
 
 
 @dataclass(frozen=True)
@@ -311,23 +313,24 @@ class _Unpacking:
     mask: mx.array  # [r] uint32, 2^w - 1
     offset: np.ndarray  # [r] float64, 0.5 - 2^w / 2: the latent is (code + offset) * step
     token_scale: bool
+    scale_bits: int = 16
 
 
-_UNPACKINGS: dict[tuple[tuple[int, ...], bool], _Unpacking] = {}
+_UNPACKINGS: dict[tuple[tuple[int, ...], bool, int], _Unpacking] = {}
 
 
 def _unpacking(rows: PackedRows) -> _Unpacking:
-    key = (tuple(int(w) for w in rows.widths), bool(rows.token_scale))
+    key = (tuple(int(w) for w in rows.widths), bool(rows.token_scale), int(rows.scale_bits))
     found = _UNPACKINGS.get(key)
     if found is None:
         widths = np.array(key[0], dtype=np.int64)
-        lead = _SCALE_BYTES if key[1] else 0
+        lead = scale_bytes(key[2]) if key[1] else 0
         start = np.concatenate([[0], np.cumsum(widths)[:-1]])
         n_bytes = lead + -(-int(widths.sum()) // 8)
         if rows.rows.shape[-1] != n_bytes:
             raise KVDataError(
                 f"packed rows of {rows.rows.shape[-1]} bytes do not match widths {list(key[0])} "
-                f"(token_scale={key[1]}): {n_bytes} bytes"
+                f"(token_scale={key[1]}, scale_bits={key[2]}): {n_bytes} bytes"
             )
         gather = np.zeros((n_bytes, len(widths)), dtype=np.float32)
         for c, (first, shift) in enumerate(zip(lead + start // 8, start % 8, strict=True)):
@@ -341,6 +344,7 @@ def _unpacking(rows: PackedRows) -> _Unpacking:
             mask=mx.array((1 << widths) - 1, dtype=mx.uint32),
             offset=0.5 - (1 << widths) / 2.0,
             token_scale=key[1],
+            scale_bits=key[2],
         )
         if len(_UNPACKINGS) >= _MAX_MEMO:
             _UNPACKINGS.clear()
@@ -355,8 +359,7 @@ def _unpack(rows: mx.array, unpacking: _Unpacking) -> tuple[mx.array, mx.array |
     codes = (spread.astype(mx.uint32) & unpacking.mask).astype(mx.float32)  # the cast floors (>= 0)
     if not unpacking.token_scale:
         return codes, None
-    scale = mx.contiguous(rows[..., :_SCALE_BYTES]).view(mx.bfloat16).astype(mx.float32)
-    return codes, scale
+    return codes, read_scales(rows[..., : scale_bytes(unpacking.scale_bits)], unpacking.scale_bits)
 
 
 class _RopeTables:

@@ -51,7 +51,7 @@ from .coders.fixed import FixedQuantCoder
 from .config import KVCacheConfig
 from .distributed import HeadShard
 from .layer import CacheLayer, detached, write_rows
-from .lowrank import GroupProjection, project, reconstruct
+from .lowrank import GroupProjection, PackedProjection, as_projection, project, reconstruct
 from .mixed_bit import BitAllocationPolicy
 from .projection_source import CODED_WITH, FitAtPrefill, ProjectionSource, SavedState
 from .rope import Rotary
@@ -124,7 +124,7 @@ class PaluKVCache(CacheLayer):
         self._key_codes: dict[str, mx.array] | None = None
         self._value_codes: dict[str, mx.array] | None = None
         self._sinks = ExactPrefix(config.palu_sink_tokens)
-        self._recent = RecentWindow(config.palu_recent_tokens)
+        self._recent = RecentWindow(config.palu_recent_tokens, bits=config.palu_recent_bits)
 
     # ------------------------------------------------------------------ validation
     def trim(self, n: int) -> int:
@@ -155,9 +155,9 @@ class PaluKVCache(CacheLayer):
                 self._sinks = ExactPrefix(self.config.palu_sink_tokens).write(
                     exact_keys[..., :end, :], exact_values[..., :end, :], 0
                 )
-                self._recent = RecentWindow(self.config.palu_recent_tokens).write(
-                    exact_keys[..., :end, :], exact_values[..., :end, :], 0
-                )
+                self._recent = RecentWindow(
+                    self.config.palu_recent_tokens, bits=self.config.palu_recent_bits
+                ).write(exact_keys[..., :end, :], exact_values[..., :end, :], 0)
                 self._exact_keys = self._exact_values = None
             else:
                 self._exact_keys, self._exact_values = exact_keys, exact_values
@@ -185,7 +185,7 @@ class PaluKVCache(CacheLayer):
         self,
         buffers: dict[str, mx.array] | None,
         coder: LatentCoder,
-        projection: GroupProjection,
+        projection: GroupProjection | PackedProjection,
         x: mx.array,
         prev: int,
     ) -> dict[str, mx.array]:
@@ -237,10 +237,10 @@ class PaluKVCache(CacheLayer):
             heads=self._shape[1],
             length=self.offset,
             key_latents=latents(self._key_codes, self._key_coder),
-            key_projection=self._key_proj,
+            key_projection=as_projection(self._key_proj),
             rotary=self.rotary,
             value_latents=latents(self._value_codes, self._value_coder),
-            value_projection=self._value_proj,
+            value_projection=as_projection(self._value_proj),
             exact_keys=self._sinks.keys[..., :m, :] if m else None,
             exact_values=self._sinks.values[..., :m, :] if m else None,
             recent_keys=recent[0],
@@ -250,7 +250,9 @@ class PaluKVCache(CacheLayer):
             packed_values=_packed_rows(self._value_codes, self._value_coder),
         )
 
-    def _reconstruct(self, buffers, coder: LatentCoder, projection: GroupProjection, n: int) -> mx.array:
+    def _reconstruct(
+        self, buffers, coder: LatentCoder, projection: GroupProjection | PackedProjection, n: int
+    ) -> mx.array:
         latents = coder.decode_fields({name: buf[..., :n, :] for name, buf in buffers.items()})
         return reconstruct(latents, projection, self._dtype)
 
@@ -305,7 +307,9 @@ class PaluKVCache(CacheLayer):
     def _fitted(self) -> tuple[Fitted, Fitted]:
         return (self._key_proj, self._key_coder), (self._value_proj, self._value_coder)
 
-    def _tensors(self) -> tuple[tuple[str, GroupProjection, LatentCoder, dict[str, mx.array] | None], ...]:
+    def _tensors(
+        self,
+    ) -> tuple[tuple[str, GroupProjection | PackedProjection, LatentCoder, dict[str, mx.array] | None], ...]:
         return (
             ("key", self._key_proj, self._key_coder, self._key_codes),
             ("value", self._value_proj, self._value_coder, self._value_codes),
@@ -381,7 +385,16 @@ class PaluKVCache(CacheLayer):
                 if m
                 else None
             )
-            recent = read_recent(arrays, runtime, config.palu_recent_tokens, shape, offset, dtype, owner)
+            recent = read_recent(
+                arrays,
+                runtime,
+                config.palu_recent_tokens,
+                shape,
+                offset,
+                dtype,
+                owner,
+                config.palu_recent_bits,
+            )
             arrays.finish()
             cache._recent = recent
             if sink is not None:
@@ -410,8 +423,7 @@ class PaluKVCache(CacheLayer):
             if own:
                 out += list(proj.arrays().values())
                 out += list(coder.constants().values())
-            for extra in (self._sinks.arrays(), self._recent.arrays()):
-                out += extra[:1] if which == "key" else extra[1:]
+            out += self._sinks.tensor_arrays(which) + self._recent.tensor_arrays(which)
         out += list((codes or {}).values())
         return out
 
@@ -493,4 +505,4 @@ def _packed_rows(buffers: dict[str, mx.array], coder: LatentCoder) -> PackedRows
     """The codes of fixed quantizers as attention unpacks them itself; None for other coders."""
     if not isinstance(coder, FixedQuantCoder):
         return None
-    return PackedRows(buffers["codes"], coder.widths, coder.steps, coder.token_scale)
+    return PackedRows(buffers["codes"], coder.widths, coder.steps, coder.token_scale, coder.scale_bits)

@@ -24,6 +24,9 @@ from kvspec import KVConfigError, KVDtypeError, KVShapeError, KVSpecError, KVVal
 
 __all__ = [
     "GroupProjection",
+    "PackedProjection",
+    "BASIS_BITS",
+    "as_projection",
     "check_projection_arrays",
     "group_spectrum",
     "select_rank",
@@ -139,6 +142,105 @@ class GroupProjection:
 
 
 _FLOATS = (mx.float16, mx.bfloat16, mx.float32)
+
+#: widths a basis can be held at: 16 (the projection's float dtype) or 8 (:class:`PackedProjection`)
+BASIS_BITS: tuple[int, ...] = (16, 8)
+
+
+@dataclass(frozen=True)
+class PackedProjection:
+    """A :class:`GroupProjection` whose basis is held as int8 codes with one scale per column.
+
+    A per-sequence basis of full rank is ``G x D x r`` 16-bit numbers per tensor and layer, whatever
+    the bit budget of the codes: on a real model with 3 KV heads of 64 that is about a tenth of
+    mlx-lm's 4-bit cache at 2,048 tokens. Symmetric 8-bit codes per column (a column is a unit
+    vector, so its largest entry sets its scale) halve it; the basis they decode to is both the
+    encoder and the decoder, so the only error is that basis' departure from orthonormality, about
+    ``2^-8`` of a column relative, far below the latent codes' error at any bit budget. The
+    singular values are not held: nothing reads them once the widths are chosen (the unpacked
+    projection carries the column scales in their place, as a calibrated one carries its steps).
+
+    Attributes:
+        codes: ``[G, D, r]`` int8, the basis columns in units of their scale.
+        column_scales: ``[G, r]`` float (the mean's dtype), each column's scale.
+        mean: ``[G, D]`` float, as :attr:`GroupProjection.mean`.
+    """
+
+    codes: mx.array
+    column_scales: mx.array
+    mean: mx.array
+
+    def __post_init__(self) -> None:
+        codes = self.codes
+        if (
+            not isinstance(codes, mx.array)
+            or codes.dtype != mx.int8
+            or codes.ndim != 3
+            or min(codes.shape) < 1
+        ):
+            got = (
+                f"{codes.dtype} {tuple(codes.shape)}" if isinstance(codes, mx.array) else type(codes).__name__
+            )
+            raise KVDtypeError(
+                f"PackedProjection.codes must be an int8 [G, D, r] array (every dim >= 1); got {got}"
+            )
+        g, d, r = codes.shape
+        for name, want in (("column_scales", (g, r)), ("mean", (g, d))):
+            arr = getattr(self, name)
+            if not isinstance(arr, mx.array) or arr.dtype not in _FLOATS:
+                got = arr.dtype if isinstance(arr, mx.array) else type(arr).__name__
+                raise KVDtypeError(f"PackedProjection.{name} must be an mlx float array; got {got}")
+            if tuple(arr.shape) != want:
+                raise KVShapeError(
+                    f"PackedProjection: codes {tuple(codes.shape)} need {name} {list(want)}; got {tuple(arr.shape)}"
+                )
+
+    @classmethod
+    def pack(cls, projection: GroupProjection) -> PackedProjection:
+        """``projection``'s basis as int8 codes per column (its mean kept as it is, scales in the mean's
+        dtype). A projection with a separate decoder cannot be packed."""
+        _check_projection(projection)
+        if projection.decoder is not None:
+            raise KVConfigError("a projection with a separate decoder cannot be packed to an 8-bit basis")
+        basis = projection.basis.astype(mx.float32)
+        dtype = projection.mean.dtype
+        # codes are made against the stored (rounded) scale, so decoding sees the same numbers
+        scales = (mx.maximum(mx.max(mx.abs(basis), axis=1), 1e-30) / 127.0).astype(dtype)
+        codes = mx.clip(mx.round(basis / scales.astype(mx.float32)[:, None, :]), -127, 127).astype(mx.int8)
+        mx.eval(codes, scales)
+        return cls(codes, scales, projection.mean)
+
+    def unpacked(self) -> GroupProjection:
+        """The :class:`GroupProjection` these codes stand for (float32 basis; built at each use, not held)."""
+        basis = self.codes.astype(mx.float32) * self.column_scales.astype(mx.float32)[:, None, :]
+        return GroupProjection(basis=basis, mean=self.mean, singular_values=self.column_scales)
+
+    @property
+    def n_groups(self) -> int:
+        return self.codes.shape[0]
+
+    @property
+    def dim(self) -> int:
+        return self.codes.shape[1]
+
+    @property
+    def rank(self) -> int:
+        return self.codes.shape[2]
+
+    #: no separate decoder: the unpacked basis rebuilds
+    decoder = None
+
+    def arrays(self) -> dict[str, mx.array]:
+        """``{"basis", "basis_scale", "mean"}``: every array held (``basis`` int8)."""
+        return {"basis": self.codes, "basis_scale": self.column_scales, "mean": self.mean}
+
+
+def as_projection(projection: GroupProjection | PackedProjection) -> GroupProjection:
+    """``projection`` as a :class:`GroupProjection` (a packed one unpacked); KVConfigError otherwise."""
+    if isinstance(projection, PackedProjection):
+        return projection.unpacked()
+    _check_projection(projection)
+    return projection
 
 
 def _is_int(value) -> bool:
@@ -266,8 +368,9 @@ def fit_group_projection(
 
 
 def project(x: mx.array, projection: GroupProjection) -> mx.array:
-    """Latents ``L = (x - μ_g) V_g``: ``[B, H, S, D]`` -> ``[B, H, S, r]`` float32."""
-    _check_projection(projection)
+    """Latents ``L = (x - μ_g) V_g``: ``[B, H, S, D]`` -> ``[B, H, S, r]`` float32 (``projection``
+    may be a :class:`PackedProjection`)."""
+    projection = as_projection(projection)
     _check_x(x)
     if x.shape[-1] != projection.dim:
         raise KVShapeError(f"x has head dim {x.shape[-1]}; the projection's is {projection.dim}")
@@ -282,8 +385,8 @@ def project(x: mx.array, projection: GroupProjection) -> mx.array:
 
 def reconstruct(latents: mx.array, projection: GroupProjection, dtype: mx.Dtype) -> mx.array:
     """``L V_gᵀ + μ_g`` (``V_g``: the decoder when the projection has one): ``[B, H, S, r]`` float32 ->
-    ``[B, H, S, D]`` in ``dtype``."""
-    _check_projection(projection)
+    ``[B, H, S, D]`` in ``dtype`` (``projection`` may be a :class:`PackedProjection`)."""
+    projection = as_projection(projection)
     if not isinstance(latents, mx.array) or latents.ndim != 4 or latents.shape[-1] != projection.rank:
         got = latents.shape if isinstance(latents, mx.array) else type(latents).__name__
         raise KVShapeError(f"latents must be an mlx array [B, H, S, r={projection.rank}]; got {got}")

@@ -17,6 +17,7 @@ back only its own, so a state saved by either loads as it always has.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
@@ -29,10 +30,10 @@ from .coders.hilo import fit_mixed_bit
 from .config import KVCacheConfig
 from .distributed import HeadShard
 from .layer import SUPPORTED_DTYPES, detached
-from .lowrank import GroupProjection
+from .lowrank import GroupProjection, PackedProjection
 from .mixed_bit import BitAllocationPolicy, MixedBitCoder, check_policy
 from .rope import Rotary
-from .state_checks import StateArrays, read_field, read_rope, read_segments, read_widths
+from .state_checks import LATER_CONFIG_FIELDS, StateArrays, read_field, read_rope, read_segments, read_widths
 
 __all__ = [
     "ProjectionSource",
@@ -124,7 +125,27 @@ CODED_WITH: tuple[str, ...] = (
     "palu_n_head_groups",
     "palu_sink_tokens",
     "palu_recent_tokens",
+    "palu_basis_bits",
+    "palu_scale_bits",
+    "palu_recent_bits",
 )
+#: fields of :data:`CODED_WITH` added after states were first saved, with the value a state saved
+#: without them was coded with
+LATER_CODED_WITH: dict[str, Any] = {
+    name: LATER_CONFIG_FIELDS[name] for name in ("palu_basis_bits", "palu_scale_bits", "palu_recent_bits")
+}
+
+
+def compact_side(fitted: Fitted, config: KVCacheConfig) -> Fitted:
+    """One tensor's fit with the config's compact side information: the basis as int8 codes per
+    column (``palu_basis_bits=8``, quantized latents only) and the per-token scale as a one-byte
+    log code (``palu_scale_bits=8``, fixed quantizers); as given at the defaults (16)."""
+    proj, coder = fitted
+    if config.palu_basis_bits == 8 and coder.quantizes and isinstance(proj, GroupProjection):
+        proj = PackedProjection.pack(proj)
+    if config.palu_scale_bits == 8 and isinstance(coder, FixedQuantCoder):
+        coder = dataclasses.replace(coder, scale_bits=8)
+    return proj, coder
 
 
 class FitAtPrefill:
@@ -183,8 +204,10 @@ class FitAtPrefill:
             gather=None if self.shard is None else self.shard.gather,
         )
         if self.allocation_policy is None:
-            return cfg.coder_choice.fit(keys, values, **knobs)
-        return fit_mixed_bit(keys, values, self.allocation_policy, **knobs)
+            fitted = cfg.coder_choice.fit(keys, values, **knobs)
+        else:
+            fitted = fit_mixed_bit(keys, values, self.allocation_policy, **knobs)
+        return compact_side(fitted[0], cfg), compact_side(fitted[1], cfg)
 
     def check_dims(self, h: int, d: int, dv: int, rotary: Rotary | None) -> None:
         cfg = self.config
@@ -276,7 +299,9 @@ class FitAtPrefill:
             if fixed is not None:
                 widths = read_widths(fixed, f"{prefix}_fixed_widths", owner)
                 steps = arrays.take(f"{prefix}.steps", (h, len(widths)), mx.float32, positive=True)
-                coder = FixedQuantCoder(widths, detached(steps), config.palu_token_scale)
+                coder = FixedQuantCoder(
+                    widths, detached(steps), config.palu_token_scale, config.palu_scale_bits
+                )
                 if coder.segments != segments:
                     raise KVDataError(
                         f"{owner}: meta_state {prefix}_segments {layout[f'{prefix}_segments']} do not match "
@@ -288,6 +313,14 @@ class FitAtPrefill:
             g, r = config.head_groups(h), coder.rank
             if r > dim:
                 raise KVDataError(f"{owner}: meta_state {prefix} rank {r} exceeds the head dim {dim}")
+            if config.palu_basis_bits == 8 and coder.quantizes:
+                packed = PackedProjection(
+                    codes=detached(arrays.take(f"{prefix}.basis", (g, dim, r), mx.int8)),
+                    column_scales=detached(arrays.take(f"{prefix}.basis_scale", (g, r), proj_dtype)),
+                    mean=detached(arrays.take(f"{prefix}.mean", (g, dim), proj_dtype)),
+                )
+                parts.append((packed, coder))
+                continue
             proj = GroupProjection(
                 basis=arrays.take(f"{prefix}.basis", (g, dim, r), proj_dtype),
                 mean=arrays.take(f"{prefix}.mean", (g, dim), proj_dtype),
@@ -422,6 +455,8 @@ def _check_coded_with(coded: object, config: KVCacheConfig, fitted: bool, owner:
         if coded is not None:
             raise KVDataError(f"{owner}: meta_state coded_with={coded!r} must be null before the fit")
         return
+    if isinstance(coded, dict):
+        coded = {**{k: v for k, v in LATER_CODED_WITH.items() if k not in coded}, **coded}
     if not isinstance(coded, dict) or set(coded) != set(CODED_WITH):
         raise KVDataError(
             f"{owner}: meta_state coded_with={coded!r:.200} must be an object of the fields {list(CODED_WITH)}"

@@ -163,6 +163,9 @@ LATER_CONFIG_FIELDS: dict[str, Any] = {
     "palu_key_weight": 1.0,
     "palu_value_weight": 1.0,
     "palu_relative_error": False,
+    "palu_basis_bits": 16,
+    "palu_scale_bits": 16,
+    "palu_recent_bits": 16,
 }
 
 

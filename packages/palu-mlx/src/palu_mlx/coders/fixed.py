@@ -19,7 +19,16 @@ from kvspec import KVConfigError
 
 from ..mixed_bit import Segment
 
-__all__ = ["GAUSSIAN_STEP", "TOKEN_SCALE_BYTES", "token_scales", "FixedQuantCoder"]
+__all__ = [
+    "GAUSSIAN_STEP",
+    "TOKEN_SCALE_BYTES",
+    "SCALE_BITS",
+    "scale_bytes",
+    "store_scales",
+    "read_scales",
+    "token_scales",
+    "FixedQuantCoder",
+]
 
 #: MSE-optimal uniform quantizer step (in standard deviations) for a unit Gaussian, 2^b levels.
 GAUSSIAN_STEP: dict[int, float] = {
@@ -37,6 +46,41 @@ GAUSSIAN_STEP: dict[int, float] = {
 #: bytes of the per-token scale a :class:`FixedQuantCoder` with ``token_scale`` puts in front of
 #: each row (one bfloat16: float16 would overflow on inputs far larger than the fit's)
 TOKEN_SCALE_BYTES = 2
+
+#: widths a per-token scale can be stored at: 16 (bfloat16) or 8 (a log code, :func:`store_scales`)
+SCALE_BITS: tuple[int, ...] = (16, 8)
+#: the 8-bit log code: code ``c`` is the scale ``2^((c - _LOG_ZERO) / _LOG_STEPS)``, 2^-5 to 2^11
+#: in steps of 1/16 octave (4.4%)
+_LOG_STEPS = 16
+_LOG_ZERO = 80
+
+
+def scale_bytes(scale_bits: int) -> int:
+    """Bytes of one stored per-token scale of ``scale_bits`` (16: :data:`TOKEN_SCALE_BYTES`, 8: 1)."""
+    if scale_bits not in SCALE_BITS:
+        raise KVConfigError(f"scale_bits={scale_bits!r} must be one of {SCALE_BITS}")
+    return TOKEN_SCALE_BYTES if scale_bits == 16 else 1
+
+
+def store_scales(scale: mx.array, scale_bits: int) -> mx.array:
+    """Per-token scales ``[..., 1]`` float32 -> their stored bytes ``[..., scale_bytes]`` uint8.
+
+    16 bits: the bfloat16 nearest the scale. 8 bits: the smallest log code whose scale is at least
+    the given one (rounded up, so a row quantized against it still does not clip), clamped to
+    the code's range: a scale below 2^-5 stores 2^-5 (a coarser step for a token of tiny latents),
+    one above 2^11 clips its row.
+    """
+    if scale_bits == 16:
+        return scale.astype(mx.bfloat16).view(mx.uint8)
+    code = mx.ceil(mx.log2(mx.maximum(scale, 2.0**-100)) * _LOG_STEPS - 1e-4) + _LOG_ZERO
+    return mx.clip(code, 0, 255).astype(mx.uint8)
+
+
+def read_scales(stored: mx.array, scale_bits: int) -> mx.array:
+    """Stored scale bytes ``[..., scale_bytes]`` uint8 -> scales ``[..., 1]`` float32 (:func:`store_scales`)."""
+    if scale_bits == 16:
+        return mx.contiguous(stored).view(mx.bfloat16).astype(mx.float32)
+    return mx.power(2.0, (stored.astype(mx.float32) - _LOG_ZERO) / _LOG_STEPS)
 
 
 def token_scales(normalized: mx.array, half_levels: mx.array, wide: mx.array) -> mx.array:
@@ -68,17 +112,23 @@ class FixedQuantCoder:
             and a row holds only the codes. True: each token and head also stores one bfloat16 scale
             (:func:`token_scales`, the first :data:`TOKEN_SCALE_BYTES` bytes of its row) that
             multiplies every step of that row, chosen so that no channel of 2 bits or more clips.
+        scale_bits: how that scale is stored: 16, a bfloat16; 8, one byte of a log code in steps
+            of 1/16 octave (:func:`store_scales`), rounded up so that nothing clips either: steps
+            up to 4.4% coarser, for one byte less per token and head.
     """
 
     widths: tuple[int, ...]
     steps: mx.array
     token_scale: bool = False
+    scale_bits: int = 16
 
     def __post_init__(self) -> None:
         if not self.widths or any(not 1 <= w <= 8 for w in self.widths):
             raise KVConfigError(f"widths={self.widths!r} must be a non-empty list of ints in [1, 8]")
         if not isinstance(self.token_scale, bool):
             raise KVConfigError(f"token_scale={self.token_scale!r} must be True or False")
+        if isinstance(self.scale_bits, bool) or self.scale_bits not in SCALE_BITS:
+            raise KVConfigError(f"scale_bits={self.scale_bits!r} must be one of {SCALE_BITS}")
 
     @property
     def rank(self) -> int:
@@ -97,7 +147,12 @@ class FixedQuantCoder:
     @property
     def bytes_per_row(self) -> int:
         """Bytes of one token and head: the codes, plus the bfloat16 scale with ``token_scale``."""
-        return self.code_bytes + (TOKEN_SCALE_BYTES if self.token_scale else 0)
+        return self.code_bytes + (self.scale_bytes if self.token_scale else 0)
+
+    @property
+    def scale_bytes(self) -> int:
+        """Bytes of the per-token scale in front of a row with :attr:`token_scale`."""
+        return scale_bytes(self.scale_bits)
 
     @cached_property
     def _layout(self) -> tuple[mx.array, ...]:
@@ -171,13 +226,13 @@ class FixedQuantCoder:
         u = latents.astype(mx.float32) / self.steps[None, :, None, :]
         scale_bytes = None
         if self.token_scale:
-            # quantize against the stored (bfloat16) scale, so decoding sees the same number
+            # quantize against the stored scale, so decoding sees the same number
             if any(w >= 2 for w in self.widths):
-                scale = token_scales(u, levels / 2, wide).astype(mx.bfloat16)
+                scale = token_scales(u, levels / 2, wide)
             else:  # only 1-bit channels: nothing to keep in range, the fixed steps stand
-                scale = mx.ones((*u.shape[:-1], 1), dtype=mx.bfloat16)
-            u = u / scale.astype(mx.float32)
-            scale_bytes = scale.view(mx.uint8)
+                scale = mx.ones((*u.shape[:-1], 1), dtype=mx.float32)
+            scale_bytes = store_scales(scale, self.scale_bits)
+            u = u / read_scales(scale_bytes, self.scale_bits)
         q = mx.floor(u + levels / 2)
         q = mx.clip(q, 0, levels - 1).astype(mx.uint32) << shift
         # the fields of one byte are disjoint, so their float32 sum (< 256) is their bitwise OR
@@ -191,8 +246,8 @@ class FixedQuantCoder:
         first, shift, mask, levels, _, _, _ = self._layout
         scale = None
         if self.token_scale:
-            scale = mx.contiguous(packed[..., :TOKEN_SCALE_BYTES]).view(mx.bfloat16).astype(mx.float32)
-            packed = packed[..., TOKEN_SCALE_BYTES:]
+            scale = read_scales(packed[..., : self.scale_bytes], self.scale_bits)
+            packed = packed[..., self.scale_bytes :]
         b = mx.concatenate([packed, mx.zeros((*packed.shape[:-1], 1), dtype=mx.uint8)], axis=-1).astype(
             mx.uint32
         )
