@@ -140,6 +140,21 @@ def _relative(bits: float) -> str:
     return _scaled(bits) + ", keys and values weighed by relative error at the prefill"
 
 
+#: the scaled coder with its side information in 8 bits: the basis as int8 codes per column, the
+#: per-token scale as a one-byte log code and the newest tokens as int8 (about 0.09x of mlx-lm q4's
+#: bytes less on SmolLM2-135M at 2,048 tokens: ``benchmarks/results/palu_byte_breakdown.json``)
+_COMPACT = dict(_SCALED, palu_basis_bits=8, palu_scale_bits=8, palu_recent_bits=8)
+
+
+def _compact_tier(bits: float) -> Tier:
+    description = (
+        f"keys before RoPE where supported, {bits:g} code bits per element by water-filling, "
+        "fixed quantizers fitted at the prefill with a one-byte per-token scale, the basis in 8 bits, "
+        f"the first {SINK_TOKENS} tokens exact and the newest {RECENT_TOKENS} in int8"
+    )
+    return Tier(f"palu-{bits:g}bit-compact", description, _palu(palu_bits=float(bits), **_COMPACT))
+
+
 def _scaled_tier(bits: float) -> Tier:
     return Tier(f"palu-{bits:g}bit-scaled", _scaled(bits), _palu(palu_bits=float(bits), **_SCALED))
 
@@ -186,6 +201,7 @@ TIERS: dict[str, Tier] = {
             _palu(palu_rank=8, palu_hi_bit=4, palu_lo_bit=4),
         ),
         *(_scaled_tier(bits) for bits in (3, 2.5, 2)),
+        _compact_tier(1.75),
         *(_relative_tier(bits) for bits in (3.25, 3, 2.5, 2.25, 2)),
         *(_fixed_tier(bits) for bits in (3, 2, 1.5, 1.25, 1)),
     )
@@ -208,7 +224,10 @@ CALIBRATED_TIERS: dict[str, Tier] = {
     for t in (
         _calibrated_twin(base)
         for base in TIERS.values()
-        if base.config.palu_bits is not None and not base.config.relative_error
+        if base.config.palu_bits is not None
+        and not base.config.relative_error
+        # a calibration's basis and quantizers are the model's: nothing of them to compact
+        and (base.config.palu_basis_bits, base.config.palu_scale_bits) == (16, 16)
     )
 }
 
