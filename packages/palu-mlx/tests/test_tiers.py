@@ -24,6 +24,7 @@ def test_registry_is_keyed_by_tier_name_in_display_order():
         "palu-3bit-scaled",
         "palu-2.5bit-scaled",
         "palu-2bit-scaled",
+        "palu-1.75bit-compact",
         "palu-3.25bit-scaled+rel",
         "palu-3bit-scaled+rel",
         "palu-2.5bit-scaled+rel",
@@ -123,9 +124,13 @@ def test_calibrated_tiers_are_the_bit_budget_tiers_twins_in_their_order():
     budget = [
         name
         for name, t in TIERS.items()
-        if t.config.palu_bits is not None and not t.config.palu_relative_error
+        if t.config.palu_bits is not None
+        and not t.config.palu_relative_error
+        and (t.config.palu_basis_bits, t.config.palu_scale_bits)
+        == (16, 16)  # a calibration's are the model's
     ]
     assert list(CALIBRATED_TIERS) == [f"{name}+cal" for name in budget]
+    assert "palu-1.75bit-compact+cal" not in CALIBRATED_TIERS
     assert "palu-2.5bit-scaled+cal" in CALIBRATED_TIERS  # results files and docs read this name
     for name, twin in CALIBRATED_TIERS.items():
         base = TIERS[name.removesuffix("+cal")]
