@@ -2,9 +2,13 @@
 
     hatch run bench:python benchmarks/palu/long_decode.py                 # contexts 2,048 and 8,192
     hatch run bench:python benchmarks/palu/long_decode.py --contexts 2048 --rounds 3
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 \
+        hatch run bench:python benchmarks/palu/long_decode.py --model smollm2-135m \
+        --compute-dtype float32 --tiers palu-2.25bit-scaled+rel --rebuild-tier '' \
+        --steps 2 --rounds 1 --out benchmarks/results/palu_long_decode_real.json   # the real model
 
-Writes ``benchmarks/results/palu_long_decode.json``. For each context length, on the embedded
-model in bfloat16:
+Writes ``benchmarks/results/palu_long_decode.json`` (``--out``). For each context length, on the
+embedded model (``--model``: a kvbench model name, a directory or a hub id) in bfloat16:
 
 * the model prefills the context once with mlx-lm's ``KVCache`` (the held-out text, repeated
   past the model's 2,048 trained positions: memory and speed do not depend on what the tokens
@@ -18,6 +22,11 @@ model in bfloat16:
 * **memory**: per candidate, the bytes its arrays hold, and the peak of one decode step counted
   from before the cache existed (``mx.get_peak_memory`` minus the memory allocated before the
   cache was filled: cache, the step's transient arrays and activations).
+
+``--compute-dtype float32`` (for a real model on Linux, where MLX's CPU wheel multiplies bfloat16
+matrices without a BLAS): the prefills run in float32 with the keys and values rounded to
+bfloat16 (``palu_mlx.compare.load_model``), then the model is cast to bfloat16 for the caches and
+the decode steps, so the memory figures are a bfloat16 model's.
 
 palu caches are built by ``KVCacheBuilder.for_model``, so their attention runs on the latent
 codes (:mod:`palu_mlx.attention`). The ``-rebuild`` row runs one tier's caches through the older
@@ -39,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-from kvbench.models import default_text_path
+from kvbench.models import EMBEDDED_MODEL, default_text_path
 from kvbench.results import environment_stamp, results_path, write_json
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 from palu_mlx import KVCacheBuilder
@@ -84,13 +93,15 @@ def fill(caches: list[Any], kv: list[tuple[mx.array, mx.array]]) -> list[Any]:
     return caches
 
 
-def candidates(model: Any, calibration: str | None) -> dict[str, Callable[[], list[Any]]]:
+def candidates(
+    model: Any, calibration: str | None, tiers: tuple[str, ...] = PALU_TIERS
+) -> dict[str, Callable[[], list[Any]]]:
     head_dim, n_kv = model_kv_dims(model)
     out: dict[str, Callable[[], list[Any]]] = {
         "baseline": lambda: [KVCache() for _ in model.layers],
         "mlx-lm-q4": lambda: [QuantizedKVCache(group_size=64, bits=4) for _ in model.layers],
     }
-    for tier in PALU_TIERS:
+    for tier in tiers:
         config = tier_config(tier, head_dim, n_kv)
         out[tier] = lambda config=config: KVCacheBuilder.for_model(model, config)
         if calibration is not None:
@@ -108,10 +119,18 @@ def step(model: Any, cache: list[Any], token: mx.array, routed: bool) -> None:
 
 
 def measure_context(
-    model: Any, kv: list[tuple[mx.array, mx.array]], steps: int, rounds: int, calibration: str | None
+    model: Any,
+    kv: list[tuple[mx.array, mx.array]],
+    steps: int,
+    rounds: int,
+    calibration: str | None,
+    tiers: tuple[str, ...] = PALU_TIERS,
+    rebuild_tier: str | None = REBUILD_TIER,
 ) -> dict:
-    names = candidates(model, calibration)
-    runs = [(name, True) for name in names] + [(f"{REBUILD_TIER}-rebuild", False)]
+    names = candidates(model, calibration, tiers)
+    runs = [(name, True) for name in names]
+    if rebuild_tier:
+        runs.append((f"{rebuild_tier}-rebuild", False))
     token = mx.array([[11]])
     rows: dict[str, dict] = {}
     for name, routed in runs:
@@ -123,6 +142,7 @@ def measure_context(
         held = sum(int(c.nbytes) for c in cache)
         mx.reset_peak_memory()
         step(model, cache, token, routed)
+        print(f"{name}: held {held / 2**20:.2f} MiB", flush=True)
         rows[name] = {
             "held_bytes": held,
             "decode_peak_bytes": max(0, mx.get_peak_memory() - before),
@@ -154,32 +174,75 @@ def measure_context(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--model",
+        default=EMBEDDED_MODEL,
+        help=f"kvbench model name, directory or hub id (default {EMBEDDED_MODEL})",
+    )
+    parser.add_argument(
+        "--tiers",
+        type=lambda v: tuple(t for t in v.split(",") if t),
+        default=PALU_TIERS,
+        help=f"palu tiers, comma-separated (default {','.join(PALU_TIERS)})",
+    )
+    parser.add_argument(
+        "--rebuild-tier",
+        default=REBUILD_TIER,
+        help=f"tier also run through the path that rebuilds the history ('' for none; default {REBUILD_TIER})",
+    )
+    parser.add_argument(
+        "--compute-dtype",
+        default="same",
+        choices=("same", "float32"),
+        help="float32: prefill in float32 with K/V rounded to bfloat16, then decode with the model in bfloat16",
+    )
     parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192])
     parser.add_argument("--steps", type=int, default=8, help="decode steps per candidate per round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default=str(results_path("palu_long_decode.json")))
     parser.add_argument(
         "--calibration",
-        default=str(CALIBRATION),
-        help="palu-mlx calibrate file for the embedded model ('' for none): adds the +cal rows",
+        default=None,
+        help="palu-mlx calibrate file for the model ('' for none; default: the embedded model's file "
+        "when --model is the embedded model, else none): adds the +cal rows",
     )
     args = parser.parse_args(argv)
-    model, tokenizer, info = load_model(None, "bfloat16")
+    calibration = args.calibration
+    if calibration is None:
+        calibration = str(CALIBRATION) if args.model == EMBEDDED_MODEL else ""
+    model, tokenizer, info = load_model(args.model, "bfloat16", args.compute_dtype)
     text_tokens = tokenizer.encode(default_text_path().read_text(encoding="utf-8"))
     result: dict[str, Any] = {
-        "calibration": args.calibration or None,
+        "calibration": calibration or None,
         **stamp(),
         "model": info,
+        "tiers": list(args.tiers),
+        "prefill_dtype": "float32" if args.compute_dtype == "float32" else "bfloat16",
+        "decode_dtype": "bfloat16",
         "chunk": CHUNK,
         "steps": args.steps,
         "rounds": args.rounds,
     }
     result["contexts"] = {}
+    # every prefill first: with --compute-dtype float32 the model is then cast to bfloat16 for the
+    # caches and decode steps (the keys and values are already rounded to bfloat16)
+    prefilled = {}
     for n in args.contexts:
         tokens = mx.array((text_tokens * (n // len(text_tokens) + 1))[:n])[None]
-        kv = context_kv(model, tokens)
+        started = time.perf_counter()
+        prefilled[n] = context_kv(model, tokens)
+        print(f"prefilled {n} tokens in {time.perf_counter() - started:.0f} s", flush=True)
+    if args.compute_dtype == "float32":
+        model.set_dtype(mx.bfloat16)
+        # materialize the cast now: lazily, the float32 weights would still count in the first
+        # candidate's memory before its cache and be freed during its decode step
+        mx.eval(model.parameters())
+        gc.collect()
+        mx.clear_cache()
+    for n in args.contexts:
+        kv = prefilled.pop(n)
         result["contexts"][str(n)] = measure_context(
-            model, kv, args.steps, args.rounds, args.calibration or None
+            model, kv, args.steps, args.rounds, calibration or None, args.tiers, args.rebuild_tier or None
         )
         print(json.dumps({n: result["contexts"][str(n)]}, indent=1), flush=True)
         del kv

@@ -22,7 +22,15 @@ from flashcodec_blocks import BLOCKS as FLASHCODEC_BLOCKS
 from kvbench.report import LEGEND, format_bytes, render_markdown
 from kvbench.results import read_json
 from long_run_block import render_long_run
-from palu_long_block import PALU_LONG_END, PALU_LONG_FILE, PALU_LONG_START, render_palu_long_block
+from palu_long_block import (
+    PALU_LONG_END,
+    PALU_LONG_FILE,
+    PALU_LONG_REAL_END,
+    PALU_LONG_REAL_FILE,
+    PALU_LONG_REAL_START,
+    PALU_LONG_START,
+    render_palu_long_block,
+)
 from palu_real_block import PALU_REAL_END, PALU_REAL_FILE, PALU_REAL_START, render_palu_real_block
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -676,6 +684,12 @@ def main(argv: list[str] | None = None) -> int:
     long_file = args.results / PALU_LONG_FILE
     if long_file.is_file():
         put(PALU_DOC, render_palu_long_block(read_json(long_file)), PALU_LONG_START, PALU_LONG_END)
+    long_real = args.results / PALU_LONG_REAL_FILE
+    if long_real.is_file():
+        block = render_palu_long_block(
+            read_json(long_real), PALU_LONG_REAL_FILE, PALU_LONG_REAL_START, PALU_LONG_REAL_END
+        )
+        put(PALU_DOC, block, PALU_LONG_REAL_START, PALU_LONG_REAL_END)
     real_file = args.results / PALU_REAL_FILE
     if real_file.is_file():
         put(PALU_DOC, render_palu_real_block(read_json(real_file)), PALU_REAL_START, PALU_REAL_END)

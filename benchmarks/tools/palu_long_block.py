@@ -1,8 +1,10 @@
-"""The measured block of docs/palu-mlx.md on long-context decoding, from palu_long_decode.json.
+"""The measured blocks of docs/palu-mlx.md on long-context decoding, from palu_long_decode.json
+(the embedded model) and palu_long_decode_real.json (the real model).
 
 ``make_docs.py`` puts what :func:`render_palu_long_block` returns between the
-``<!-- palu-long:start -->`` and ``<!-- palu-long:end -->`` markers of docs/palu-mlx.md; the
-figures come from ``benchmarks/results/palu_long_decode.json`` (``benchmarks/palu/long_decode.py``).
+``<!-- palu-long:start -->`` and ``<!-- palu-long:end -->`` markers of docs/palu-mlx.md (and, for
+the real model's file, between ``<!-- palu-long-real:start -->`` and ``<!-- palu-long-real:end -->``);
+the figures come from ``benchmarks/results/`` (``benchmarks/palu/long_decode.py``).
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from typing import Any
 
 PALU_LONG_START, PALU_LONG_END = "<!-- palu-long:start -->", "<!-- palu-long:end -->"
 PALU_LONG_FILE = "palu_long_decode.json"
+PALU_LONG_REAL_START, PALU_LONG_REAL_END = "<!-- palu-long-real:start -->", "<!-- palu-long-real:end -->"
+PALU_LONG_REAL_FILE = "palu_long_decode_real.json"
 
 _MIB = 1024 * 1024
 
@@ -19,18 +23,32 @@ def _mib(n: int) -> str:
     return f"{n / _MIB:.2f}"
 
 
-def render_palu_long_block(result: dict[str, Any]) -> str:
+def render_palu_long_block(
+    result: dict[str, Any],
+    file: str = PALU_LONG_FILE,
+    start: str = PALU_LONG_START,
+    end: str = PALU_LONG_END,
+) -> str:
     """Per context: bytes held, the decode step's peak and decode speed of every cache, beside q4's."""
+    name = result.get("model", {}).get("name")
+    where = "the embedded model" if name in (None, "tiny-qwen3") else name
+    where += " in bfloat16"
+    if result.get("prefill_dtype") == "float32":
+        where += " (the prefill computed in float32 with its keys and values rounded to bfloat16)"
+    rebuild = (
+        " `-rebuild` rows run the same palu caches through the path that rebuilds the whole history for SDPA."
+        if any(n.endswith("-rebuild") for rows in result["contexts"].values() for n in rows)
+        else ""
+    )
     lines = [
-        PALU_LONG_START,
+        start,
         "",
         f"Measured by `benchmarks/palu/long_decode.py` ({result['date'][:10]}, "
-        f"`benchmarks/results/{PALU_LONG_FILE}`) on the embedded model in bfloat16: each cache filled "
+        f"`benchmarks/results/{file}`) on {where}: each cache filled "
         f"from one {result['chunk']}-token chunked prefill's keys and values, then "
         f"{result['rounds']} rounds of {result['steps']} decode steps per cache, taking turns (best round "
         "kept). *peak* is one decode step's allocator peak counted from before the cache existed (the "
-        "cache plus the step's transient arrays). `-rebuild` rows run the same palu caches through the "
-        "path that rebuilds the whole history for SDPA.",
+        f"cache plus the step's transient arrays).{rebuild}",
         "",
     ]
     for context, rows in result["contexts"].items():
@@ -47,5 +65,5 @@ def render_palu_long_block(result: dict[str, Any]) -> str:
                 f"{row['speed_vs_q4']:.2f} | {row['speed_vs_baseline']:.2f} |"
             )
         lines.append("")
-    lines.append(PALU_LONG_END)
+    lines.append(end)
     return "\n".join(lines)
