@@ -154,6 +154,10 @@ class KVCacheConfig:
             up so nothing clips: steps up to 4.4% coarser, one byte less per token, head and tensor.
         palu_recent_bits: 16 (the default) keeps the ``palu_recent_tokens`` as given; 8 keeps them
             as int8 with one scale per token and head (:class:`~palu_mlx.sinks.RecentWindow`).
+        palu_fill_rows: False (the default) leaves the bits that round each row of codes up to whole
+            bytes unused; True gives them to the row's channels (water-filling's rule,
+            :meth:`~palu_mlx.coders.fixed.FixedQuantCoder.filled`): the same bytes, less error.
+            Fixed quantizers fitted at the prefill, one process (not under tensor parallel).
         naive_bits, naive_group_size: bit width and group size of the ``"naive"`` baseline
             (uniform ``mx.quantize`` of the full K/V; group size 32, 64 or 128).
         coder: (init only) the latent coder as an object, :class:`~palu_mlx.coders.WaterFilling`
@@ -190,6 +194,7 @@ class KVCacheConfig:
     palu_basis_bits: int = 16
     palu_scale_bits: int = 16
     palu_recent_bits: int = 16
+    palu_fill_rows: bool = False
     naive_bits: int = 2
     naive_group_size: int = 64
     coder: InitVar[HiLoSplit | WaterFilling | None] = None
@@ -290,6 +295,13 @@ class KVCacheConfig:
             value = getattr(self, name)
             if not _is_int(value) or value not in (16, 8):
                 raise KVConfigError(f"{name}={value!r} must be 16 (as given) or 8 (compact)")
+        if not isinstance(self.palu_fill_rows, bool):
+            raise KVConfigError(f"palu_fill_rows={self.palu_fill_rows!r} must be True or False")
+        if self.palu_calibration is not None and self.palu_fill_rows:
+            raise KVConfigError(
+                f"palu_fill_rows=True with palu_calibration={self.palu_calibration!r}: a calibration fixes "
+                "the widths; allowed: False"
+            )
         if self.palu_calibration is not None and (self.palu_basis_bits, self.palu_scale_bits) != (16, 16):
             raise KVConfigError(
                 f"palu_basis_bits={self.palu_basis_bits} and palu_scale_bits={self.palu_scale_bits} with "
