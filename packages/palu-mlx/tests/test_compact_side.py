@@ -15,7 +15,7 @@ from kvspec import KVConfigError, KVDataError, KVDtypeError, KVShapeError
 from palu_helpers import planted_lowrank, rel_err
 from palu_mlx import KVCacheConfig, PaluKVCache
 from palu_mlx.attention import PackedRows, _unpack, _unpacking, latent_attention
-from palu_mlx.coders.fixed import FixedQuantCoder, read_scales, store_scales
+from palu_mlx.coders.fixed import GAUSSIAN_STEP, FixedQuantCoder, read_scales, store_scales
 from palu_mlx.lowrank import PackedProjection, fit_group_projection, project, reconstruct
 from palu_mlx.rope import Rotary
 from palu_mlx.sinks import RecentWindow
@@ -29,7 +29,8 @@ def rotary() -> Rotary:
 
 
 def filled(tokens: int = 100, dtype=mx.bfloat16, rope: Rotary | None = None, **fields) -> PaluKVCache:
-    config = KVCacheConfig(head_dim=D, palu_bits=2.0, palu_n_head_groups=4, palu_recent_tokens=8, **fields)
+    fields = {"palu_bits": 2.0, **fields}
+    config = KVCacheConfig(head_dim=D, palu_n_head_groups=4, palu_recent_tokens=8, **fields)
     cache = PaluKVCache(config, rotary=rope)
     keys = planted_lowrank((1, 4, tokens, D), rank=6, seed=1, noise=0.05).astype(dtype)
     values = planted_lowrank((1, 4, tokens, D), rank=5, seed=2, noise=0.05).astype(dtype)
@@ -185,3 +186,40 @@ def test_the_compact_fields_take_16_or_8(field, value):
     with pytest.raises(KVConfigError, match=field):
         KVCacheConfig(**{field: value})
     assert getattr(KVCacheConfig(**{field: 8}), field) == 8
+
+
+def test_filled_rows_spend_their_padding_bits_and_keep_their_bytes():
+    rng = np.random.default_rng(1)
+    widths = (5, 3, 3, 2, 2, 1, 1)  # 17 bits: 3 bytes, 7 bits of padding
+    sigma = np.sort(rng.uniform(0.2, 2.0, size=(2, len(widths))), axis=1)[:, ::-1]
+    steps = mx.array((sigma * np.array([GAUSSIAN_STEP[w] for w in widths])).astype(np.float32))
+    coder = FixedQuantCoder(widths, steps, True, 8)
+    filled = coder.filled()
+    assert filled.bits_per_row == 24 and filled.bytes_per_row == coder.bytes_per_row
+    assert all(a >= b for a, b in zip(filled.widths, widths, strict=True))
+    # the steps still say each channel's spread
+    again = np.array(filled.steps) / np.array([GAUSSIAN_STEP[w] for w in filled.widths])
+    np.testing.assert_allclose(again, sigma, rtol=1e-5)
+    latents = mx.array(
+        (rng.normal(size=(1, 2, 400, len(widths))) * sigma[None, :, None, :]).astype(np.float32)
+    )
+    assert rel_err(filled.decode(filled.encode(latents)), latents) < rel_err(
+        coder.decode(coder.encode(latents)), latents
+    )
+    assert filled.filled() == filled  # nothing left to spend
+
+
+def test_a_filled_cache_holds_the_same_bytes_with_less_error():
+    plain, full = filled(palu_bits=1.7), filled(palu_bits=1.7, palu_fill_rows=True)
+    assert full.nbytes == plain.nbytes
+    assert full._key_coder.bits_per_row % 8 == 0 and full._value_coder.bits_per_row % 8 == 0
+    assert full._key_coder.bits_per_row + full._value_coder.bits_per_row > (
+        plain._key_coder.bits_per_row + plain._value_coder.bits_per_row
+    )
+    restored = PaluKVCache.from_state(full.state)
+    for a, b in zip(full._fetch(), restored._fetch(), strict=True):
+        assert mx.array_equal(a, b).item()
+    with pytest.raises(KVConfigError, match="palu_fill_rows"):
+        KVCacheConfig(palu_fill_rows=1)
+    with pytest.raises(KVConfigError, match="palu_fill_rows=True with palu_calibration"):
+        KVCacheConfig(palu_fill_rows=True, palu_calibration="m.safetensors")

@@ -139,8 +139,12 @@ LATER_CODED_WITH: dict[str, Any] = {
 def compact_side(fitted: Fitted, config: KVCacheConfig) -> Fitted:
     """One tensor's fit with the config's compact side information: the basis as int8 codes per
     column (``palu_basis_bits=8``, quantized latents only) and the per-token scale as a one-byte
-    log code (``palu_scale_bits=8``, fixed quantizers); as given at the defaults (16)."""
+    log code (``palu_scale_bits=8``, fixed quantizers), and with ``palu_fill_rows`` the bits that
+    round a fixed quantizer's row up to whole bytes spent on its channels
+    (:meth:`~palu_mlx.coders.fixed.FixedQuantCoder.filled`); as given at the defaults."""
     proj, coder = fitted
+    if config.palu_fill_rows and isinstance(coder, FixedQuantCoder):
+        coder = coder.filled()
     if config.palu_basis_bits == 8 and coder.quantizes and isinstance(proj, GroupProjection):
         proj = PackedProjection.pack(proj)
     if config.palu_scale_bits == 8 and isinstance(coder, FixedQuantCoder):
@@ -176,6 +180,11 @@ class FitAtPrefill:
         if shard is not None and not isinstance(shard, HeadShard):
             raise KVConfigError(
                 f"shard must be a palu_mlx.distributed.HeadShard or None; got {type(shard).__name__}"
+            )
+        if shard is not None and config.palu_fill_rows:
+            raise KVConfigError(
+                "palu_fill_rows=True under tensor parallel: the filled widths would follow this rank's "
+                "heads alone; allowed: False"
             )
         if shard is not None and config.palu_n_head_groups is not None:
             raise KVConfigError(

@@ -166,6 +166,7 @@ LATER_CONFIG_FIELDS: dict[str, Any] = {
     "palu_basis_bits": 16,
     "palu_scale_bits": 16,
     "palu_recent_bits": 16,
+    "palu_fill_rows": False,
 }
 
 

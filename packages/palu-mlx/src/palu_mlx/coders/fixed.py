@@ -154,6 +154,36 @@ class FixedQuantCoder:
         """Bytes of the per-token scale in front of a row with :attr:`token_scale`."""
         return scale_bytes(self.scale_bits)
 
+    def filled(self) -> FixedQuantCoder:
+        """This coder with the bits that only round a row up to whole bytes given to its channels.
+
+        A row of ``sum(widths)`` code bits takes :attr:`code_bytes` whole bytes, so up to 7 bits of
+        each row are padding. Here they go, one at a time, to the channel whose error the next bit
+        cuts most (variance times ``4^-width``, water-filling's own rule, with each channel's
+        variance read back from its step: ``step / GAUSSIAN_STEP[width]``, averaged over the heads),
+        and the steps follow the new widths. The rows keep their bytes; their error drops. Channels
+        the fit dropped (0 bits) stay dropped: the projection holds no column for them.
+        """
+        spare = 8 * self.code_bytes - self.bits_per_row
+        widths = np.array(self.widths, dtype=np.int64)
+        if not spare or bool(np.all(widths >= 8)):
+            return self
+        sigma = np.array(self.steps, dtype=np.float64) / np.array([GAUSSIAN_STEP[int(w)] for w in widths])
+        lam = (sigma**2).mean(axis=0)
+        for _ in range(spare):
+            gain = np.where(widths < 8, lam * 4.0**-widths, -1.0)
+            c = int(np.argmax(gain))
+            if gain[c] <= 0:
+                break
+            widths[c] += 1
+        steps = sigma * np.array([GAUSSIAN_STEP[int(w)] for w in widths])
+        return FixedQuantCoder(
+            tuple(int(w) for w in widths),
+            mx.array(steps.astype(np.float32)),
+            self.token_scale,
+            self.scale_bits,
+        )
+
     @cached_property
     def _layout(self) -> tuple[mx.array, ...]:
         """Per channel: first byte, bit shift inside it, mask, levels; the byte one-hots; the
