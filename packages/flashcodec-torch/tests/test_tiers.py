@@ -49,6 +49,8 @@ NAMES = [
     "kivi64r-k3v3-w0i8-s8-mf",
     "kivi64r-k3v2-w0i8-s8z4",
     "kivi64r-k3v2-w0i8-s8z4-mf",
+    "kivi64r-k3v2-w0i8-s8z4-vs1",
+    "kivi64r-k3v2-w0i8-s8z4-vs1-mf",
     "jpeg-k4",
     "jpeg-k2",
     "jpeg-k2-int8",
