@@ -407,6 +407,7 @@ BLOCKS: tuple[Block, ...] = (
     _tier_block("lowbit_tiers_2w"),
     _tier_block("lowbit_tiers_w64_2w"),
     _tier_block("lowbit_tiers_s8z4_2w"),
+    _tier_block("value_sink_2w"),
     _block("step_raw", render_step_raw),
     _block("lossless", render_lossless),
     _block("kv_recipes", render_kv_recipes),
