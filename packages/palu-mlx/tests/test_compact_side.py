@@ -223,3 +223,12 @@ def test_a_filled_cache_holds_the_same_bytes_with_less_error():
         KVCacheConfig(palu_fill_rows=1)
     with pytest.raises(KVConfigError, match="palu_fill_rows=True with palu_calibration"):
         KVCacheConfig(palu_fill_rows=True, palu_calibration="m.safetensors")
+
+
+def test_filled_rows_are_refused_under_tensor_parallel():
+    from palu_mlx.distributed import HeadShard
+    from palu_mlx.projection_source import FitAtPrefill
+
+    config = KVCacheConfig(head_dim=D, palu_fill_rows=True)
+    with pytest.raises(KVConfigError, match="palu_fill_rows=True under tensor parallel"):
+        FitAtPrefill(config, shard=HeadShard(None, 2, 4))
