@@ -146,12 +146,19 @@ def _relative(bits: float) -> str:
 _COMPACT = dict(_SCALED, palu_basis_bits=8, palu_scale_bits=8, palu_recent_bits=8)
 
 
-def _compact_tier(bits: float) -> Tier:
+def _compact_tier(bits: float, fill: bool = False) -> Tier:
     description = (
         f"keys before RoPE where supported, {bits:g} code bits per element by water-filling, "
         "fixed quantizers fitted at the prefill with a one-byte per-token scale, the basis in 8 bits, "
         f"the first {SINK_TOKENS} tokens exact and the newest {RECENT_TOKENS} in int8"
     )
+    if fill:  # the bits that round each row up to whole bytes go to its channels
+        description += ", rows filled to whole bytes"
+        return Tier(
+            f"palu-{bits:g}bit-compact-fill",
+            description,
+            _palu(palu_bits=float(bits), palu_fill_rows=True, **_COMPACT),
+        )
     return Tier(f"palu-{bits:g}bit-compact", description, _palu(palu_bits=float(bits), **_COMPACT))
 
 
@@ -202,6 +209,7 @@ TIERS: dict[str, Tier] = {
         ),
         *(_scaled_tier(bits) for bits in (3, 2.5, 2)),
         _compact_tier(1.75),
+        _compact_tier(1.7, fill=True),
         *(_relative_tier(bits) for bits in (3.25, 3, 2.5, 2.25, 2)),
         *(_fixed_tier(bits) for bits in (3, 2, 1.5, 1.25, 1)),
     )
