@@ -56,8 +56,9 @@ _PROMISES: dict[str, tuple[Capabilities, float, dict[str, float]]] = {
     "palu-3bit-scaled": (_COMPRESSING, 0.48, {"planted_lowrank": 0.05, "edge": 0.05, "real": 0.22}),
     "palu-2.5bit-scaled": (_COMPRESSING, 0.5, {"planted_lowrank": 0.08, "edge": 0.08, "real": 0.3}),
     "palu-2bit-scaled": (_COMPRESSING, 0.54, {"planted_lowrank": 0.08, "edge": 0.08, "real": 0.33}),
-    # 1.75 bits, side information in 8 bits: the 1.5-bit tier's bounds
+    # 1.75 and 1.7 bits with side information in 8 bits: the 1.5-bit tier's bounds
     "palu-1.75bit-compact": (_COMPRESSING, 0.65, {"planted_lowrank": 0.11, "edge": 0.11, "real": 0.43}),
+    "palu-1.7bit-compact-fill": (_COMPRESSING, 0.65, {"planted_lowrank": 0.11, "edge": 0.11, "real": 0.43}),
     # weighed by relative error: the scaled tiers' bounds at the same bits (3.25: 3 bits', 2.25: 2 bits')
     "palu-3.25bit-scaled+rel": (_COMPRESSING, 0.48, {"planted_lowrank": 0.05, "edge": 0.05, "real": 0.22}),
     "palu-3bit-scaled+rel": (_COMPRESSING, 0.48, {"planted_lowrank": 0.05, "edge": 0.05, "real": 0.22}),
