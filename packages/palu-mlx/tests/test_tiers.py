@@ -25,6 +25,7 @@ def test_registry_is_keyed_by_tier_name_in_display_order():
         "palu-2.5bit-scaled",
         "palu-2bit-scaled",
         "palu-1.75bit-compact",
+        "palu-1.7bit-compact-fill",
         "palu-3.25bit-scaled+rel",
         "palu-3bit-scaled+rel",
         "palu-2.5bit-scaled+rel",
