@@ -250,6 +250,7 @@ def test_cuda_kernel_matches_reference(case):
         "kivi64-k8v8-w64i8",
         "kivi64r-k4v4-w64i8",
         "kivi64r-k3v2-w64i8",
+        "kivi64r-k3v2-w0i8-s8z4-vs1",
         "png-keep1",
     ],
 )

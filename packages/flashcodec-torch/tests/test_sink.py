@@ -62,6 +62,16 @@ def test_the_sink_holds_the_first_values_at_the_windows_precision_and_nothing_el
     assert torch.equal(plain.keys.read(), sunk.keys.read())
 
 
+def test_with_a_raw_window_the_sink_holds_the_first_values_bit_for_bit():
+    keys, values = _kv(40)
+    cache = CodecKVCache(codec=_codec(1, window_bits=None))
+    cache.append(keys, values)
+    assert [spec.name for spec in cache.codec.value_codec.sink_specs(D)] == ["sink"]
+    assert torch.equal(cache.values.read()[:, :, :1], values[:, :, :1])
+    restored = CodecKVCache.from_state(cache.state, cache.meta_state)
+    assert torch.equal(restored.values.read(), cache.values.read())
+
+
 def test_the_sink_costs_its_int8_tokens_and_counts_in_held_bytes():
     plain, sunk = _filled(_codec(0)), _filled(_codec(3))
     extra = sunk.storage_bytes().held - plain.storage_bytes().held

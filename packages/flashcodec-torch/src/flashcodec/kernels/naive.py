@@ -368,6 +368,15 @@ def _sink_len(keys: CodedRows, values: CodedRows) -> int:
     return max(keys.sink_len, values.sink_len)
 
 
+def _first_tokens(rows: CodedRows, k: int) -> torch.Tensor:
+    """The first ``k`` tokens of a stream in fp32: its sink when that holds them all, else archived
+    block 0 decoded (not rounded to the stream dtype: as the archived splits read it)."""
+    if rows.sink_len >= k:
+        assert rows.sink is not None
+        return rows.sink[:, :, :k].float()
+    return decoded_chunk(rows, 0, 1, torch.float32)[:, :, :k]
+
+
 def hide_sink(
     keys: CodedRows, values: CodedRows, key_mask: torch.Tensor | None, batch: int, device: torch.device
 ) -> torch.Tensor | None:
@@ -401,9 +410,7 @@ def sink_partial(
     b, hq, d = query.shape
     hkv = keys.tail.shape[1]
     g = hq // hkv
-    # fp32, not rounded to the stream dtype: as the archived splits read a side without a sink
-    sink_k = decoded_chunk(keys, 0, 1, torch.float32)[:, :, :k]  # [B, Hkv, k, D]
-    sink_v = decoded_chunk(values, 0, 1, torch.float32)[:, :, :k]
+    sink_k, sink_v = _first_tokens(keys, k), _first_tokens(values, k)  # [B, Hkv, k, D], [B, Hkv, k, Dv]
     q = (query.float() * scale).reshape(b, hkv, g, d)
     scores = torch.einsum("bhgd,bhtd->bhgt", q, sink_k)
     if key_mask is not None:
