@@ -83,13 +83,18 @@ OTHER_BITS = {
     "palu-1.5bit-scaled+sens": ("palu-2bit-scaled+sens", 1.5),
     "palu-1.5bit-scaled+rel": ("palu-2bit-scaled+rel", 1.5),
     "palu-1.25bit-scaled+sens": ("palu-2bit-scaled+sens", 1.25),
+    "palu-1.7bit-compact+sens": ("palu-1.75bit-compact+sens", 1.7),
 }
 #: the compact side information one part at a time, and budgets around half of q4's bytes with all
 #: of it (name -> (tier, fields replaced)); the registry's ``-compact`` tiers have all three parts
 COMPACT_PARTS = {
-    "palu-1.75bit-scaled+sens+basis8": ("palu-1.75bit-scaled+sens", dict(palu_basis_bits=8)),
-    "palu-1.75bit-scaled+sens+scale8": ("palu-1.75bit-scaled+sens", dict(palu_scale_bits=8)),
-    "palu-1.75bit-scaled+sens+recent8": ("palu-1.75bit-scaled+sens", dict(palu_recent_bits=8)),
+    "palu-1.75bit-scaled-basis8+sens": ("palu-1.75bit-scaled+sens", dict(palu_basis_bits=8)),
+    "palu-1.75bit-scaled-scale8+sens": ("palu-1.75bit-scaled+sens", dict(palu_scale_bits=8)),
+    "palu-1.75bit-scaled-recent8+sens": ("palu-1.75bit-scaled+sens", dict(palu_recent_bits=8)),
+    "palu-1.75bit-compact-recent16+sens": ("palu-1.75bit-compact+sens", dict(palu_recent_tokens=16)),
+    # the padding bits of each row of codes spent on its channels: the same bytes (the registry's
+    # palu-1.7bit-compact-fill+sens does this at 1.7 bits)
+    "palu-1.75bit-compact-fill+sens": ("palu-1.75bit-compact+sens", dict(palu_fill_rows=True)),
 }
 PEERS = {"mlx-lm-q8": 8, "mlx-lm-q4": 4}
 
