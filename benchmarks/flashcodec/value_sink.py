@@ -8,7 +8,8 @@ form once block 0 is archived (a stream's sink: ``flashcodec.stream``), and atte
 reads it there. This script measures each candidate beside its tier without the sink, in one
 ``flashcodec compare`` run (``real_tiers.py``'s protocol and settings: SmolLM2-135M-Instruct,
 bf16, windows of 1,792 prefilled + 256 scored tokens decoded one at a time, attention on the
-codes, hqq 4/8-bit in the same run). The candidates join this process's tier registry only.
+codes, hqq 4/8-bit in the same run). A candidate the registry lacks joins this process's registry
+only (``kivi64r-k3v2-w0i8-s8z4-vs1`` won and is registered; ``kivi64r-k4v4-w64i8-s8-vs1`` is not).
 
     OMP_NUM_THREADS=1 nice -n 10 hatch run bench:python benchmarks/flashcodec/value_sink.py --long-windows 2
     # writes benchmarks/results/flashcodec_value_sink_2w.json
@@ -24,8 +25,8 @@ from pathlib import Path
 
 import flashcodec.tiers as tiers_module
 from common import compare_result
-from kvbench.results import results_path, write_json
-from real_tiers import COMPARE_ARGS, summarize
+from kvbench.results import results_path
+from real_tiers import compare_cli, write_summary
 
 #: candidate -> the registered tier it adds a one-token value sink to
 CANDIDATES = {
@@ -62,11 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         descriptions[candidate + "-mf"] = tier.description
         descriptions[base + "-mf"] = tiers_module.TIERS[base].description
         names += [base + "-mf", candidate + "-mf"]
-    compare_args = list(COMPARE_ARGS)
-    compare_args[compare_args.index("--long-windows") + 1] = str(args.long_windows)
-    cli = ["--tiers", ",".join(names), *compare_args]
-    if args.model:
-        cli = ["--model", args.model, *cli]
+    cli = compare_cli(names, args.model, args.long_windows)
     t0 = time.perf_counter()
     result = compare_result(cli, args.compare_json)
     result["command"] = "python benchmarks/flashcodec/value_sink.py " + " ".join(
@@ -75,15 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     result["compare_args"] = cli
     result["candidates"] = descriptions
     result["wall_s"] = time.perf_counter() - t0
-    result["summary_long"] = summarize(result)
-    write_json(out, result)
-    for row in result["summary_long"]:
-        print(
-            f"{row['name']:30s} bytes {row['resident_ratio_decode_mean']:.3f}  KL {row['kl_mean']:.2e}  "
-            f"top-1 {row['top1_agreement']:.3f}  bytes x hqq-q4 {row.get('bytes_vs_hqq_q4') or 0:.3f}  "
-            f"KL x hqq-q4 {row.get('kl_vs_hqq_q4') or 0:.3f}"
-        )
-    print(f"wrote {out}")
+    write_summary(result, out, width=30)
     return 0
 
 
