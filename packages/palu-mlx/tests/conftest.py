@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import mlx_lm
 import pytest
 from hypothesis import HealthCheck, settings
 from mlx_lm.models import qwen3
@@ -18,6 +19,20 @@ settings.register_profile(
     "thorough", max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(scope="module")
+def embedded_path():
+    """The embedded tiny model's directory (kvbench finds it), loaded once to prove it loads; the
+    tests that run a command on a real model directory skip without it."""
+    try:
+        from kvbench.models import embedded_model_path
+
+        path = embedded_model_path()
+        mlx_lm.load(str(path))
+    except Exception as exc:  # noqa: BLE001 - no kvbench or no model: nothing to run the command on
+        pytest.skip(f"embedded model not available: {exc}")
+    return path
 
 
 @pytest.fixture(scope="session")

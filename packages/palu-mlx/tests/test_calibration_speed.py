@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
-import mlx_lm
 import numpy as np
 import pytest
 from kvspec import KVConfigError
@@ -138,21 +137,9 @@ def test_default_token_count_and_progress_bar(capsys):
     assert capsys.readouterr().err == ""
 
 
-@pytest.fixture(scope="module")
-def embedded_path():
-    try:
-        from kvbench.models import embedded_model_path
-
-        path = embedded_model_path()
-        mlx_lm.load(str(path))
-    except Exception as exc:  # noqa: BLE001 - no kvbench or no model: nothing to run the command on
-        pytest.skip(f"embedded model not available: {exc}")
-    return str(path)
-
-
 def test_cli_calibrate_options_on_the_embedded_model(embedded_path, tmp_path, capsys):
     out = tmp_path / "e.safetensors"
-    args = ["calibrate", "--model", embedded_path, "--out", str(out), "--window", "128", "--quiet"]
+    args = ["calibrate", "--model", str(embedded_path), "--out", str(out), "--window", "128", "--quiet"]
     assert cli_main([*args, "--max-tokens", "256", "--dtype", "model", "--weighting", "none"]) == 0
     captured = capsys.readouterr()
     assert captured.err == ""  # --quiet: no progress bar, no note

@@ -14,18 +14,6 @@ from palu_mlx.cli import main as cli_main
 FAST = ["--context", "48", "--scored", "8", "--windows", "1", "--quiet"]
 
 
-@pytest.fixture(scope="module")
-def embedded_path():
-    try:
-        from kvbench.models import embedded_model_path
-
-        path = embedded_model_path()
-        mlx_lm.load(str(path))
-    except Exception as exc:  # noqa: BLE001 - no kvbench or no model: nothing to run the command on
-        pytest.skip(f"embedded model not available: {exc}")
-    return path
-
-
 def test_spread_windows_spreads_evenly_and_refuses_short_text():
     tokens = list(range(100))
     assert spread_windows(tokens, 1, 10) == [list(range(10))]
