@@ -90,9 +90,57 @@ def _blas_hint(model) -> str | None:
     )
 
 
+class _UserMistake(Exception):
+    """A mistake in a command's options: reported as ``error: <message>``, exit code 1."""
+
+
+def _add_run_options(parser: argparse.ArgumentParser, dtype_help: str) -> None:
+    """``--dtype`` (auto, float32, model) and ``--quiet``, as calibrate and sensitivity take them."""
+    from .calibration import COMPUTE_DTYPES
+
+    parser.add_argument("--dtype", default="auto", choices=COMPUTE_DTYPES, help=dtype_help)
+    parser.add_argument("--quiet", action="store_true", help="no progress bar (and no note on the BLAS)")
+
+
+def _model_path(name: str, quiet: bool) -> str:
+    """What ``--model`` names: a local directory, a hub id, or a named model's directory."""
+    from .serving import ModelNameError, resolve_model_arg
+
+    try:
+        return resolve_model_arg(name, quiet=quiet)
+    except ModelNameError as exc:
+        raise _UserMistake(str(exc)) from None
+
+
+def _read_text(path: str | None) -> str | None:
+    """``--text``'s contents (None without it)."""
+    try:
+        return None if path is None else open(path, encoding="utf-8").read()
+    except OSError as exc:
+        raise _UserMistake(f"--text {path!r} cannot be read: {exc}") from None
+
+
+def _load_model(model_path: str, name: str):
+    """``mlx_lm.load`` of ``--model``: ``(model, tokenizer)``."""
+    import mlx_lm
+
+    try:
+        return mlx_lm.load(model_path)
+    except Exception as exc:  # noqa: BLE001 - any loading failure is the user's --model
+        raise _UserMistake(f"--model {name!r} cannot be loaded: {exc}") from None
+
+
 def calibrate_main(argv: Sequence[str]) -> int:
     """``palu-mlx calibrate``: returns the exit code (1 with a one-line error on a user mistake)."""
-    from .calibration import COMPUTE_DTYPES, DEFAULT_MAX_TOKENS, WEIGHTINGS
+    try:
+        return _calibrate_command(argv)
+    except _UserMistake as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+def _calibrate_command(argv: Sequence[str]) -> int:
+    from .calibration import DEFAULT_MAX_TOKENS, WEIGHTINGS
 
     parser = argparse.ArgumentParser(prog="palu-mlx calibrate", description=_CALIBRATE_HELP)
     parser.add_argument(
@@ -123,38 +171,21 @@ def calibrate_main(argv: Sequence[str]) -> int:
         "o_proj sees them; none: plain squared error (the transform is the covariance's eigenbasis). "
         "Recorded in the file",
     )
-    parser.add_argument(
-        "--dtype",
-        default="auto",
-        choices=COMPUTE_DTYPES,
-        help="what the forward passes run in: auto (default): float32 where a quick probe finds float32 "
+    _add_run_options(
+        parser,
+        "what the forward passes run in: auto (default): float32 where a quick probe finds float32 "
         "matmuls at least twice as fast as the model's 16-bit ones (mlx's CPU backend with a fast BLAS), "
         "else the model's dtype; float32; model. Recorded in the file",
     )
-    parser.add_argument("--quiet", action="store_true", help="no progress bar (and no note on the BLAS)")
     args = parser.parse_args(list(argv))
 
-    import mlx_lm
     from kvspec import KVSpecError
 
     from .calibration.fit import _compute_dtype, calibrate
-    from .serving import ModelNameError, resolve_model_arg
 
-    try:
-        model_path = resolve_model_arg(args.model)
-    except ModelNameError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    try:
-        text = None if args.text is None else open(args.text, encoding="utf-8").read()
-    except OSError as exc:
-        print(f"error: --text {args.text!r} cannot be read: {exc}", file=sys.stderr)
-        return 1
-    try:
-        model, tokenizer = mlx_lm.load(model_path)
-    except Exception as exc:  # noqa: BLE001 - any loading failure is the user's --model
-        print(f"error: --model {args.model!r} cannot be loaded: {exc}", file=sys.stderr)
-        return 1
+    model_path = _model_path(args.model, quiet=False)
+    text = _read_text(args.text)
+    model, tokenizer = _load_model(model_path, args.model)
     dtype = args.dtype
     if dtype == "auto":  # decided here, before the run, so the note below can come first
         dtype = "model" if _compute_dtype(model, "auto") is None else "float32"
@@ -187,6 +218,14 @@ def calibrate_main(argv: Sequence[str]) -> int:
 
 def sensitivity_main(argv: Sequence[str]) -> int:
     """``palu-mlx sensitivity``: returns the exit code (1 with a one-line error on a user mistake)."""
+    try:
+        return _sensitivity_command(argv)
+    except _UserMistake as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+def _sensitivity_command(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="palu-mlx sensitivity", description=_SENSITIVITY_HELP)
     parser.add_argument(
         "--model",
@@ -218,34 +257,25 @@ def sensitivity_main(argv: Sequence[str]) -> int:
         help="positions per window whose next-token distributions are compared (default 64)",
     )
     parser.add_argument("--windows", type=_positive_int, default=2, help="windows of text (default 2)")
-    parser.add_argument(
-        "--dtype",
-        default="auto",
-        choices=("auto", "float32", "model"),
-        help="what the forward passes run in: auto (default): float32 where a quick probe finds float32 "
+    _add_run_options(
+        parser,
+        "what the forward passes run in: auto (default): float32 where a quick probe finds float32 "
         "matmuls at least twice as fast as the model's 16-bit ones, else the model's dtype; float32; "
         "model. In float32 the keys and values are rounded to the model's dtype as they are cached",
     )
-    parser.add_argument("--quiet", action="store_true", help="no progress bar (and no note on the BLAS)")
     args = parser.parse_args(list(argv))
 
     import os
     import time
     from pathlib import Path
 
-    import mlx_lm
     from kvspec import KVSpecError
     from tqdm import tqdm
 
     from .budgets import measure_sensitivity, profile_path, spread_windows
     from .calibration.fit import _compute_dtype, _model_dtype, default_calibration_text
-    from .serving import ModelNameError, resolve_model_arg
 
-    try:
-        model_path = resolve_model_arg(args.model, quiet=args.quiet)
-    except ModelNameError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    model_path = _model_path(args.model, quiet=args.quiet)
     if args.out is not None:
         out = Path(args.out)
     elif os.path.isdir(model_path):
@@ -260,16 +290,10 @@ def sensitivity_main(argv: Sequence[str]) -> int:
     if out.is_dir() or not out.parent.is_dir():
         print(f"error: --out {str(out)!r} must be a file in an existing directory", file=sys.stderr)
         return 1
-    try:
-        text = default_calibration_text() if args.text is None else open(args.text, encoding="utf-8").read()
-    except OSError as exc:
-        print(f"error: --text {args.text!r} cannot be read: {exc}", file=sys.stderr)
-        return 1
-    try:
-        model, tokenizer = mlx_lm.load(model_path)
-    except Exception as exc:  # noqa: BLE001 - any loading failure is the user's --model
-        print(f"error: --model {args.model!r} cannot be loaded: {exc}", file=sys.stderr)
-        return 1
+    text = _read_text(args.text)
+    if text is None:
+        text = default_calibration_text()
+    model, tokenizer = _load_model(model_path, args.model)
     # the text is tokenized whole, then cut into windows; the length warning does not apply
     getattr(tokenizer, "_tokenizer", tokenizer).model_max_length = int(1e12)
     try:
