@@ -94,6 +94,26 @@ class _UserMistake(Exception):
     """A mistake in a command's options: reported as ``error: <message>``, exit code 1."""
 
 
+def _reporting_mistakes(command, argv: Sequence[str]) -> int:
+    """``command(argv)``'s exit code, or 1 after printing its :class:`_UserMistake` as one line."""
+    try:
+        return command(argv)
+    except _UserMistake as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+def _model_command_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """A parser for a command that runs a model, with its required ``--model``."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument(
+        "--model",
+        required=True,
+        help="mlx-lm model: a local path, a Hugging Face id, or a named model (smollm2-135m, tiny-qwen3; needs kvbench)",
+    )
+    return parser
+
+
 def _add_run_options(parser: argparse.ArgumentParser, dtype_help: str) -> None:
     """``--dtype`` (auto, float32, model) and ``--quiet``, as calibrate and sensitivity take them."""
     from .calibration import COMPUTE_DTYPES
@@ -132,22 +152,13 @@ def _load_model(model_path: str, name: str):
 
 def calibrate_main(argv: Sequence[str]) -> int:
     """``palu-mlx calibrate``: returns the exit code (1 with a one-line error on a user mistake)."""
-    try:
-        return _calibrate_command(argv)
-    except _UserMistake as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    return _reporting_mistakes(_calibrate_command, argv)
 
 
 def _calibrate_command(argv: Sequence[str]) -> int:
     from .calibration import DEFAULT_MAX_TOKENS, WEIGHTINGS
 
-    parser = argparse.ArgumentParser(prog="palu-mlx calibrate", description=_CALIBRATE_HELP)
-    parser.add_argument(
-        "--model",
-        required=True,
-        help="mlx-lm model: a local path, a Hugging Face id, or a named model (smollm2-135m, tiny-qwen3; needs kvbench)",
-    )
+    parser = _model_command_parser("palu-mlx calibrate", _CALIBRATE_HELP)
     parser.add_argument("--out", required=True, help="calibration file to write (.safetensors)")
     parser.add_argument(
         "--text",
@@ -218,20 +229,11 @@ def _calibrate_command(argv: Sequence[str]) -> int:
 
 def sensitivity_main(argv: Sequence[str]) -> int:
     """``palu-mlx sensitivity``: returns the exit code (1 with a one-line error on a user mistake)."""
-    try:
-        return _sensitivity_command(argv)
-    except _UserMistake as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    return _reporting_mistakes(_sensitivity_command, argv)
 
 
 def _sensitivity_command(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(prog="palu-mlx sensitivity", description=_SENSITIVITY_HELP)
-    parser.add_argument(
-        "--model",
-        required=True,
-        help="mlx-lm model: a local path, a Hugging Face id, or a named model (smollm2-135m, tiny-qwen3; needs kvbench)",
-    )
+    parser = _model_command_parser("palu-mlx sensitivity", _SENSITIVITY_HELP)
     parser.add_argument(
         "--out",
         default=None,
