@@ -161,12 +161,7 @@ def breakdown(model: Any, make, window: list[int], context: int, step: int) -> d
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--context", type=int, default=2048)
-    parser.add_argument("--scored", type=int, default=256)
-    parser.add_argument("--step", type=int, default=32)
-    parser.add_argument("--calibration", default=None)
-    parser.add_argument("--sensitivity", default=None, help="a sensitivity profile: allows +sens tiers")
+    real_model.add_protocol_arguments(parser)
     parser.add_argument(
         "--only", default=",".join(DEFAULT), help="comma-separated candidates (real_model.py's)"
     )

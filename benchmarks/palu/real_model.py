@@ -180,17 +180,23 @@ def run_window(model: Any, make: Callable[[], list[Any]], window: list[int], con
     return logp, float(np.mean(held)), raw
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_protocol_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of this protocol (model, window, step, the files the calibrated candidates read),
+    shared with the scripts that follow it (``byte_breakdown.py``)."""
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--scored", type=int, default=256)
-    parser.add_argument("--windows", type=int, default=1)
     parser.add_argument("--step", type=int, default=32, help="scored tokens read per call")
     parser.add_argument("--calibration", default=None, help="a palu-mlx calibrate file: adds +cal rows")
     parser.add_argument(
         "--sensitivity", default=None, help="a sensitivity profile of the model: adds +sens rows"
     )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_protocol_arguments(parser)
+    parser.add_argument("--windows", type=int, default=1)
     parser.add_argument("--only", default=None, help="comma-separated candidates to run (default: all)")
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args(argv)
