@@ -225,19 +225,25 @@ def _calibrated_twin(base: Tier) -> Tier:
     )
 
 
+def _twins(make, keep) -> dict[str, Tier]:
+    """name -> ``make(base)`` for every tier of :data:`TIERS` with a bit budget whose config ``keep``
+    accepts, in its order."""
+    return {
+        t.name: t
+        for t in (make(b) for b in TIERS.values() if b.config.palu_bits is not None and keep(b.config))
+    }
+
+
 #: name -> calibrated :class:`Tier` (``<tier>+cal``), one per tier of :data:`TIERS` with a bit budget
 #: (weighed by squared error: a calibration sets its own widths), in its order
-CALIBRATED_TIERS: dict[str, Tier] = {
-    t.name: t
-    for t in (
-        _calibrated_twin(base)
-        for base in TIERS.values()
-        if base.config.palu_bits is not None
-        and not base.config.relative_error
+CALIBRATED_TIERS: dict[str, Tier] = _twins(
+    _calibrated_twin,
+    lambda config: (
+        not config.relative_error
         # a calibration's basis and quantizers are the model's: nothing of them to compact
-        and (base.config.palu_basis_bits, base.config.palu_scale_bits) == (16, 16)
-    )
-}
+        and (config.palu_basis_bits, config.palu_scale_bits) == (16, 16)
+    ),
+)
 
 
 #: what a sensitivity twin's description adds until a profile is bound (:meth:`Tier.with_calibration`)
@@ -258,16 +264,9 @@ def _sensitivity_twin(base: Tier) -> Tier:
 #: :data:`TIERS` with a bit budget and a per-token scale (weighed by squared error: the profile's
 #: weights are per unit of it), in its order. Not in :data:`TIERS`: the
 #: conformance suite has no model to profile.
-SENSITIVITY_TIERS: dict[str, Tier] = {
-    t.name: t
-    for t in (
-        _sensitivity_twin(base)
-        for base in TIERS.values()
-        if base.config.palu_bits is not None
-        and base.config.palu_token_scale
-        and not base.config.relative_error
-    )
-}
+SENSITIVITY_TIERS: dict[str, Tier] = _twins(
+    _sensitivity_twin, lambda config: config.palu_token_scale and not config.relative_error
+)
 #: and one with no twin in :data:`TIERS`: the smallest budget whose KL is at most mlx-lm's
 #: ``QuantizedKVCache(bits=4)``'s on SmolLM2-135M (``benchmarks/results/palu_real_model.json``)
 SENSITIVITY_TIERS["palu-1.75bit-scaled" + SENSITIVITY_SUFFIX] = Tier(
