@@ -174,7 +174,11 @@ def test_docs_match_the_committed_results():
 @pytest.mark.parametrize(
     "cli, tiers, commands",
     [
-        ("palu_mlx.cli", ["reference-default", "r8-4bit"], "generate, server, compare, calibrate, sensitivity"),
+        (
+            "palu_mlx.cli",
+            ["reference-default", "r8-4bit"],
+            "generate, server, compare, calibrate, sensitivity",
+        ),
         ("flashcodec.cli", ["png-keep1", "jpeg-k2-int8-mf"], "compare"),
     ],
 )
