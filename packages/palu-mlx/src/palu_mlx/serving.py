@@ -132,17 +132,23 @@ def palu_config(model: Any, args: argparse.Namespace) -> KVCacheConfig:
 
 
 def describe(config: KVCacheConfig) -> str:
-    """One line naming a config's bits, per-token scales, exact tokens and calibration, for logs."""
+    """One line naming a config's bits, weighing, per-token scales, exact tokens and calibration, for logs."""
     if config.palu_calibration is not None:
         how = f"calibrated from {config.palu_calibration}"
     else:
         how = "projections fitted per sequence"
     bits = config.coder_bits
     parts = [f"{bits:g} code bits per element" if bits is not None else "rank / hi-lo split"]
+    if config.coder_bits is not None:
+        parts.append(
+            "keys and values weighed by " + ("relative" if config.relative_error else "squared") + " error"
+        )
     if getattr(config, "palu_token_scale", False):
         parts.append("per-token scales")
     sink, recent = getattr(config, "palu_sink_tokens", 0), getattr(config, "palu_recent_tokens", 0)
-    if sink or recent:
+    if getattr(config, "palu_recent_bits", 16) == 8 and recent:
+        parts.append(f"first {sink} tokens exact, newest {recent} in int8")
+    elif sink or recent:
         parts.append(f"first {sink} and newest {recent} tokens exact")
     return f"palu KV cache: {', '.join(parts)}, {how}"
 
