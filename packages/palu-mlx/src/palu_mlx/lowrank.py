@@ -22,6 +22,8 @@ import mlx.core as mx
 import numpy as np
 from kvspec import KVConfigError, KVDtypeError, KVShapeError, KVSpecError, KVValueError
 
+from .int8_codes import int8_rows
+
 __all__ = [
     "GroupProjection",
     "PackedProjection",
@@ -202,11 +204,9 @@ class PackedProjection:
         _check_projection(projection)
         if projection.decoder is not None:
             raise KVConfigError("a projection with a separate decoder cannot be packed to an 8-bit basis")
-        basis = projection.basis.astype(mx.float32)
-        dtype = projection.mean.dtype
-        # codes are made against the stored (rounded) scale, so decoding sees the same numbers
-        scales = (mx.maximum(mx.max(mx.abs(basis), axis=1), 1e-30) / 127.0).astype(dtype)
-        codes = mx.clip(mx.round(basis / scales.astype(mx.float32)[:, None, :]), -127, 127).astype(mx.int8)
+        # a column is a row of the transposed basis
+        codes, scales = int8_rows(projection.basis.swapaxes(1, 2), projection.mean.dtype)
+        codes, scales = mx.contiguous(codes.swapaxes(1, 2)), scales[..., 0]
         mx.eval(codes, scales)
         return cls(codes, scales, projection.mean)
 

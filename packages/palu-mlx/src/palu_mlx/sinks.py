@@ -15,24 +15,12 @@ from dataclasses import dataclass
 import mlx.core as mx
 from kvspec import KVDataError
 
+from .int8_codes import int8_rows, int8_values
+
 __all__ = ["ExactPrefix", "RecentWindow", "RECENT_BITS", "int8_rows", "int8_values"]
 
 #: widths the recent window can hold its rows at: 16 (as given) or 8 (int8 per token and head)
 RECENT_BITS: tuple[int, ...] = (16, 8)
-
-
-def int8_rows(x: mx.array) -> tuple[mx.array, mx.array]:
-    """Rows ``[..., D]`` -> symmetric int8 codes ``[..., D]`` and one scale per row ``[..., 1]`` (``x``'s
-    dtype: the codes are made against the stored scale, so decoding sees the same numbers)."""
-    x32 = x.astype(mx.float32)
-    scale = (mx.maximum(mx.max(mx.abs(x32), axis=-1, keepdims=True), 1e-30) / 127.0).astype(x.dtype)
-    codes = mx.clip(mx.round(x32 / scale.astype(mx.float32)), -127, 127).astype(mx.int8)
-    return codes, scale
-
-
-def int8_values(codes: mx.array, scale: mx.array) -> mx.array:
-    """Inverse of :func:`int8_rows`, in the scale's dtype."""
-    return (codes.astype(mx.float32) * scale.astype(mx.float32)).astype(scale.dtype)
 
 
 @dataclass(frozen=True)
