@@ -38,6 +38,29 @@ def _is_tier(name: str) -> bool:
     return True
 
 
+def long_run_args(
+    peers: str,
+    *,
+    context: int = 64,
+    scored: int = 32,
+    long_windows: int = 1,
+    speed_rounds: int = 2,
+    speed_steps: int = 16,
+) -> list[str]:
+    """``flashcodec compare``'s arguments for a script measured by the long run (``long_windows``
+    windows of 1,792 prefilled + 256 scored tokens, decode timed at 2,048) beside ``peers``: the
+    short run is one window of ``context`` + ``scored`` tokens and one prompt, as small as the tool
+    allows, and the speed run ``speed_rounds`` rounds of ``speed_steps`` steps."""
+    return [
+        "--peers", peers,
+        "--windows", "1", "--context-tokens", str(context), "--scored-tokens", str(scored),
+        "--prompt-count", "1", "--new-tokens", "8",
+        "--long-context", "2048", "--long-windows", str(long_windows), "--long-scored-tokens", "256",
+        "--speed-rounds", str(speed_rounds), "--speed-steps", str(speed_steps),
+        "--quiet",
+    ]  # fmt: skip
+
+
 def random_walk(b: int, h: int, s: int, d: int, seed: int, step: float) -> torch.Tensor:
     """``[b, h, s, d]`` fp32 ``x_0 + step * cumsum(N(0, 1))`` along the sequence (seeded):
     autocorrelated like the description's synthetic signal."""

@@ -1,7 +1,7 @@
 """The flashcodec tiers that target the real model, beside transformers' hqq caches, in one run.
 
 Runs ``flashcodec compare`` (kvbench's protocol) on the real model (SmolLM2-135M-Instruct, bf16,
-attention on the codes for the ``-mf`` tiers) with :data:`COMPARE_ARGS`, keeps its whole result and
+attention on the codes for the ``-mf`` tiers) with :func:`compare_cli`'s arguments, keeps its whole result and
 adds a summary per row of the long run (a window of 1,792 prefilled + 256 scored tokens, decode
 timed at 2,048 tokens): bytes against the uncompressed bf16 cache, resident and averaged over
 decoding (``resident_ratio_decode_mean``), KL to the baseline's next-token distribution, top-1
@@ -22,21 +22,14 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from common import compare_result, tier_list
+from common import compare_result, long_run_args, tier_list
 from kvbench.results import results_path, write_json
 
 #: the tiers measured by default: the new split codecs, and the per-channel tier they replace
 TIERS = "kivi64-k4v4-w64i8-mf,kivi64-k8v8-w64i8-mf,chan64-int4-w64i8-mf"
 
-COMPARE_ARGS = [
-    "--peers", "hf-hqq-q4,hf-hqq-q8",
-    # the short run only as small as the tool allows: the long run is the measurement
-    "--windows", "1", "--context-tokens", "64", "--scored-tokens", "32", "--prompt-count", "1",
-    "--new-tokens", "8",
-    "--long-context", "2048", "--long-windows", "1", "--long-scored-tokens", "256",
-    "--speed-rounds", "2", "--speed-steps", "16",
-    "--no-memory-curve", "--quiet",
-]  # fmt: skip
+#: the peers every row is read against
+PEERS = "hf-hqq-q4,hf-hqq-q8"
 
 KEPT = (
     "kv_ratio",
@@ -66,11 +59,10 @@ def summarize(result: dict, run_name: str = "long") -> list[dict]:
 
 
 def compare_cli(tiers: Sequence[str], model: str | None = None, long_windows: int = 1) -> list[str]:
-    """``flashcodec compare``'s arguments for ``tiers``: :data:`COMPARE_ARGS` with ``long_windows``
-    windows in the long run, led by ``--model`` when one is given (else compare's default model)."""
-    compare_args = list(COMPARE_ARGS)
-    compare_args[compare_args.index("--long-windows") + 1] = str(long_windows)
-    cli = ["--tiers", ",".join(tiers), *compare_args]
+    """``flashcodec compare``'s arguments for ``tiers``: :func:`common.long_run_args` with
+    ``long_windows`` windows in the long run and no memory curve, led by ``--model`` when one is
+    given (else compare's default model)."""
+    cli = ["--tiers", ",".join(tiers), *long_run_args(PEERS, long_windows=long_windows), "--no-memory-curve"]
     return ["--model", model, *cli] if model else cli
 
 

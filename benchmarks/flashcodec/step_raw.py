@@ -20,18 +20,13 @@ import dataclasses
 import sys
 from pathlib import Path
 
+from common import long_run_args
 from kvbench.results import results_path
 
 TIERS = "chan64-int4-w64i8-mf,chan64-int4-w64i8"
 CODED = "+coded-step"
 
-COMPARE_ARGS = [
-    "--peers", "hf-hqq-q4",
-    "--windows", "1", "--context-tokens", "192", "--scored-tokens", "64", "--new-tokens", "8",
-    "--prompt-count", "1",
-    "--long-context", "2048", "--long-windows", "1", "--long-scored-tokens", "256",
-    "--speed-rounds", "1", "--speed-steps", "8", "--quiet",
-]  # fmt: skip
+COMPARE_ARGS = long_run_args("hf-hqq-q4", context=192, scored=64, speed_rounds=1, speed_steps=8)
 
 
 def make_harness():
