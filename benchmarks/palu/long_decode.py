@@ -32,7 +32,8 @@ palu caches are built by ``KVCacheBuilder.for_model``, so their attention runs o
 codes (:mod:`palu_mlx.attention`). The ``-rebuild`` row runs one tier's caches through the older
 path that rebuilds the whole history for SDPA, for comparison. ``+cal`` rows use the embedded
 model's calibration file (``--calibration``): their per-model constants (bases, means, steps) are
-not in the bytes held, as weights are not.
+not in the bytes held, as weights are not. ``+sens`` tiers read the model's sensitivity profile
+(``--sensitivity``, written by ``palu-mlx sensitivity``).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from palu_mlx import KVCacheBuilder
 from palu_mlx.attention import route_attention, unroute_attention
 from palu_mlx.builder import model_kv_dims
 from palu_mlx.compare import load_model, tier_config
+from palu_mlx.tiers import tier
 
 CHUNK = 512
 PALU_TIERS = ("palu-2bit", "palu-1.5bit", "palu-1.25bit", "palu-1bit")
@@ -94,19 +96,25 @@ def fill(caches: list[Any], kv: list[tuple[mx.array, mx.array]]) -> list[Any]:
 
 
 def candidates(
-    model: Any, calibration: str | None, tiers: tuple[str, ...] = PALU_TIERS
+    model: Any,
+    calibration: str | None,
+    tiers: tuple[str, ...] = PALU_TIERS,
+    sensitivity: str | None = None,
 ) -> dict[str, Callable[[], list[Any]]]:
+    """Cache makers by name: the baseline, mlx-lm's 4-bit cache, ``tiers`` (a ``+sens`` tier reads
+    the profile ``sensitivity``), and with ``calibration`` each tier's ``+cal`` twin."""
     head_dim, n_kv = model_kv_dims(model)
     out: dict[str, Callable[[], list[Any]]] = {
         "baseline": lambda: [KVCache() for _ in model.layers],
         "mlx-lm-q4": lambda: [QuantizedKVCache(group_size=64, bits=4) for _ in model.layers],
     }
-    for tier in tiers:
-        config = tier_config(tier, head_dim, n_kv)
-        out[tier] = lambda config=config: KVCacheBuilder.for_model(model, config)
+    for name in tiers:
+        profile = sensitivity if tier(name).calibration == "sensitivity" else None
+        config = tier_config(name, head_dim, n_kv, profile)
+        out[name] = lambda config=config: KVCacheBuilder.for_model(model, config)
         if calibration is not None:
             cal = dataclasses.replace(config, palu_calibration=calibration)
-            out[f"{tier}+cal"] = lambda cal=cal: KVCacheBuilder.for_model(model, cal)
+            out[f"{name}+cal"] = lambda cal=cal: KVCacheBuilder.for_model(model, cal)
     return out
 
 
@@ -126,8 +134,9 @@ def measure_context(
     calibration: str | None,
     tiers: tuple[str, ...] = PALU_TIERS,
     rebuild_tier: str | None = REBUILD_TIER,
+    sensitivity: str | None = None,
 ) -> dict:
-    names = candidates(model, calibration, tiers)
+    names = candidates(model, calibration, tiers, sensitivity)
     runs = [(name, True) for name in names]
     if rebuild_tier:
         runs.append((f"{rebuild_tier}-rebuild", False))
@@ -206,6 +215,12 @@ def main(argv: list[str] | None = None) -> int:
         help="palu-mlx calibrate file for the model ('' for none; default: the embedded model's file "
         "when --model is the embedded model, else none): adds the +cal rows",
     )
+    parser.add_argument(
+        "--sensitivity",
+        default=None,
+        metavar="PROFILE",
+        help="the model's sensitivity profile (palu-mlx sensitivity), read by the +sens tiers in --tiers",
+    )
     args = parser.parse_args(argv)
     calibration = args.calibration
     if calibration is None:
@@ -214,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     text_tokens = tokenizer.encode(default_text_path().read_text(encoding="utf-8"))
     result: dict[str, Any] = {
         "calibration": calibration or None,
+        "sensitivity": args.sensitivity,
         **stamp(),
         "model": info,
         "tiers": list(args.tiers),
@@ -242,7 +258,14 @@ def main(argv: list[str] | None = None) -> int:
     for n in args.contexts:
         kv = prefilled.pop(n)
         result["contexts"][str(n)] = measure_context(
-            model, kv, args.steps, args.rounds, calibration or None, args.tiers, args.rebuild_tier or None
+            model,
+            kv,
+            args.steps,
+            args.rounds,
+            calibration or None,
+            args.tiers,
+            args.rebuild_tier or None,
+            args.sensitivity,
         )
         print(json.dumps({n: result["contexts"][str(n)]}, indent=1), flush=True)
         del kv

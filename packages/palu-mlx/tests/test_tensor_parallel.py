@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from palu_helpers import make_tiny_qwen3
 from palu_mlx import HiLoSplit, KVCacheBuilder, PaluKVCache, WaterFilling, model_kv_dims
+from palu_mlx.coders.base import FitSettings
 from palu_mlx.tiers import TIERS
 
 MODEL = os.environ.get("KVBENCH_EMBEDDED_MODEL") or str(
@@ -64,7 +65,7 @@ def test_a_half_of_the_heads_fitted_with_every_heads_statistics_codes_them_as_on
     shape = mx.stack([mx.ones((64,)), mx.ones((64,)) * 3.0, low * 0.3, low * 1.5])[None, :, None, :]
     keys = mx.random.normal((1, 4, 96, 64), key=mx.random.key(3)) * shape
     values = mx.random.normal((1, 4, 96, 64), key=mx.random.key(4)) * shape[:, ::-1]
-    knobs = dict(
+    settings = FitSettings(
         groups=4, rank=None, energy_threshold=0.9, group_size=32, quantize_values=True, dtype=mx.float32
     )
     seen: list[np.ndarray] = []
@@ -73,7 +74,7 @@ def test_a_half_of_the_heads_fitted_with_every_heads_statistics_codes_them_as_on
         seen.append(np.array(stats))
         return stats
 
-    whole = coder.fit(keys, values, **{**knobs, "groups": 4}, gather=record)
+    whole = coder.fit(keys, values, dataclasses.replace(settings, gather=record))
     for half in (slice(0, 2), slice(2, 4)):
         asked = iter(seen)
 
@@ -82,14 +83,17 @@ def test_a_half_of_the_heads_fitted_with_every_heads_statistics_codes_them_as_on
             assert np.array_equal(np.asarray(stats, dtype=every.dtype), every[half])  # this rank's rows
             return every
 
-        part = coder.fit(keys[:, half], values[:, half], **{**knobs, "groups": 2}, gather=gather)
+        part = coder.fit(
+            keys[:, half], values[:, half], dataclasses.replace(settings, groups=2, gather=gather)
+        )
         for (w_proj, w_coder), (p_proj, p_coder) in zip(whole, part, strict=True):
             assert p_coder.segments == w_coder.segments and p_proj.rank == w_proj.rank
             assert mx.array_equal(p_proj.basis, w_proj.basis[half]).item()
             for name, arr in w_coder.constants().items():  # the quantizer steps per head
                 assert mx.array_equal(p_coder.constants()[name], arr[half]).item()
     alone = [
-        coder.fit(keys[:, h], values[:, h], **{**knobs, "groups": 2}) for h in (slice(0, 2), slice(2, 4))
+        coder.fit(keys[:, h], values[:, h], dataclasses.replace(settings, groups=2))
+        for h in (slice(0, 2), slice(2, 4))
     ]
     assert any(a[i][1].segments != whole[i][1].segments for a in alone for i in (0, 1))
 

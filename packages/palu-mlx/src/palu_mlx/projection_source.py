@@ -24,7 +24,7 @@ from typing import Any, NamedTuple, Protocol
 import mlx.core as mx
 from kvspec import KVConfigError, KVDataError, KVShapeError
 
-from .coders.base import Fitted, LatentCoder, compact_dtype, projection_dtype
+from .coders.base import FitSettings, Fitted, LatentCoder, compact_dtype, projection_dtype
 from .coders.fixed import FixedQuantCoder
 from .coders.hilo import fit_mixed_bit
 from .config import KVCacheConfig
@@ -203,7 +203,7 @@ class FitAtPrefill:
 
     def fit(self, keys: mx.array, values: mx.array, dtype: mx.Dtype) -> tuple[Fitted, Fitted]:
         cfg = self.config
-        knobs = dict(
+        settings = FitSettings(
             groups=cfg.head_groups(keys.shape[1]),
             rank=cfg.palu_rank,
             energy_threshold=cfg.energy_threshold,
@@ -213,9 +213,9 @@ class FitAtPrefill:
             gather=None if self.shard is None else self.shard.gather,
         )
         if self.allocation_policy is None:
-            fitted = cfg.coder_choice.fit(keys, values, **knobs)
+            fitted = cfg.coder_choice.fit(keys, values, settings)
         else:
-            fitted = fit_mixed_bit(keys, values, self.allocation_policy, **knobs)
+            fitted = fit_mixed_bit(keys, values, self.allocation_policy, settings)
         return compact_side(fitted[0], cfg), compact_side(fitted[1], cfg)
 
     def check_dims(self, h: int, d: int, dv: int, rotary: Rotary | None) -> None:

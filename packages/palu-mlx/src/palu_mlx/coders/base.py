@@ -4,7 +4,8 @@ Two layers of objects:
 
 * a **coder choice** (:class:`~palu_mlx.coders.hilo.HiLoSplit`,
   :class:`~palu_mlx.coders.water_filling.WaterFilling`) is configuration: the object a
-  :class:`~palu_mlx.config.KVCacheConfig` holds as ``config.coder_choice``. Its ``fit(keys, values, ...)``
+  :class:`~palu_mlx.config.KVCacheConfig` holds as ``config.coder_choice``. Its
+  ``fit(keys, values, settings)`` (:class:`FitSettings`: what the config and the model decide)
   fits each tensor's projection on the tokens held at the fit and returns it with a coder;
 * a **latent coder** (:class:`LatentCoder`: :class:`~palu_mlx.mixed_bit.MixedBitCoder`,
   :class:`~palu_mlx.coders.fixed.FixedQuantCoder`) turns one tensor's latents into the arrays a
@@ -13,14 +14,17 @@ Two layers of objects:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import mlx.core as mx
+import numpy as np
 
 from ..lowrank import GroupProjection
 from ..mixed_bit import Segment
 
-__all__ = ["LatentCoder", "Fitted", "compact_dtype", "projection_dtype"]
+__all__ = ["LatentCoder", "Fitted", "FitSettings", "compact_dtype", "projection_dtype"]
 
 
 @runtime_checkable
@@ -71,6 +75,31 @@ class LatentCoder(Protocol):
 
 #: one tensor's fit: its projection (cast to the dtype it is stored in) and its coder
 Fitted = tuple[GroupProjection, LatentCoder]
+
+
+@dataclass(frozen=True)
+class FitSettings:
+    """What a coder choice's ``fit`` is told besides the tokens (the config's and the model's part).
+
+    Attributes:
+        groups: head groups sharing a projection.
+        rank: latent channels kept (a cap for policies that choose their own rank), or None.
+        energy_threshold: the spectrum's energy the rank keeps when ``rank`` is None.
+        group_size: channels sharing a scale and bias in a mixed-bit coder's rows.
+        quantize_values: whether values are quantized (else kept as unquantized latents).
+        dtype: the dtype of the keys and values coded.
+        gather: under tensor parallel (:meth:`palu_mlx.distributed.HeadShard.gather`), this rank's
+            per-head statistics -> every head's, so that widths and ranks are one process's; None
+            in one process.
+    """
+
+    groups: int
+    rank: int | None
+    energy_threshold: float
+    group_size: int
+    quantize_values: bool
+    dtype: mx.Dtype
+    gather: Callable[[np.ndarray], np.ndarray] | None = None
 
 
 def compact_dtype(dtype: mx.Dtype) -> mx.Dtype:

@@ -11,9 +11,7 @@ token).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -29,7 +27,7 @@ from ..mixed_bit import (
     Segment,
     UniformPolicy,
 )
-from .base import Fitted, compact_dtype, projection_dtype
+from .base import FitSettings, Fitted, compact_dtype, projection_dtype
 
 __all__ = ["HiLoSplit", "fit_mixed_bit"]
 
@@ -72,66 +70,53 @@ class HiLoSplit:
         """The bit allocation: :class:`~palu_mlx.mixed_bit.FixedSplitPolicy` of these widths."""
         return FixedSplitPolicy(self.hi_bit, self.lo_bit, self.hi_fraction)
 
-    def fit(self, keys: mx.array, values: mx.array, **knobs: Any) -> tuple[Fitted, Fitted]:
+    def fit(self, keys: mx.array, values: mx.array, settings: FitSettings) -> tuple[Fitted, Fitted]:
         """Keys' and values' projections and coders, fitted on ``keys`` / ``values`` ``[B, H, S, D]``:
-        :func:`fit_mixed_bit` with :meth:`policy` and the same keywords (``groups``, ``rank`` (else
-        ``energy_threshold``) for the rank, ``group_size``, ``quantize_values``, ``dtype``, ``gather``)."""
-        return fit_mixed_bit(keys, values, self.policy(), **knobs)
+        :func:`fit_mixed_bit` with :meth:`policy`."""
+        return fit_mixed_bit(keys, values, self.policy(), settings)
 
 
 def fit_mixed_bit(
-    keys: mx.array,
-    values: mx.array,
-    policy: BitAllocationPolicy,
-    *,
-    groups: int,
-    rank: int | None,
-    energy_threshold: float,
-    group_size: int,
-    quantize_values: bool,
-    dtype: mx.Dtype,
-    gather: Callable[[np.ndarray], np.ndarray] | None = None,
+    keys: mx.array, values: mx.array, policy: BitAllocationPolicy, settings: FitSettings
 ) -> tuple[Fitted, Fitted]:
-    """Per tensor: a projection of ``groups`` head groups, ``policy``'s segments, a MixedBitCoder.
+    """Per tensor: a projection of ``settings.groups`` head groups, ``policy``'s segments, a
+    MixedBitCoder.
 
-    ``gather`` (tensor parallel, one group per head): this rank's per-group singular values ->
-    every group's, so the rank chosen by energy and the policy's allocation are one process's.
+    ``settings.gather`` (tensor parallel, one group per head): this rank's per-group singular
+    values -> every group's, so the rank chosen by energy and the policy's allocation are one
+    process's.
 
     Values use ``UniformPolicy(16)`` (unquantized latents) unless ``quantize_values``. Projections
     are cast to :func:`~palu_mlx.coders.base.projection_dtype`.
     """
-    value_policy = policy if quantize_values else UniformPolicy(UNQUANTIZED_BITS)
-    compact = compact_dtype(dtype)
+    value_policy = policy if settings.quantize_values else UniformPolicy(UNQUANTIZED_BITS)
+    dtype = settings.dtype
     out = []
     for x, tensor_policy in ((keys, policy), (values, value_policy)):
-        projection, segments = _fit_and_allocate(x, tensor_policy, groups, rank, energy_threshold, gather)
-        coder = MixedBitCoder(segments, group_size, dtype, compact)
+        projection, segments = _fit_and_allocate(x, tensor_policy, settings)
+        coder = MixedBitCoder(segments, settings.group_size, dtype, compact_dtype(dtype))
         out.append((projection.astype(projection_dtype(coder, dtype)), coder))
     return out[0], out[1]
 
 
 def _fit_and_allocate(
-    x: mx.array,
-    policy: BitAllocationPolicy,
-    groups: int,
-    rank: int | None,
-    energy_threshold: float,
-    gather: Callable[[np.ndarray], np.ndarray] | None = None,
+    x: mx.array, policy: BitAllocationPolicy, settings: FitSettings
 ) -> tuple[GroupProjection, tuple[Segment, ...]]:
     """Fit ``x``'s projection, let ``policy`` allocate widths, and drop trailing 0-bit channels.
 
     A policy that ``chooses_rank`` (water-filling) sees the full spectrum (or ``rank``
     channels). If it gives every channel 0 bits, channel 0 keeps 1 bit so the coder has a row.
     """
+    groups, rank, gather = settings.groups, settings.rank, settings.gather
     if getattr(policy, "chooses_rank", False):
         projection = fit_group_projection(x, groups, rank if rank is not None else x.shape[-1])
     elif rank is None and gather is not None:
         # the energy rank is the smallest over the groups: every rank's groups
         full = fit_group_projection(x, groups, x.shape[-1])
-        chosen = select_rank(gather(np.array(full.singular_values)), energy_threshold)
+        chosen = select_rank(gather(np.array(full.singular_values)), settings.energy_threshold)
         projection = full.leading(chosen)
     else:
-        projection = fit_group_projection(x, groups, rank, energy_threshold)
+        projection = fit_group_projection(x, groups, rank, settings.energy_threshold)
     spectrum = np.array(projection.singular_values)
     segments = tuple(
         s for s in policy.allocate(spectrum if gather is None else gather(spectrum)) if s.bits > 0

@@ -15,7 +15,6 @@ relative error (:attr:`WaterFilling.relative_error`).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +24,7 @@ from kvspec import KVConfigError
 
 from ..lowrank import GroupProjection, fit_group_projection, project
 from ..mixed_bit import WaterFillingPolicy, water_fill
-from .base import Fitted, compact_dtype
+from .base import FitSettings, Fitted, compact_dtype
 from .fixed import GAUSSIAN_STEP, FixedQuantCoder
 from .hilo import fit_mixed_bit
 
@@ -134,47 +133,22 @@ class WaterFilling:
         """The same budget as a mixed-bit allocation policy (water-filled segments, per-group scales)."""
         return WaterFillingPolicy(self.bits)
 
-    def fit(
-        self,
-        keys: mx.array,
-        values: mx.array,
-        *,
-        groups: int,
-        rank: int | None,
-        energy_threshold: float,
-        group_size: int,
-        quantize_values: bool,
-        dtype: mx.Dtype,
-        gather: Callable[[np.ndarray], np.ndarray] | None = None,
-    ) -> tuple[Fitted, Fitted]:
+    def fit(self, keys: mx.array, values: mx.array, settings: FitSettings) -> tuple[Fitted, Fitted]:
         """Keys' and values' projections and coders, fitted on ``keys`` / ``values`` ``[B, H, S, D]``
-        (``groups`` head groups; ``rank`` caps the full rank).
-
-        ``gather`` (tensor parallel, :meth:`palu_mlx.distributed.HeadShard.gather`): per-head
-        statistics of this rank -> those of every head; the widths are decided on every head's, so
-        each rank codes its heads as one process would.
+        (``settings.rank`` caps the full rank). Under tensor parallel (``settings.gather``) the
+        widths are decided on every head's statistics, so each rank codes its heads as one process
+        would.
 
         With ``quantize_values`` False the values stay unquantized latents (rank by
         ``energy_threshold`` unless ``rank``), and a mixed-bit coder with water-filled segments
         (:meth:`policy`, per-group scales of ``group_size`` channels) codes the keys.
         """
-        if not quantize_values:
-            return fit_mixed_bit(
-                keys,
-                values,
-                self.policy(),
-                groups=groups,
-                rank=rank,
-                energy_threshold=energy_threshold,
-                group_size=group_size,
-                quantize_values=False,
-                dtype=dtype,
-                gather=gather,
-            )
-        fitted = [fit_variances(x, groups, rank) for x in (keys, values)]
+        if not settings.quantize_values:
+            return fit_mixed_bit(keys, values, self.policy(), settings)
+        fitted = [fit_variances(x, settings.groups, settings.rank) for x in (keys, values)]
         dims = keys.shape[-1] + values.shape[-1]
         # the level is decided on every head's variances (all ranks' under tensor parallel)
-        every = [v if gather is None else gather(v) for _, v in fitted]
+        every = [v if settings.gather is None else settings.gather(v) for _, v in fitted]
         weights = [self.key_weight, self.value_weight]
         if self.relative_error:
             weights = [
@@ -184,7 +158,7 @@ class WaterFilling:
             [w * v.mean(axis=0) for w, v in zip(weights, every, strict=True)], self.budget(dims)
         )
         out = [
-            fixed_coder(proj, head_var, w, all_var, self.token_scale, dtype)
+            fixed_coder(proj, head_var, w, all_var, self.token_scale, settings.dtype)
             for (proj, head_var), w, all_var in zip(fitted, widths, every, strict=True)
         ]
         return out[0], out[1]
