@@ -85,7 +85,11 @@ def _flashcodec(result: dict[str, Any], reading) -> list[str]:
 
 def _palu(result: dict[str, Any]) -> list[str]:
     rows, setup = result["rows"], result["setup"]
-    q4 = rows[Q4]
+    q4 = rows.get(Q4)  # None while a resumed run has not reached it: its columns say so
+
+    def against_q4(value: float | None, of_q4: float | None) -> str:
+        return "–" if value is None or not of_q4 else f"{value / of_q4:.2f}"
+
     lines = [
         f"**palu-mlx** (`{PALU_LONG_RUN_FILE}`, {result['date'][:10]}): `{setup['model']['name']}`, "
         f"{setup['windows']} windows of {setup['context_tokens']:,} tokens of context + "
@@ -98,8 +102,9 @@ def _palu(result: dict[str, Any]) -> list[str]:
     for name, row in sorted(rows.items(), key=lambda item: item[1]["bytes_x_raw"], reverse=True):
         kl = row.get("kl", 0.0)
         lines.append(
-            f"| `{name}` | {row['bytes_x_raw']:.3f} | {row['bytes_x_q4']:.3f} | {kl:.3g} | "
-            f"{kl / q4['kl']:.2f} | {row.get('top1', 1.0):.1%} | {row['ppl']:.2f} |"
+            f"| `{name}` | {row['bytes_x_raw']:.3f} | "
+            f"{against_q4(row['bytes_x_raw'], q4 and q4['bytes_x_raw'])} | {kl:.3g} | "
+            f"{against_q4(kl, q4 and q4['kl'])} | {row.get('top1', 1.0):.1%} | {row['ppl']:.2f} |"
         )
     missing = [n for n in ("baseline", Q4) if n not in rows]
     if missing:

@@ -1,5 +1,5 @@
 """Shape checks of kvbench's inputs that several modules share: a compare result document and
-plain values. Each raises :class:`kvbench.results.CompareError` (a ``KVSpecError`` and a
+plain values. Each raises :class:`kvbench.errors.CompareError` (a ``KVSpecError`` and a
 ``ValueError``) naming what was given, what is wrong and what is expected, before anything is
 printed, drawn or written."""
 
@@ -9,7 +9,7 @@ import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .results import CompareError
+from .errors import CompareError
 
 __all__ = ["check_count", "check_result", "check_rows", "check_token_lists"]
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .results import CompareError
+from .errors import CompareError
 
 __all__ = [
     "HOME_ENV",

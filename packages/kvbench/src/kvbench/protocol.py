@@ -41,7 +41,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from .checks import check_count, check_token_lists
-from .results import CompareError
+from .errors import CompareError
 
 __all__ = [
     "MEASURES",

@@ -1,10 +1,7 @@
 """Results files: the compare document's layout, its stamp (machine, versions, date), strict
 JSON, and digests of the weights and text a result was measured on.
 
-:class:`CompareError` lives here, at the bottom of kvbench, because every module (starting with
-:func:`read_json`) reports a mistake the user can fix with it.
-
-Only numpy, kvspec and the standard library are imported.
+Mistakes are reported with :class:`~kvbench.errors.CompareError` (importable from here too).
 """
 
 from __future__ import annotations
@@ -22,7 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from kvspec import KVSpecError
+
+from .checks import check_result, check_rows
+from .errors import CompareError
+from .protocol import MEASURES
 
 __all__ = [
     "SCHEMA",
@@ -38,10 +38,6 @@ __all__ = [
     "text_digest",
     "run_of",
 ]
-
-
-class CompareError(KVSpecError, ValueError):
-    """A mistake in a compare command (bad path, unknown tier, unusable model): one clear line."""
 
 
 #: the layout :func:`build_result` writes
@@ -192,9 +188,6 @@ def build_result(
 
     ``absent``: ``{"name", "kind", "reason"}`` for every candidate that could not run here.
     """
-    from .checks import check_rows
-    from .protocol import MEASURES
-
     if not isinstance(runs, list):
         raise CompareError(
             f"runs must be a list of {{'name', 'settings', 'rows'}} dicts; got {type(runs).__name__}"
@@ -224,6 +217,4 @@ def build_result(
 
 def run_of(result: dict[str, Any], name: str) -> dict[str, Any] | None:
     """The run called ``name`` ("short" or "long") of a compare document, or None."""
-    from .checks import check_result
-
     return next((run for run in check_result(result)["runs"] if run["name"] == name), None)

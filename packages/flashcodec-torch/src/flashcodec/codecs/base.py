@@ -22,14 +22,13 @@ import dataclasses
 import math
 import numbers
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 from kvspec import KVConfigError, KVDataError, KVDtypeError, KVShapeError
 
-if TYPE_CHECKING:
-    from .tail import TailCoder
+from .parts import PartSpec, check_finite_part
+from .tail import TailCoder, tail_coder
 
 __all__ = [
     "PartSpec",
@@ -42,39 +41,8 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class PartSpec:
-    """One stored array of a codec: its name, per-block shape and dtype.
-
-    The stored tensor for ``n`` blocks has shape ``[..., n, *shape]``.
-    ``dtype=None`` means "the input dtype".
-    """
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype | None
-
-
 #: the largest symmetric int8 code (-128 is never written): ``flashcodec.codecs.quant.QMAX``
 SYMMETRIC_INT8_MAX = 127
-
-
-def check_finite_part(spec: PartSpec, part: torch.Tensor, *, check_finite: bool) -> None:
-    """``KVDataError`` when a float part holds NaN / inf (scales always; any other part when
-    ``check_finite``: with it off, an infinite input leaves infinite coefficients), or a negative
-    scale (a part named ``scales`` / ``tail_scales`` / ``sink_scales``: a range over levels, never below 0)."""
-    if not part.is_floating_point():
-        return
-    is_scale = spec.name in ("scales", "tail_scales", "sink_scales")
-    if (check_finite or is_scale) and not _all_finite(part):
-        raise KVDataError(f"part {spec.name!r} holds NaN or infinity")
-    if is_scale and bool((part < 0).any()):
-        raise KVDataError(f"part {spec.name!r} holds a negative scale (scales are a range over levels, >= 0)")
-
-
-def _all_finite(t: torch.Tensor) -> bool:
-    lo, hi = torch.aminmax(t)
-    return bool(torch.isfinite(lo) & torch.isfinite(hi))
 
 
 def check_block_size(block_size: object) -> int:
@@ -165,8 +133,6 @@ class BlockCodec(ABC):
     @property
     def tail_coder(self) -> TailCoder:
         """The :class:`~flashcodec.codecs.tail.TailCoder` for :attr:`window_bits`."""
-        from .tail import tail_coder  # tail.py uses this module's PartSpec
-
         return tail_coder(self.window_bits)
 
     def sink_specs(self, dim: int) -> tuple[PartSpec, ...]:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from kvspec import KVConfigError
 
-from .base import PartSpec, check_finite_part
+from .parts import PartSpec, check_finite_part
 
 __all__ = [
     "TailCoder",
