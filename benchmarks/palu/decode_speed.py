@@ -3,6 +3,8 @@
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 \\
         hatch run bench:python benchmarks/palu/decode_speed.py               # 1,024 and 2,048 tokens
     ... decode_speed.py --contexts 2048 --rounds 7 --steps 6 --out /tmp/scout.json
+    ... decode_speed.py --decode-dtype bfloat16 --contexts 2048 --chunks \
+        --out benchmarks/results/palu_decode_speed_bf16.json     # every decode step in bfloat16
 
 Writes ``benchmarks/results/palu_decode_speed.json``. On the real model (kvbench's named
 ``smollm2-135m`` unless ``--model`` says otherwise), computed in float32 with its keys and values
@@ -13,6 +15,9 @@ MLX's CPU wheel multiplies float32 through the preloaded OpenBLAS and bfloat16 w
 * the model prefills each context once with mlx-lm's ``KVCache`` (kvbench's held-out text,
   repeated if short); every candidate cache is then filled from those keys and values in
   512-token chunks, as a chunked prefill hands them over (palu fits on the first chunk);
+* ``--decode-dtype bfloat16``: after the prefills the model is cast to bfloat16, so every decode
+  step (weights, activations, every cache's attention) runs in bfloat16, as the model ships; on
+  Linux that is without a BLAS, which slows every candidate, mlx-lm's quantized attention most;
 * candidates take turns (A B C ... A B C ...): each round, every candidate decodes ``--steps``
   tokens, one model call each, and is trimmed back to the context afterwards, so every round of
   every candidate runs at the same context length; the load average is recorded per round;
@@ -169,6 +174,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--tier", default=TIER, help=f"the palu tier to measure (default: {TIER}, KVCacheConfig()'s)"
     )
+    parser.add_argument(
+        "--decode-dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="float32 (default): decode as the prefill computes; bfloat16: the model cast to bfloat16 "
+        "after the prefills, so every decode step runs in bfloat16",
+    )
     parser.add_argument("--out", default=str(OUT))
     args = parser.parse_args(argv)
     model, tokenizer, info = load_model(args.model, "bfloat16", "float32")
@@ -177,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         **stamp(),
         "model": info,
         "tier": args.tier,
+        "decode_dtype": args.decode_dtype,
         "fill_chunk": CHUNK,
         "steps": args.steps,
         "rounds": args.rounds,
@@ -184,9 +197,20 @@ def main(argv: list[str] | None = None) -> int:
         "latents_chunk": attention.CHUNK,
         "contexts": {},
     }
+    # every prefill in float32 first; then, for bfloat16 decoding, the model is cast (its keys and
+    # values are already rounded to bfloat16)
+    prefilled = {}
     for n in args.contexts:
         tokens = mx.array((text_tokens * (n // len(text_tokens) + 1))[:n])[None]
-        kv = context_kv(model, tokens)
+        prefilled[n] = context_kv(model, tokens)
+    if args.decode_dtype == "bfloat16":
+        model.set_dtype(mx.bfloat16)
+        mx.eval(model.parameters())
+        prefilled = {
+            n: [(k.astype(mx.bfloat16), v.astype(mx.bfloat16)) for k, v in kv] for n, kv in prefilled.items()
+        }
+    for n in args.contexts:
+        kv = prefilled.pop(n)
         result["contexts"][str(n)] = measure_context(
             model, kv, args.steps, args.rounds, args.chunks, args.tier
         )

@@ -32,6 +32,7 @@ from palu_long_block import (
     render_palu_long_block,
 )
 from palu_real_block import PALU_REAL_END, PALU_REAL_FILE, PALU_REAL_START, render_palu_real_block
+from palu_speed_block import PALU_SPEED_END, PALU_SPEED_FILES, PALU_SPEED_START, render_palu_speed_block
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -687,9 +688,14 @@ def main(argv: list[str] | None = None) -> int:
     long_real = args.results / PALU_LONG_REAL_FILE
     if long_real.is_file():
         block = render_palu_long_block(
-            read_json(long_real), PALU_LONG_REAL_FILE, PALU_LONG_REAL_START, PALU_LONG_REAL_END
+            read_json(long_real), PALU_LONG_REAL_FILE, PALU_LONG_REAL_START, PALU_LONG_REAL_END, 0.5
         )
         put(PALU_DOC, block, PALU_LONG_REAL_START, PALU_LONG_REAL_END)
+    speed = {
+        name: read_json(args.results / name) for name in PALU_SPEED_FILES if (args.results / name).is_file()
+    }
+    if speed:
+        put(PALU_DOC, render_palu_speed_block(speed), PALU_SPEED_START, PALU_SPEED_END)
     real_file = args.results / PALU_REAL_FILE
     if real_file.is_file():
         put(PALU_DOC, render_palu_real_block(read_json(real_file)), PALU_REAL_START, PALU_REAL_END)

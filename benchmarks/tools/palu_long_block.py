@@ -28,13 +28,18 @@ def render_palu_long_block(
     file: str = PALU_LONG_FILE,
     start: str = PALU_LONG_START,
     end: str = PALU_LONG_END,
+    peak_target: float | None = None,
 ) -> str:
-    """Per context: bytes held, the decode step's peak and decode speed of every cache, beside q4's."""
+    """Per context: bytes held, the decode step's peak and decode speed of every cache, beside q4's;
+    with ``peak_target``, a line per palu cache on its peak at the longest context against that
+    multiple of q4's."""
     name = result.get("model", {}).get("name")
     where = "the embedded model" if name in (None, "tiny-qwen3") else name
     where += " in bfloat16"
     if result.get("prefill_dtype") == "float32":
         where += " (the prefill computed in float32 with its keys and values rounded to bfloat16)"
+    if result.get("sensitivity"):
+        where += "; `+sens` tiers read the model's sensitivity profile (`palu-mlx sensitivity`)"
     rebuild = (
         " `-rebuild` rows run the same palu caches through the path that rebuilds the whole history for SDPA."
         if any(n.endswith("-rebuild") for rows in result["contexts"].values() for n in rows)
@@ -65,5 +70,23 @@ def render_palu_long_block(
                 f"{row['speed_vs_q4']:.2f} | {row['speed_vs_baseline']:.2f} |"
             )
         lines.append("")
+    if peak_target is not None:
+        lines += _against_target(result, peak_target)
     lines.append(end)
     return "\n".join(lines)
+
+
+def _against_target(result: dict[str, Any], target: float) -> list[str]:
+    """At the longest context, each palu cache's held bytes and decode peak against q4's, read
+    against a peak of at most ``target`` times q4's."""
+    context = max(result["contexts"], key=int)
+    out = []
+    for name, row in result["contexts"][context].items():
+        if not name.startswith("palu-") or name.endswith("-rebuild"):
+            continue
+        verdict = "met" if row["peak_vs_q4"] <= target else "not met"
+        out.append(
+            f"- At {int(context):,} tokens `{name}` holds {row['held_vs_q4']:.2f}x q4's bytes and one decode "
+            f"step peaks at {row['peak_vs_q4']:.2f}x q4's peak (a peak of at most {target}x q4's: {verdict})."
+        )
+    return [*out, ""] if out else []

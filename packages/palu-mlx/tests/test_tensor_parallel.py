@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from palu_helpers import make_tiny_qwen3
 from palu_mlx import HiLoSplit, KVCacheBuilder, PaluKVCache, WaterFilling, model_kv_dims
-from palu_mlx.coders.base import FitSettings
+from palu_mlx.coders import FitSettings
 from palu_mlx.tiers import TIERS
 
 MODEL = os.environ.get("KVBENCH_EMBEDDED_MODEL") or str(

@@ -4,10 +4,12 @@
   Gaussian-step quantizers (:class:`FixedQuantCoder`), optionally a per-token scale;
 * :class:`HiLoSplit` (the reference's settings): a rank, the top channels at ``hi_bit`` and the rest
   at ``lo_bit``, per-group scale and bias (:class:`~palu_mlx.mixed_bit.MixedBitCoder`);
-* :class:`LatentCoder`: what a cache asks of a per-tensor coder (:mod:`palu_mlx.coders.base`).
+* :class:`LatentCoder`: what a cache asks of a per-tensor coder, and :class:`FitSettings`, what a
+  coder choice's ``fit(keys, values, settings)`` is told besides the tokens
+  (:mod:`palu_mlx.coders.base`).
 """
 
-from .base import LatentCoder
+from .base import FitSettings, LatentCoder
 from .fixed import GAUSSIAN_STEP, TOKEN_SCALE_BYTES, FixedQuantCoder, token_scales
 from .hilo import HiLoSplit
 from .water_filling import DEFAULT_PALU_BITS, WaterFilling
@@ -16,6 +18,7 @@ __all__ = [
     "HiLoSplit",
     "WaterFilling",
     "LatentCoder",
+    "FitSettings",
     "FixedQuantCoder",
     "GAUSSIAN_STEP",
     "TOKEN_SCALE_BYTES",
