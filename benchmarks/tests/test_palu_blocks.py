@@ -1,0 +1,63 @@
+"""docs/palu-mlx.md's and docs/benchmarks.md's generated palu blocks: what each says from its file."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+from kvbench.results import read_json
+from long_run_block import _palu
+from palu_long_block import PALU_LONG_REAL_FILE, render_palu_long_block
+from palu_speed_block import PALU_SPEED_END, PALU_SPEED_START, render_palu_speed_block
+
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+
+
+def _speed() -> dict:
+    return read_json(RESULTS / "palu_decode_speed.json")
+
+
+def test_the_speed_block_shows_each_file_with_its_decode_dtype_and_same_round_ratio():
+    fp32 = _speed()
+    bf16 = copy.deepcopy(fp32)
+    bf16["decode_dtype"] = "bfloat16"
+    context = next(iter(bf16["contexts"]))
+    row = bf16["contexts"][context]["candidates"][f"{bf16['tier']} (packed)"]
+    row["vs_q4_median_of_rounds"] = 1.23
+    text = render_palu_speed_block({"palu_decode_speed.json": fp32, "palu_decode_speed_bf16.json": bf16})
+    assert text.startswith(PALU_SPEED_START) and text.endswith(PALU_SPEED_END)
+    assert "**Decode in float32**" in text and "**Decode in bfloat16**" in text
+    assert f"`{bf16['tier']}` decodes at 1.23x q4's tokens/s at {int(context):,} tokens" in text
+    only = render_palu_speed_block({"palu_decode_speed.json": fp32})
+    assert "**Decode in bfloat16**" not in only
+
+
+def test_the_peak_target_line_says_met_only_at_or_under_the_target():
+    result = read_json(RESULTS / PALU_LONG_REAL_FILE)
+    longest = max(result["contexts"], key=int)
+    name = next(n for n in result["contexts"][longest] if n.startswith("palu-"))
+    for peak, verdict in ((0.5, "met"), (0.51, "not met")):
+        edited = copy.deepcopy(result)
+        edited["contexts"][longest][name]["peak_vs_q4"] = peak
+        text = render_palu_long_block(edited, peak_target=0.5)
+        assert f"`{name}` holds" in text and f"peaks at {peak:.2f}x q4's peak" in text
+        line = next(line for line in text.splitlines() if f"`{name}` holds" in line)
+        assert line.endswith(f": {verdict}).")
+    assert "one decode step peaks at" not in render_palu_long_block(result)  # no target, no line
+
+
+def test_a_palu_long_run_that_has_not_reached_q4_renders_with_its_q4_columns_empty():
+    partial = {
+        "date": "2026-12-02T00:00:00+00:00",
+        "setup": {
+            "model": {"name": "smollm2-135m"},
+            "windows": 16,
+            "context_tokens": 1792,
+            "scored_tokens": 256,
+            "step_tokens": 32,
+        },
+        "rows": {"baseline": {"ppl": 11.29, "bytes_x_raw": 1.06, "bytes_x_q4": None}},
+    }
+    text = "\n".join(_palu(partial))
+    assert "| `baseline` | 1.060 | – | 0 | – | 100.0% | 11.29 |" in text
+    assert "Not run yet: mlx-lm-q4." in text
