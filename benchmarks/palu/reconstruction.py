@@ -20,7 +20,7 @@ from kvbench.results import environment_stamp, results_path, write_json
 from kvspec.conformance import relative_error as rel_err
 from kvspec.vectors import load_vectors
 from palu_mlx import PaluKVCache, naive_roundtrip
-from palu_mlx.spec import PaluAdapter
+from palu_mlx.kvspec_adapter import PaluAdapter
 from palu_mlx.state_checks import STATE_META
 from palu_mlx.tiers import TIERS
 

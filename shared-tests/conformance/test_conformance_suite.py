@@ -26,7 +26,7 @@ from kvspec.conformance import PASSED, conformance_items
 
 ADAPTER_CLASSES = {
     "reference": "kvspec.reference:ReferenceAdapter",
-    "palu": "palu_mlx.spec:PaluAdapter",
+    "palu": "palu_mlx.kvspec_adapter:PaluAdapter",
     "flashcodec": "flashcodec.kvspec_adapter:FlashCodecAdapter",
 }
 

@@ -42,9 +42,9 @@ from palu_mlx import (
 from palu_mlx.calibrated import CalibratedKVCache
 from palu_mlx.calibration import kv_weights_digest, model_identity
 from palu_mlx.cli import main as cli_main
+from palu_mlx.kvspec_adapter import PaluAdapter
 from palu_mlx.layer import CacheLayer
 from palu_mlx.mixed_bit import pack_codes, unpack_codes
-from palu_mlx.spec import PaluAdapter
 
 
 @dataclass(frozen=True)

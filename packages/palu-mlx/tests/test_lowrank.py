@@ -8,8 +8,8 @@ import pytest
 from kvspec import KVConfigError, KVDtypeError
 from palu_helpers import gaussian, planted_lowrank
 from palu_mlx import fit_group_projection, project, reconstruct, select_rank
+from palu_mlx.kvspec_adapter import PaluAdapter
 from palu_mlx.lowrank import group_spectrum
-from palu_mlx.spec import PaluAdapter
 
 
 def test_group_svd_recovers_planted_subspace():

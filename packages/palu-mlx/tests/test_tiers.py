@@ -5,14 +5,14 @@ from __future__ import annotations
 import dataclasses
 
 import mlx.core as mx
-import palu_mlx.spec as spec
+import palu_mlx.kvspec_adapter as adapter_module
 import pytest
 from kvspec import KVConfigError, KVSpecError
 from palu_helpers import planted_lowrank, rel_err
 from palu_mlx import CALIBRATED_TIERS, TIERS, KVCacheConfig, PaluKVCache, Tier, tier
 from palu_mlx.compare import tier_config
 from palu_mlx.config import REFERENCE_SPLIT
-from palu_mlx.spec import PaluAdapter
+from palu_mlx.kvspec_adapter import PaluAdapter
 
 
 def test_registry_is_keyed_by_tier_name_in_display_order():
@@ -101,7 +101,7 @@ def test_conformance_cases_are_the_tiers():
     cases = PaluAdapter().configs()
     assert [c.name for c in cases] == list(TIERS)
     assert all(c.config is TIERS[c.name].config for c in cases)
-    assert "TIERS" not in spec.__all__
+    assert "TIERS" not in adapter_module.__all__
 
 
 def test_every_tier_caches_and_errors_grow_down_the_list():

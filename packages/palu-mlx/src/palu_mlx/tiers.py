@@ -1,10 +1,10 @@
 """The palu tiers: every named configuration of the palu cache, defined here and nowhere else.
 
 A tier is a name, a one-line description, a :class:`KVCacheConfig` and, where it needs one, the
-calibration it needs. The conformance adapter (:mod:`palu_mlx.spec`) adds capabilities and
+calibration it needs. The conformance adapter (:mod:`palu_mlx.kvspec_adapter`) adds capabilities and
 tolerances to the tiers of :data:`TIERS`; command lines, benchmarks, tests and docs read them
 from here. Adding a tier is one entry here (plus its conformance promises in
-:mod:`palu_mlx.spec`).
+:mod:`palu_mlx.kvspec_adapter`).
 
 :data:`CALIBRATED_TIERS` holds the calibrated twin of every tier with a bit budget
 (``<tier>+cal``): the same config coded with fixed projections and quantizers from a
