@@ -85,7 +85,9 @@ class PaluAdapter(Adapter):
     def configs(self) -> list[CacheConfigCase]:
         missing = [name for name in TIERS if name not in _PROMISES]
         if missing:
-            raise NotImplementedError(f"palu tiers {missing} have no conformance promises in palu_mlx.kvspec_adapter")
+            raise NotImplementedError(
+                f"palu tiers {missing} have no conformance promises in palu_mlx.kvspec_adapter"
+            )
         cases = []
         for name, tier in TIERS.items():
             capabilities, default_tolerance, tolerance = _PROMISES[name]
