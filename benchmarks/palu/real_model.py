@@ -32,7 +32,12 @@ The protocol (a lighter cousin of kvbench's, which decodes the scored tokens one
   profile's sha256.
 
 Results are written after every candidate; a rerun skips candidates already in the file with
-the same settings (``--only`` runs one), so a long run can be cut into short ones.
+the same settings (``--only`` runs one), so a long run can be cut into short ones. Each
+candidate's per-position KL and negative log-likelihood are kept beside the baseline's
+log-probabilities (in the temporary directory, outside the repository), so that every row gets
+kvbench's paired 95% bootstrap intervals over the scored positions: its perplexity minus the
+baseline's (``ppl_delta_ci95``) and, beside mlx-lm's 4-bit cache, its KL and perplexity minus
+q4's (``vs_q4``).
 """
 
 from __future__ import annotations
@@ -51,7 +56,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 from kvbench.models import default_text_path
-from kvbench.protocol import Settings, text_windows
+from kvbench.protocol import BOOTSTRAP_RESAMPLES, Settings, ppl_delta_interval, text_windows
 from kvbench.results import environment_stamp, results_path, write_json
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 from palu_mlx import KVCacheBuilder, KVCacheConfig
@@ -180,6 +185,34 @@ def run_window(model: Any, make: Callable[[], list[Any]], window: list[int], con
     return logp, float(np.mean(held)), raw
 
 
+def mean_interval(diff: np.ndarray, seed: int = 0) -> list[float]:
+    """``[low, high]``: the 2.5% and 97.5% quantiles of the mean of ``diff`` (paired per-position
+    differences) over kvbench's bootstrap resamples of the positions."""
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, len(diff), (BOOTSTRAP_RESAMPLES, len(diff)))
+    means = diff[idx].mean(axis=1)
+    return [float(np.quantile(means, 0.025)), float(np.quantile(means, 0.975))]
+
+
+def add_intervals(rows: dict[str, dict], positions: dict[str, dict[str, np.ndarray]]) -> None:
+    """Put each measured row's paired intervals in it: perplexity against the baseline's and,
+    where q4 was measured, KL and perplexity against q4's (``positions``: name -> ``{"kl",
+    "nll"}`` per scored position; rows without them are left as they are)."""
+    base, q4 = positions.get("baseline"), positions.get("mlx-lm-q4")
+    for name, row in rows.items():
+        mine = positions.get(name)
+        if name == "baseline" or mine is None or base is None:
+            continue
+        row["ppl_delta_ci95"] = ppl_delta_interval(base["nll"], mine["nll"])
+        if q4 is not None and name != "mlx-lm-q4":
+            row["vs_q4"] = {
+                "kl_delta": float((mine["kl"] - q4["kl"]).mean()),
+                "kl_delta_ci95": mean_interval(mine["kl"] - q4["kl"]),
+                "ppl_delta": float(np.exp(mine["nll"].mean()) - np.exp(q4["nll"].mean())),
+                "ppl_delta_ci95": ppl_delta_interval(q4["nll"], mine["nll"]),
+            }
+
+
 def add_protocol_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of this protocol (model, window, step, the files the calibrated candidates read),
     shared with the scripts that follow it (``byte_breakdown.py``)."""
@@ -236,6 +269,18 @@ def main(argv: list[str] | None = None) -> int:
     base = None
     if base_file.exists() and "baseline" in result["rows"]:
         base = np.load(base_file)
+    targets = np.concatenate([np.array(w[args.context :]) for w in windows])
+
+    def position_file(name: str) -> Path:
+        return base_file.with_name(f"palu_real_model.{key}.{name}.npz")
+
+    positions = {}
+    if base is not None:
+        positions["baseline"] = {"nll": -base[np.arange(len(targets)), targets]}
+    for name in result["rows"]:
+        if name != "baseline" and position_file(name).exists():
+            with np.load(position_file(name)) as saved:
+                positions[name] = {"kl": saved["kl"], "nll": saved["nll"]}
     for name in dict.fromkeys(wanted):
         make, config = cands[name]
         done = result["rows"].get(name)
@@ -251,17 +296,20 @@ def main(argv: list[str] | None = None) -> int:
         logp = np.concatenate([r[0] for r in runs])
         held = float(np.mean([r[1] for r in runs]))
         raw = float(np.mean([r[2] for r in runs]))
-        targets = np.concatenate([np.array(w[args.context :]) for w in windows])
         nll = -logp[np.arange(len(targets)), targets]
         row = {"config": config, "held_bytes": held, "raw_bytes": raw, "ppl": float(np.exp(nll.mean()))}
         if name == "baseline":
             base = logp
             np.save(base_file, logp)
+            positions[name] = {"nll": nll}
         else:
             kl = np.maximum((np.exp(base) * (base - logp)).sum(axis=-1), 0.0)
             row.update(kl=float(kl.mean()), top1=float((base.argmax(-1) == logp.argmax(-1)).mean()))
+            np.savez(position_file(name), kl=kl, nll=nll)
+            positions[name] = {"kl": kl, "nll": nll}
         row["seconds"] = round(time.perf_counter() - started, 1)
         result["rows"][name] = row
+        add_intervals(result["rows"], positions)
         q4 = result["rows"].get("mlx-lm-q4")
         for r in result["rows"].values():
             r["bytes_x_raw"] = r["held_bytes"] / r["raw_bytes"]

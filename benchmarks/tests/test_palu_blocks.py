@@ -46,18 +46,43 @@ def test_the_peak_target_line_says_met_only_at_or_under_the_target():
     assert "one decode step peaks at" not in render_palu_long_block(result)  # no target, no line
 
 
+_SETUP = {
+    "model": {"name": "smollm2-135m"},
+    "windows": 16,
+    "context_tokens": 1792,
+    "scored_tokens": 256,
+    "step_tokens": 32,
+}
+_BASELINE = {"ppl": 11.29, "bytes_x_raw": 1.06, "bytes_x_q4": None}
+
+
 def test_a_palu_long_run_that_has_not_reached_q4_renders_with_its_q4_columns_empty():
-    partial = {
-        "date": "2026-12-02T00:00:00+00:00",
-        "setup": {
-            "model": {"name": "smollm2-135m"},
-            "windows": 16,
-            "context_tokens": 1792,
-            "scored_tokens": 256,
-            "step_tokens": 32,
-        },
-        "rows": {"baseline": {"ppl": 11.29, "bytes_x_raw": 1.06, "bytes_x_q4": None}},
-    }
+    partial = {"date": "2026-12-02T00:00:00+00:00", "setup": _SETUP, "rows": {"baseline": _BASELINE}}
     text = "\n".join(_palu(partial))
-    assert "| `baseline` | 1.060 | – | 0 | – | 100.0% | 11.29 |" in text
+    assert "| `baseline` | 1.060 | – | 0 | – |  | 100.0% | 11.29 |  |  |" in text
     assert "Not run yet: mlx-lm-q4." in text
+
+
+def test_a_palu_long_run_row_shows_its_paired_intervals_against_the_baseline_and_q4():
+    q4 = {"ppl": 12.0, "kl": 0.1, "top1": 0.85, "bytes_x_raw": 0.3, "ppl_delta_ci95": [0.5, 0.9]}
+    tier = {
+        "ppl": 11.6,
+        "kl": 0.05,
+        "top1": 0.9,
+        "bytes_x_raw": 0.15,
+        "ppl_delta_ci95": [0.2, 0.4],
+        "vs_q4": {
+            "kl_delta": -0.05,
+            "kl_delta_ci95": [-0.06, -0.04],
+            "ppl_delta": -0.4,
+            "ppl_delta_ci95": [-0.5, -0.3],
+        },
+    }
+    result = {
+        "date": "2026-12-02T00:00:00+00:00",
+        "setup": _SETUP,
+        "rows": {"baseline": _BASELINE, "mlx-lm-q4": q4, "palu-x": tier},
+    }
+    row = next(line for line in _palu(result) if line.startswith("| `palu-x`"))
+    assert "| 0.150 | 0.50 | 0.05 | 0.50 | -5.00e-02 [-6.00e-02, -4.00e-02] | 90.0% | 11.60 |" in row
+    assert row.endswith("| +0.310 [+0.200, +0.400] | -0.400 [-0.500, -0.300] |")

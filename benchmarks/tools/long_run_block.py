@@ -90,21 +90,39 @@ def _palu(result: dict[str, Any]) -> list[str]:
     def against_q4(value: float | None, of_q4: float | None) -> str:
         return "–" if value is None or not of_q4 else f"{value / of_q4:.2f}"
 
+    def ppl_delta(row: dict[str, Any]) -> str:
+        if "ppl_delta_ci95" not in row:
+            return ""
+        return _interval({"ppl_delta": row["ppl"] - rows["baseline"]["ppl"], "ci95": row["ppl_delta_ci95"]})
+
+    def kl_vs_q4(row: dict[str, Any]) -> str:
+        vs = row.get("vs_q4")
+        if vs is None:
+            return ""
+        low, high = vs["kl_delta_ci95"]
+        return f"{vs['kl_delta']:+.2e} [{low:+.2e}, {high:+.2e}]"
+
     lines = [
         f"**palu-mlx** (`{PALU_LONG_RUN_FILE}`, {result['date'][:10]}): `{setup['model']['name']}`, "
         f"{setup['windows']} windows of {setup['context_tokens']:,} tokens of context + "
         f"{setup['scored_tokens']} scored ({setup['windows'] * setup['scored_tokens']:,} scored positions), "
-        f"read {setup['step_tokens']} at a time, the model computed in float32 with bfloat16 keys and values.",
+        f"read {setup['step_tokens']} at a time, the model computed in float32 with bfloat16 keys and values. "
+        "Intervals: kvbench's paired 95% bootstrap over the scored positions (*d ppl*: perplexity minus "
+        "the baseline's; *KL - q4's* and *d ppl vs q4*: minus mlx-lm's 4-bit cache's on the same positions).",
         "",
-        "| cache | bytes x uncompressed | bytes x q4 | KL | KL x q4 | top-1 | perplexity |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| cache | bytes x uncompressed | bytes x q4 | KL | KL x q4 | KL - q4's [95%] | top-1 | perplexity "
+        "| d ppl [95%] | d ppl vs q4 [95%] |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, row in sorted(rows.items(), key=lambda item: item[1]["bytes_x_raw"], reverse=True):
         kl = row.get("kl", 0.0)
+        vs = row.get("vs_q4")
         lines.append(
             f"| `{name}` | {row['bytes_x_raw']:.3f} | "
             f"{against_q4(row['bytes_x_raw'], q4 and q4['bytes_x_raw'])} | {kl:.3g} | "
-            f"{against_q4(kl, q4 and q4['kl'])} | {row.get('top1', 1.0):.1%} | {row['ppl']:.2f} |"
+            f"{against_q4(kl, q4 and q4['kl'])} | {kl_vs_q4(row)} | {row.get('top1', 1.0):.1%} | "
+            f"{row['ppl']:.2f} | {ppl_delta(row)} | "
+            f"{_interval(vs and {'ppl_delta': vs['ppl_delta'], 'ci95': vs['ppl_delta_ci95']})} |"
         )
     missing = [n for n in ("baseline", Q4) if n not in rows]
     if missing:
