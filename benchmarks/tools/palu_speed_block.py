@@ -55,7 +55,7 @@ def render_palu_speed_block(results: dict[str, dict[str, Any]]) -> str:
         model = result.get("model", {}).get("name", "the model")
         lines += [
             f"**Decode in {result.get('decode_dtype', 'float32')}** (`benchmarks/results/{file}`, "
-            f"{result['date'][:10]}): `{model}` {_setting(result)}; the candidates take turns for "
+            f"{result['date'][:10]}): `{model}`, {_setting(result)}; the candidates take turns for "
             f"{result['rounds']} rounds of {result['steps']} decode steps, and *x q4* is each round's "
             "tokens/s over mlx-lm's `QuantizedKVCache(bits=4)`'s in the same round, the median over "
             "rounds. *transient* is one step's allocator peak over what was allocated before it.",
