@@ -21,6 +21,9 @@ The protocol (a lighter cousin of kvbench's, which decodes the scored tokens one
   in steps of ``--step`` tokens; every scored position's next-token distribution is compared
   with the uncompressed cache's (``KVCache``, same run): KL divergence (nats) and top-1
   agreement, and each position's negative log-likelihood gives perplexity;
+* ``float32-kv``, the noise floor: the uncompressed cache with the model's float32 keys and values
+  (not rounded to bfloat16): its KL to the baseline is what rounding alone moves the model, so
+  rows near it are not told apart by this protocol;
 * bytes are everything a cache holds (``nbytes`` of every array, buffers at their grown
   capacity, measured before each step and averaged over the steps), reported over the
   uncompressed bfloat16 K/V and over mlx-lm's ``QuantizedKVCache(bits=4, group_size=64)``'s
@@ -49,7 +52,8 @@ import json
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +106,30 @@ COMPACT_PARTS = {
     "palu-1.75bit-compact-fill+sens": ("palu-1.75bit-compact+sens", dict(palu_fill_rows=True)),
 }
 PEERS = {"mlx-lm-q8": 8, "mlx-lm-q4": 4}
+#: the noise floor: the uncompressed cache holding the model's float32 keys and values, which every
+#: other candidate gets rounded to bfloat16 (KL this small or smaller is rounding, not the cache)
+FLOOR = "float32-kv"
+
+
+@contextmanager
+def kv_unrounded(model: Any) -> Iterator[None]:
+    """Within: the model's key and value projections keep their float32 outputs (``load_model``'s
+    ``compute_dtype="float32"`` rounds them to the cache dtype); restored on the way out."""
+    classes = []
+    for layer in model.layers:
+        attn = layer.self_attn
+        key_module = "k_norm" if callable(getattr(attn, "k_norm", None)) else "k_proj"
+        for module in (getattr(attn, key_module), attn.v_proj):
+            if getattr(type(module), "_rounds_to", None) is not None and type(module) not in classes:
+                classes.append(type(module))
+    saved = [cls._rounds_to for cls in classes]
+    for cls in classes:
+        cls._rounds_to = mx.float32
+    try:
+        yield
+    finally:
+        for cls, dtype in zip(classes, saved, strict=True):
+            cls._rounds_to = dtype
 
 
 def candidates(
@@ -110,7 +138,11 @@ def candidates(
     """name -> (cache factory, description of its configuration)."""
     head_dim, n_kv = model_kv_dims(model)
     out: dict[str, tuple[Callable[[], list[Any]], dict]] = {
-        "baseline": (lambda: [KVCache() for _ in model.layers], {"class": "mlx_lm KVCache"})
+        "baseline": (lambda: [KVCache() for _ in model.layers], {"class": "mlx_lm KVCache"}),
+        FLOOR: (
+            lambda: [KVCache() for _ in model.layers],
+            {"class": "mlx_lm KVCache", "keys_and_values": "float32, not rounded"},
+        ),
     }
     for name, bits in PEERS.items():
         out[name] = (
@@ -292,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
         ):
             continue
         started = time.perf_counter()
-        runs = [run_window(model, make, w, args.context, args.step) for w in windows]
+        with kv_unrounded(model) if name == FLOOR else nullcontext():
+            runs = [run_window(model, make, w, args.context, args.step) for w in windows]
         logp = np.concatenate([r[0] for r in runs])
         held = float(np.mean([r[1] for r in runs]))
         raw = float(np.mean([r[2] for r in runs]))

@@ -37,7 +37,7 @@ FLASHCODEC_COMMAND = (
 PALU_COMMAND = (
     "LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 hatch run bench:python "
     "benchmarks/palu/real_model.py --windows 16 --context 1792 --scored 256 --only "
-    "mlx-lm-q4,palu-2.25bit-scaled+rel --out benchmarks/results/palu_real_model_long.json"
+    "mlx-lm-q4,palu-2.25bit-scaled+rel,float32-kv --out benchmarks/results/palu_real_model_long.json"
 )
 
 #: the peer each package's rows are read against
@@ -108,7 +108,9 @@ def _palu(result: dict[str, Any]) -> list[str]:
         f"{setup['scored_tokens']} scored ({setup['windows'] * setup['scored_tokens']:,} scored positions), "
         f"read {setup['step_tokens']} at a time, the model computed in float32 with bfloat16 keys and values. "
         "Intervals: kvbench's paired 95% bootstrap over the scored positions (*d ppl*: perplexity minus "
-        "the baseline's; *KL - q4's* and *d ppl vs q4*: minus mlx-lm's 4-bit cache's on the same positions).",
+        "the baseline's; *KL - q4's* and *d ppl vs q4*: minus mlx-lm's 4-bit cache's on the same positions). "
+        "`float32-kv` is the noise floor: the uncompressed cache holding the float32 keys and values that "
+        "every other row gets rounded to bfloat16 (its bytes are float32's).",
         "",
         "| cache | bytes x uncompressed | bytes x q4 | KL | KL x q4 | KL - q4's [95%] | top-1 | perplexity "
         "| d ppl [95%] | d ppl vs q4 [95%] |",
