@@ -1,8 +1,8 @@
 """The flashcodec tiers that target the real model, beside transformers' hqq caches, in one run.
 
 Runs ``flashcodec compare`` (kvbench's protocol) on the real model (SmolLM2-135M-Instruct, bf16,
-attention on the codes for the ``-mf`` tiers) with :func:`compare_cli`'s arguments, keeps its whole result and
-adds a summary per row of the long run (a window of 1,792 prefilled + 256 scored tokens, decode
+attention on the codes for the ``-mf`` tiers) with :func:`compare_cli`'s arguments, keeps its whole
+result and adds a summary per row of the long run (a window of 1,792 prefilled + 256 scored tokens, decode
 timed at 2,048 tokens): bytes against the uncompressed bf16 cache, resident and averaged over
 decoding (``resident_ratio_decode_mean``), KL to the baseline's next-token distribution, top-1
 agreement, and decode tokens/s as a ratio to ``hf-hqq-q4`` in the same run.

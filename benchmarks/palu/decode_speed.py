@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         "contexts": {},
     }
     # every prefill in float32 first; then, for bfloat16 decoding, the model is cast (its keys and
-    # values are already rounded to bfloat16)
+    # values are already bfloat16: load_model rounds them)
     prefilled = {}
     for n in args.contexts:
         tokens = mx.array((text_tokens * (n // len(text_tokens) + 1))[:n])[None]
@@ -206,9 +206,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.decode_dtype == "bfloat16":
         model.set_dtype(mx.bfloat16)
         mx.eval(model.parameters())
-        prefilled = {
-            n: [(k.astype(mx.bfloat16), v.astype(mx.bfloat16)) for k, v in kv] for n, kv in prefilled.items()
-        }
     for n in args.contexts:
         kv = prefilled.pop(n)
         result["contexts"][str(n)] = measure_context(

@@ -52,8 +52,8 @@ import json
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +65,7 @@ from kvbench.results import environment_stamp, results_path, write_json
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 from palu_mlx import KVCacheBuilder, KVCacheConfig
 from palu_mlx.builder import model_kv_dims
-from palu_mlx.compare import load_model, tier_config
+from palu_mlx.compare import load_model, noise_floor_candidate, tier_config
 from palu_mlx.tiers import SENSITIVITY_TIERS
 
 OUT = results_path("palu_real_model.json")
@@ -109,27 +109,6 @@ PEERS = {"mlx-lm-q8": 8, "mlx-lm-q4": 4}
 #: the noise floor: the uncompressed cache holding the model's float32 keys and values, which every
 #: other candidate gets rounded to bfloat16 (KL this small or smaller is rounding, not the cache)
 FLOOR = "float32-kv"
-
-
-@contextmanager
-def kv_unrounded(model: Any) -> Iterator[None]:
-    """Within: the model's key and value projections keep their float32 outputs (``load_model``'s
-    ``compute_dtype="float32"`` rounds them to the cache dtype); restored on the way out."""
-    classes = []
-    for layer in model.layers:
-        attn = layer.self_attn
-        key_module = "k_norm" if callable(getattr(attn, "k_norm", None)) else "k_proj"
-        for module in (getattr(attn, key_module), attn.v_proj):
-            if getattr(type(module), "_rounds_to", None) is not None and type(module) not in classes:
-                classes.append(type(module))
-    saved = [cls._rounds_to for cls in classes]
-    for cls in classes:
-        cls._rounds_to = mx.float32
-    try:
-        yield
-    finally:
-        for cls, dtype in zip(classes, saved, strict=True):
-            cls._rounds_to = dtype
 
 
 def candidates(
@@ -290,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     if result.get("setup") != setup:
         result = {"setup": setup, "rows": {}}
     cands = candidates(model, args.calibration, args.sensitivity)
+    floor = noise_floor_candidate(model)
     wanted = list(cands) if args.only is None else ["baseline", *args.only.split(",")]
     unknown = [n for n in wanted if n not in cands]
     if unknown:
@@ -324,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
         ):
             continue
         started = time.perf_counter()
-        with kv_unrounded(model) if name == FLOOR else nullcontext():
+        # the floor runs with the K/V rounding off (palu-mlx compare's noise floor does the same)
+        with floor.context() if name == FLOOR else nullcontext():
             runs = [run_window(model, make, w, args.context, args.step) for w in windows]
         logp = np.concatenate([r[0] for r in runs])
         held = float(np.mean([r[1] for r in runs]))

@@ -29,6 +29,7 @@ from palu_long_block import (
     PALU_LONG_REAL_FILE,
     PALU_LONG_REAL_START,
     PALU_LONG_START,
+    PALU_PEAK_TARGET,
     render_palu_long_block,
 )
 from palu_real_block import PALU_REAL_END, PALU_REAL_FILE, PALU_REAL_START, render_palu_real_block
@@ -688,7 +689,11 @@ def main(argv: list[str] | None = None) -> int:
     long_real = args.results / PALU_LONG_REAL_FILE
     if long_real.is_file():
         block = render_palu_long_block(
-            read_json(long_real), PALU_LONG_REAL_FILE, PALU_LONG_REAL_START, PALU_LONG_REAL_END, 0.5
+            read_json(long_real),
+            PALU_LONG_REAL_FILE,
+            PALU_LONG_REAL_START,
+            PALU_LONG_REAL_END,
+            PALU_PEAK_TARGET,
         )
         put(PALU_DOC, block, PALU_LONG_REAL_START, PALU_LONG_REAL_END)
     speed = {

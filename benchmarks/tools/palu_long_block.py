@@ -16,6 +16,8 @@ PALU_LONG_FILE = "palu_long_decode.json"
 PALU_LONG_REAL_START, PALU_LONG_REAL_END = "<!-- palu-long-real:start -->", "<!-- palu-long-real:end -->"
 PALU_LONG_REAL_FILE = "palu_long_decode_real.json"
 
+#: the real model's decode-peak target: one step's peak at the longest context at most this times q4's
+PALU_PEAK_TARGET = 0.5
 _MIB = 1024 * 1024
 
 

@@ -139,7 +139,7 @@ def describe(config: KVCacheConfig) -> str:
         how = "projections fitted per sequence"
     bits = config.coder_bits
     parts = [f"{bits:g} code bits per element" if bits is not None else "rank / hi-lo split"]
-    if config.coder_bits is not None:
+    if bits is not None:
         parts.append(
             "keys and values weighed by " + ("relative" if config.relative_error else "squared") + " error"
         )
