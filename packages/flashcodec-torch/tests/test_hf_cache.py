@@ -9,6 +9,7 @@ The embedded-model evidence (token equality over 64+ tokens, beam search, int8 t
 
 from __future__ import annotations
 
+import inspect
 import subprocess
 import sys
 import warnings
@@ -242,8 +243,52 @@ def test_hybrid_crop_needs_past_recording_and_rejects_without_change():
     recorded.activate_past_recording()
     with torch.no_grad():
         model(ids_of(12, vocab=256), cache=recorded)
+    if takes_recurrent_states_to_keep():  # the step recorded no intermediate recurrent state
+        with pytest.raises(KVTrimError, match="recurrent_states_to_keep=4"):
+            recorded.crop(-3)
+        assert recorded.get_seq_length() == 12
+        return
     recorded.crop(-3)
     assert recorded.get_seq_length() == 9
+
+
+def takes_recurrent_states_to_keep() -> bool:
+    """Whether this transformers release records recurrent states for a crop (5.25 and newer)."""
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+    return (
+        "recurrent_states_to_keep"
+        in inspect.signature(LinearAttentionCacheLayerMixin.activate_past_recording).parameters
+    )
+
+
+@pytest.mark.skipif(
+    not takes_recurrent_states_to_keep(), reason="this transformers records no recurrent states"
+)
+def test_hybrid_crop_with_recorded_recurrent_states_matches_dynamic_cache():
+    model = make_hybrid_model()
+    ids = ids_of(12, vocab=256)
+    native = DynamicCache(config=model.config)
+    native.activate_past_recording(recurrent_states_to_keep=4)
+    recorded = FlashCodecCache.from_config(model.config, mode="png")
+    recorded.activate_past_recording(recurrent_states_to_keep=4)
+    with torch.no_grad():
+        for cache in (native, recorded):
+            model(ids, cache=cache)
+            cache.crop(-3)
+        want = model(ids[:, 9:], cache=native).logits
+        got = model(ids[:, 9:], cache=recorded).logits
+    assert recorded.get_seq_length() == 12
+    assert torch.allclose(got, want, atol=1e-5)  # png is lossless: the rolled-back state is the same
+
+
+def test_activate_past_recording_rejects_a_bad_count_without_change():
+    model = make_hybrid_model()
+    cache = FlashCodecCache.from_config(model.config, mode="png")
+    for bad in (-1, 2.5, True):
+        with pytest.raises(KVConfigError, match="recurrent_states_to_keep"):
+            cache.activate_past_recording(recurrent_states_to_keep=bad)
+    assert not any(cache.is_recording_past(i) for i in range(len(cache.layers)))
 
 
 def test_sliding_window_layers_stay_native_and_match_dynamic_cache():

@@ -11,6 +11,7 @@ a config every layer is a codec layer, created on its first ``update``.
 
 from __future__ import annotations
 
+import inspect
 import numbers
 import warnings
 from collections.abc import Callable
@@ -257,6 +258,44 @@ class FlashCodecCache(Cache):
         return total
 
     # ------------------------------------------------------------------ edits
+    def activate_past_recording(self, recurrent_states_to_keep: int | None = None) -> None:
+        """Let native sliding and linear-attention layers keep what a later :meth:`crop` needs.
+
+        Codec layers can always be cropped. ``recurrent_states_to_keep``: how many intermediate
+        recurrent states a multi-token step of a linear-attention layer records (transformers
+        5.25 and newer); a later crop of ``n`` tokens after such a step needs at least ``n + 1``.
+        ``None`` (the default) records none within a step (one state per step is still kept),
+        where transformers' own ``DynamicCache`` leaves the model to fail on ``None``. Releases
+        whose layers record no recurrent states take no value: giving one there is refused.
+        """
+        keep = (
+            0
+            if recurrent_states_to_keep is None
+            else check_int("recurrent_states_to_keep", recurrent_states_to_keep, low=0)
+        )
+        targets = []  # (layer index, its activate_past_recording, whether it takes the count)
+        for i in self.native_layer_indices:
+            activate = getattr(self.layers[i], "activate_past_recording", None)
+            if activate is not None:
+                takes = "recurrent_states_to_keep" in inspect.signature(activate).parameters
+                targets.append((i, activate, takes))
+        # checked before any layer changes, so a refused call leaves recording as it was
+        for i, _, takes in targets:
+            if recurrent_states_to_keep is not None and not takes and self._is_linear(i):
+                raise KVConfigError(
+                    f"recurrent_states_to_keep={recurrent_states_to_keep!r}: this transformers release's "
+                    f"{type(self.layers[i]).__name__} records no recurrent states (5.25 and newer do); "
+                    "call activate_past_recording() without it"
+                )
+        for _, activate, takes in targets:
+            if takes:
+                activate(recurrent_states_to_keep=keep)
+            else:
+                activate()
+
+    def _is_linear(self, layer_idx: int) -> bool:
+        return isinstance(self.layers[layer_idx], LinearAttentionCacheLayerMixin)
+
     def crop(self, tokens_to_remove: int) -> None:
         """``crop(-n)`` drops the last ``n`` tokens of every layer (transformers 5.x convention).
 
@@ -279,7 +318,28 @@ class FlashCodecCache(Cache):
                     f"crop({tokens_to_remove}): layer {i} ({type(layer).__name__}) cannot roll back without past "
                     "recording (call cache.activate_past_recording() before the tokens to undo); nothing was cropped"
                 )
+        self._check_recurrent_history(tokens_to_remove, -n)
         self._edit_layers(lambda layer: layer.plan_crop(n), lambda layer: layer.crop(n))
+
+    def _check_recurrent_history(self, tokens_to_remove: int, n: int) -> None:
+        """Refuse a crop of ``n`` tokens that a linear layer's recorded recurrent states cannot undo
+        (transformers would fail half-way, with some layers cropped)."""
+        if n == 0:
+            return
+        for i in self.native_layer_indices:
+            layer = self.layers[i]
+            history = getattr(layer, "recurrent_states_history", None)
+            if not self._is_linear(i) or not getattr(layer, "record_past", False) or history is None:
+                continue
+            for state_idx, states in history.items():
+                initialized = getattr(layer, "is_recurrent_states_initialized", {}).get(state_idx, False)
+                if initialized and len(states) < n:
+                    raise KVTrimError(
+                        f"crop({tokens_to_remove}): layer {i} ({type(layer).__name__}) recorded {len(states)} "
+                        f"recurrent state(s), fewer than the {n} tokens to remove; call "
+                        f"cache.activate_past_recording(recurrent_states_to_keep={n + 1}) (or more) before "
+                        "the tokens to undo; nothing was cropped"
+                    )
 
     # ------------------------------------------------------------------ batch edits
     # Checked once against the batch before any layer changes, so a bad argument never leaves some
