@@ -173,13 +173,13 @@ def test_the_prefill_never_builds_a_view():
     assert (got - want).abs().max() <= 1e-4 * want.abs().max() and cache.get_seq_length() == 200
 
 
-def test_fallbacks_take_the_original_forward():
+def test_other_caches_and_training_take_the_base_implementation():
     model = tiny("qwen3")
     ids = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(3))
     stats = apply_codec_attention(model, backend="torch")
     try:
         base = model.generate(ids, max_new_tokens=4, do_sample=False)  # DynamicCache: not coded
-        assert stats.coded == 0 and stats.fallbacks["not a FlashCodecCache"] == 4 * 2
+        assert stats.coded == 0 and stats.fallbacks["not a codec layer"] == 4 * 2
         model.train()
         cache = FlashCodecCache.from_config(model.config, mode="png")
         with torch.no_grad():
@@ -196,27 +196,58 @@ def test_fallbacks_take_the_original_forward():
     assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False), base)
 
 
-def test_apply_twice_and_remove_restore_the_modules_exactly():
+def test_apply_twice_and_remove_restore_the_attention_implementation():
     model = tiny("llama")
-    attention = [m for m in model.modules() if type(m).__name__ == "LlamaAttention"]
-    assert attention and all("forward" not in vars(m) for m in attention)
+    before = model.config._attn_implementation
     apply_codec_attention(model)
-    first = [vars(m)["forward"] for m in attention]
+    assert model.config._attn_implementation == ca.IMPLEMENTATION_PREFIX + before
     apply_codec_attention(model, backend="torch")  # replaces, never stacks
+    assert model.config._attn_implementation == ca.IMPLEMENTATION_PREFIX + before
     assert ca.codec_attention_modules(model) == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
-    assert all(vars(m)["forward"] is not f for m, f in zip(attention, first, strict=True))
+    attention = [m for m in model.modules() if type(m).__name__ == "LlamaAttention"]
+    assert all(len(m._forward_pre_hooks) == 1 and len(m._forward_hooks) == 1 for m in attention)  # not two
     assert remove_codec_attention(model) == 2
-    assert all("forward" not in vars(m) for m in attention)
+    assert model.config._attn_implementation == before
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
     assert remove_codec_attention(model) == 0
     other = tiny("llama", seed=1)
-    assert all("forward" not in vars(m) for m in other.modules())  # other instances never touched
+    assert other.config._attn_implementation == before  # other instances never touched
 
 
-def test_unsupported_models_warn_and_stay_untouched():
+def test_models_outside_the_attention_interface_are_refused_unchanged():
     model = torch.nn.Sequential(torch.nn.Linear(2, 2))
-    with pytest.warns(UserWarning, match="nothing was wrapped"):
+    with pytest.raises(KVConfigError, match="attention interface"):
         apply_codec_attention(model)
-    assert "forward" not in vars(model[0])
+    assert not model[0]._forward_pre_hooks and ca.codec_attention_modules(model) == []
+
+
+def test_soft_capping_decodes_the_history_for_the_call_only():
+    # Gemma 2 soft-caps its logits: the coded kernels do not, so that call decodes and drops the history
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    config = Gemma2Config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=128,
+        layer_types=["full_attention"] * 2,
+    )
+    torch.manual_seed(0)
+    model = Gemma2ForCausalLM(config).eval()
+    ids = torch.randint(3, 128, (1, 20), generator=torch.Generator().manual_seed(5))
+    run = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    base = model.generate(ids, cache=FlashCodecCache.from_config(model.config, mode="png"), **run)
+    stats = apply_codec_attention(model, backend="torch")
+    try:
+        cache = FlashCodecCache.from_config(model.config, mode="png")
+        out = model.generate(ids, cache=cache, **run)
+    finally:
+        remove_codec_attention(model)
+    assert stats.fallbacks == {"softcap": 6 * 2} and no_views(cache)
+    assert torch.equal(out, base)
 
 
 def test_bad_arguments_are_rejected_before_anything_changes():

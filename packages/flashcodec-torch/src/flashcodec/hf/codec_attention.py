@@ -1,76 +1,65 @@
-"""Materialization-free decode for transformers: wrap attention forwards, attend on the stored rows.
+"""Attention on the codes for any transformers model that calls the attention interface.
 
-``apply_codec_attention(model)`` puts a wrapper in the ``__dict__`` of every standard Llama /
-Qwen-style attention module of that one model (the class and every other model are untouched).
-On every step whose layer lives in a :class:`~flashcodec.hf.FlashCodecLayer`, the wrapper runs
-the module's own projections, q/k norms and RoPE (the same submodules and the same
-``apply_rotary_pos_emb`` of the module's modeling file), appends the new keys/values to the layer's
-codec cache *without reading it*, and replaces the attention output before ``o_proj`` by
+``apply_codec_attention(model)`` registers an attention implementation with transformers'
+``AttentionInterface`` (``codec_attention_<base>``, e.g. ``codec_attention_sdpa``, with the base
+implementation's mask function) and switches this one model to it with
+``model.set_attn_implementation``; a forward hook pair on each attention module marks its calls
+(:mod:`flashcodec.hf.codes_step`). Every modern transformers model calls
+``ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation)`` after its own projections,
+norms, RoPE and ``cache.update``, so one mechanism covers every family that does: GQA,
+qk-norm, partial rotary, sliding masks. During a marked eval forward a
+:class:`~flashcodec.hf.FlashCodecLayer` stores the step without reading anything back and hands
+the step's tensors to the attention function, which attends
 
-* :func:`flashcodec.attention.codec_decode_attention` for a decode step (one new token on a filled
-  layer): attention on the stored rows, int8 codes and scales as stored;
-* :func:`flashcodec.attention.codec_prefill_attention` for a multi-token step (prefill, chunked
-  prefill, assisted decoding's verification): the archive is decoded a chunk at a time and folded
-  into an online softmax, so no whole-history view exists at any point; with the layer's
-  ``step_raw`` (the default) the step's own tokens are attended as computed, not as stored.
+* with :func:`flashcodec.attention.codec_decode_attention` on a decode step (one new token on a
+  filled layer): on the stored rows, int8 codes and scales as stored;
+* with :func:`flashcodec.attention.codec_prefill_attention` on a multi-token step (prefill,
+  chunked prefill, verification): the archive a chunk at a time in an online softmax; with the
+  layer's ``step_raw`` (the default) the step's own tokens as computed.
 
-Everything else falls back to the original forward, unchanged:
+Calls the coded kernels do not serve (logit soft-capping, attention sinks, dropout, a mask
+layout they do not take, another dtype or device) decode that layer's history for that call
+only, run the base implementation on it and drop it again, so the cache never holds more than
+its codes; ``CodecAttentionStats.fallbacks`` counts them by reason. Layers that are not codec
+layers (sliding-window, linear, any other cache) go to the base implementation unchanged.
 
-* a cache that is not a ``FlashCodecCache``, or a layer that is not a codec layer (hybrid models);
-* training mode, sliding-window layers, ``output_attentions``, and masks that are not a plain
-  tensor over exactly the cached tokens (decode: ``[B, 1|H, 1, S]`` or ``[B, S]``; multi-token:
-  None = causal, ``[B, 1|H, s, S]`` or a ``[B, S]`` padding mask combined with the causal rule).
-
-The reconstructed view a fallback call builds through ``cache.update`` is needed only inside that
-call: the wrapper releases it as soon as the original forward returns.
-
-Batches of any size are served; left padding reaches the kernel as a per-sequence key mask.
-``remove_codec_attention(model)`` puts back exactly what each module's ``__dict__`` held.
-
-Which modules: the classes in :data:`SUPPORTED_ATTENTION` (their forward is exactly q/k/v
-projections, optional per-head RMS norms on q and k, RoPE, cache update, softmax attention,
-``o_proj``). Other attention classes (gated outputs, soft-capping, MLA, ...) are left alone:
-re-deriving their forward here would be guesswork.
+``remove_codec_attention(model)`` puts the model's attention implementation back and removes
+the hooks. A model whose attention does not go through the interface is refused at apply time.
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
 import sys
-import warnings
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from kvspec import KVConfigError
 
 from ..attention import BACKENDS, codec_decode_attention, codec_prefill_attention
-from .cache import FlashCodecCache
+from .codes_step import CODES_STEP, CodesStep, step_layer
 from .layer import FlashCodecLayer
 
 __all__ = [
-    "SUPPORTED_ATTENTION",
+    "IMPLEMENTATION_PREFIX",
     "apply_codec_attention",
     "remove_codec_attention",
     "codec_attention_modules",
     "CodecAttentionStats",
 ]
 
-#: attention classes whose forward the wrapper re-derives exactly (by class name)
-SUPPORTED_ATTENTION = ("LlamaAttention", "MistralAttention", "Qwen2Attention", "Qwen3Attention")
-
-_MISSING = object()
-_WRAPPER_ATTR = "__flashcodec_codec_attention__"
+#: registered implementation names are this prefix plus the base implementation's name (no
+#: "flash" in it: transformers reads that substring as a request for flash-attention)
+IMPLEMENTATION_PREFIX = "codec_attention_"
 
 
 class CodecAttentionStats:
-    """Counts of calls served without a view, and of calls that fell back (per model).
+    """Counts of calls served on the codes, and of calls that fell back (per model).
 
     ``coded``: decode steps (one token) served on the stored rows; ``chunked``: multi-token steps
     (prefill, chunked prefill, verification) served chunk by chunk; ``fallbacks`` maps the reason
-    (a short string) to a count, so a test or a user can see why a step took the original forward.
+    (a short string) to a count, so a test or a user can see why a step took another path.
     """
 
     def __init__(self) -> None:
@@ -85,26 +74,32 @@ class CodecAttentionStats:
         return f"CodecAttentionStats(coded={self.coded}, chunked={self.chunked}, fallbacks={self.fallbacks})"
 
 
-def _is_supported(module: torch.nn.Module) -> bool:
-    if type(module).__name__ not in SUPPORTED_ATTENTION:
-        return False
-    needed = ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling", "layer_idx")
-    if not all(hasattr(module, name) for name in needed):
-        return False
-    rope = getattr(sys.modules.get(type(module).__module__), "apply_rotary_pos_emb", None)
-    return callable(rope)
+# model -> (base implementation name, hook handles, stats); weak, so a dropped model is forgotten
+_APPLIED: weakref.WeakKeyDictionary[torch.nn.Module, tuple[str, list[Any], CodecAttentionStats]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def _check_module(model: object, what: str) -> None:
-    """``KVConfigError`` unless ``model`` is a ``torch.nn.Module`` (the wrappers live in its modules)."""
+    """``KVConfigError`` unless ``model`` is a ``torch.nn.Module``."""
     if not isinstance(model, torch.nn.Module):
         raise KVConfigError(f"{what}: model must be a torch.nn.Module; got {type(model).__name__}")
 
 
 def codec_attention_modules(model: torch.nn.Module) -> list[str]:
-    """Names of the modules of ``model`` that currently carry the codec-attention wrapper."""
+    """Names of the attention modules of ``model`` that attend on the codes (none unless applied)."""
     _check_module(model, "codec_attention_modules")
-    return [name for name, m in model.named_modules() if hasattr(vars(m).get("forward"), _WRAPPER_ATTR)]
+    return [name for name, _ in _attention_modules(model)] if model in _APPLIED else []
+
+
+def _attention_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The self-attention modules of a transformers model: the modules that carry a
+    ``layer_idx`` and a config and whose class is an attention class (``*Attention*``)."""
+    return [
+        (name, m)
+        for name, m in model.named_modules()
+        if hasattr(m, "layer_idx") and hasattr(m, "config") and "Attention" in type(m).__name__
+    ]
 
 
 def _key_mask(attention_mask: Any, batch: int, total: int) -> tuple[bool, torch.Tensor | None]:
@@ -126,47 +121,6 @@ def _key_mask(attention_mask: Any, batch: int, total: int) -> tuple[bool, torch.
     if row.shape != (batch, total):
         return False, None
     return True, row
-
-
-def _bound_arguments(original: Callable, args: tuple, kwargs: dict) -> dict[str, Any] | None:
-    try:
-        bound = inspect.signature(original).bind(*args, **kwargs)
-    except TypeError:
-        return None
-    found = dict(bound.arguments)
-    found.update(found.pop("kwargs", {}) or {})
-    return found
-
-
-def _unsupported_reason(
-    module: torch.nn.Module, hidden: Any, cache: Any, position_embeddings: Any, found: dict[str, Any]
-) -> str | None:
-    """Why this call must take the original forward, or None when the coded path serves it."""
-    if not isinstance(cache, FlashCodecCache):
-        return "no cache" if cache is None else "not a FlashCodecCache"
-    if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3 or hidden.shape[1] == 0:
-        return "not a [B, s, hidden] step"
-    idx = module.layer_idx
-    lazy = cache.layer_types is None and idx >= len(cache.layers)  # built on its first update
-    layer = None if lazy else cache.layers[idx] if idx < len(cache.layers) else None
-    if not lazy and not isinstance(layer, FlashCodecLayer):
-        return "not a codec layer"
-    if module.training:
-        return "training"
-    if getattr(module, "sliding_window", None) is not None:
-        return "sliding window"
-    if found.get("output_attentions"):
-        return "output_attentions"
-    if position_embeddings is None:
-        return "no position embeddings"
-    stream = None if layer is None else layer.codec_cache.keys
-    if stream is not None and (module.q_proj.weight.dtype, hidden.device, hidden.shape[0]) != (
-        stream.dtype,
-        stream.device,
-        stream.batch,
-    ):
-        return "dtype, device or batch differs from the cache"
-    return None
 
 
 def _step_mask(
@@ -191,166 +145,182 @@ def _step_mask(
     return False, None
 
 
-def _release_view(layer: FlashCodecLayer) -> None:
-    """Drop the layer's memoized ``[B, H, S, D]`` reconstruction and the layer's references to it."""
-    layer.codec_cache.release_view()
-    if isinstance(layer.keys, torch.Tensor) and isinstance(layer.values, torch.Tensor):
-        # fresh empty tensors: even a zero-length slice of the view would keep its storage alive
-        b, h, _, d = layer.keys.shape
-        layer.keys = layer.keys.new_empty((b, h, 0, d))
-        layer.values = layer.values.new_empty((b, h, 0, layer.values.shape[-1]))
+def _base_function(module: torch.nn.Module, base: str) -> Any:
+    """The attention function ``base`` names, as the module would have called it: a registered
+    implementation, else the module's own modeling file's ``eager_attention_forward``."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if base in ALL_ATTENTION_FUNCTIONS:
+        return ALL_ATTENTION_FUNCTIONS[base]
+    return sys.modules[type(module).__module__].eager_attention_forward
 
 
-def _release_after_original(found: dict[str, Any], module: torch.nn.Module) -> None:
-    """After a call served by the original forward (the prefill, a multi-token step), free the view
-    its ``cache.update`` built for this layer: the coded decode steps never read it again."""
-    cache = found.get("cache", found.get("past_key_values"))
-    if isinstance(cache, FlashCodecCache) and module.layer_idx < len(cache.layers):
-        layer = cache.layers[module.layer_idx]
-        if isinstance(layer, FlashCodecLayer) and layer.codec_cache.offset:
-            _release_view(layer)
+def _materialized(
+    layer: FlashCodecLayer, key: torch.Tensor, value: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's whole history for one call (the step's own tokens as given with ``step_raw``)."""
+    keys, values = layer.codec_cache.read()
+    steps = key.shape[-2]
+    before = keys.shape[-2] - steps
+    if layer.step_raw and (steps > 1 or before == 0):
+        keys = torch.cat([keys[:, :, :before], key], dim=2)
+        values = torch.cat([values[:, :, :before], value], dim=2)
+    return keys, values
 
 
-def _decode_on_rows(
+def _unsupported(
+    module: torch.nn.Module, query: torch.Tensor, layer: FlashCodecLayer, kwargs: dict
+) -> str | None:
+    """Why the coded kernels cannot serve this call, or None."""
+    if kwargs.get("softcap") is not None:
+        return "softcap"
+    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
+        return "attention sinks"
+    if kwargs.get("dropout") or module.training:
+        return "dropout"
+    if kwargs.get("output_attentions"):
+        return "output_attentions"
+    stream = layer.codec_cache.keys
+    if (query.dtype, query.device, query.shape[0]) != (stream.dtype, stream.device, stream.batch):
+        return "dtype, device or batch differs from the cache"
+    return None
+
+
+def _codes_attention(
+    base: str,
     module: torch.nn.Module,
-    found: dict[str, Any],
-    backend: str,
-    stats: CodecAttentionStats,
-) -> tuple[torch.Tensor, None] | None:
-    """The materialization-free step (a decode on the stored rows, a multi-token step over the
-    archive in chunks), or None (nothing changed) when it does not apply."""
-    hidden = found.get("hidden_states")
-    cache = found.get("cache", found.get("past_key_values"))
-    position_embeddings = found.get("position_embeddings")
-    reason = _unsupported_reason(module, hidden, cache, position_embeddings, found)
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Any,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None] | Any:
+    """The registered attention function: ``query [B, Hq, s, D]`` against a codec layer's codes
+    (``key`` / ``value`` are the step's tagged tensors), or the base function for anything else.
+    Returns ``([B, s, Hq, Dv], None)`` like transformers' implementations."""
+    step = CODES_STEP.get()
+    layer = step_layer(key)
+    base_fn = _base_function(module, base)
+    if layer is None or step is None:
+        if step is not None:
+            step.stats.fallback("not a codec layer" if step.active else "training")
+        return base_fn(module, query, key, value, attention_mask, **kwargs)
+    stats = step.stats
+    batch, steps = query.shape[0], query.shape[2]
+    total = layer.codec_cache.offset
+    decode = steps == 1 and total > 1
+    reason = _unsupported(module, query, layer, kwargs)
+    if reason is None:
+        if decode:
+            usable, mask = _key_mask(attention_mask, batch, total)
+        else:
+            usable, mask = _step_mask(attention_mask, batch, query.shape[1], steps, total)
+        reason = None if usable else "attention mask layout"
     if reason is not None:
         stats.fallback(reason)
-        return None
-    if module.layer_idx >= len(cache.layers):
-        cache.ensure_layers(module.layer_idx)
-    layer = cache.layers[module.layer_idx]
-    codec_cache = layer.codec_cache
-    batch, steps = hidden.shape[0], hidden.shape[1]
-    total = codec_cache.offset + steps
-    decode = steps == 1 and codec_cache.offset > 0
-    if decode:
-        usable, mask = _key_mask(found.get("attention_mask"), batch, total)
-        if not usable:
-            stats.fallback("attention mask layout")
-            return None
-
-    # The module's own projections, norms and RoPE, in the order its forward applies them.
-    input_shape = hidden.shape[:-1]
-    hidden_shape = (*input_shape, -1, module.head_dim)
-    query = module.q_proj(hidden).view(hidden_shape)
-    if not decode:
-        # the query heads this process computes, from the tensor: under tensor parallel the
-        # projection's weight may report the global shape (a DTensor) while the output holds
-        # only this rank's heads
-        usable, mask = _step_mask(found.get("attention_mask"), batch, query.shape[2], steps, total)
-        if not usable:
-            stats.fallback("attention mask layout")
-            return None
-    key = module.k_proj(hidden).view(hidden_shape)
-    if getattr(module, "q_norm", None) is not None:
-        query = module.q_norm(query)
-    if getattr(module, "k_norm", None) is not None:
-        key = module.k_norm(key)
-    query, key = query.transpose(1, 2), key.transpose(1, 2)
-    value = module.v_proj(hidden).view(hidden_shape).transpose(1, 2)
-    rope = sys.modules[type(module).__module__].apply_rotary_pos_emb
-    cos, sin = position_embeddings
-    query, key = rope(query, key, cos, sin)
-
-    codec_cache.append(key, value)  # validates first: a rejected input changes nothing
-    if not layer.is_initialized:
-        layer.lazy_initialization(key, value)
-    _release_view(layer)  # in case something rebuilt it since (a crop, a beam reorder)
-
+        keys, values = _materialized(layer, key, value)
+        try:
+            return base_fn(module, query, keys, values, attention_mask, **kwargs)
+        finally:
+            del keys, values
+            layer.release_view()
+    scale = kwargs.get("scaling")
     if decode:
         out = codec_decode_attention(
-            query, codec_cache.keys, codec_cache.values, scale=module.scaling, key_mask=mask, backend=backend
+            query,
+            layer.codec_cache.keys,
+            layer.codec_cache.values,
+            scale=scale,
+            key_mask=mask,
+            backend=step.backend,
         )
         stats.coded += 1
     else:
         raw = dict(step_keys=key, step_values=value) if layer.step_raw else {}
         out = codec_prefill_attention(
-            query, codec_cache.keys, codec_cache.values, scale=module.scaling, attn_mask=mask, **raw
+            query, layer.codec_cache.keys, layer.codec_cache.values, scale=scale, attn_mask=mask, **raw
         )
         stats.chunked += 1
-    out = out.transpose(1, 2).reshape(*input_shape, -1).contiguous()
-    return module.o_proj(out), None
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register(base: str) -> str:
+    """Register ``codec_attention_<base>`` (attention and mask functions); returns the name."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.modeling_utils import AttentionInterface
+
+    name = IMPLEMENTATION_PREFIX + base
+    AttentionInterface.register(name, functools.partial(_codes_attention, base))
+    mask = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.get(base)
+    if mask is not None:
+        AttentionMaskInterface.register(name, mask)
+    return name
+
+
+def _attention_config(model: torch.nn.Module) -> Any:
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(model, "set_attn_implementation"):
+        return None
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
 
 
 def apply_codec_attention(model: torch.nn.Module, *, backend: str = "auto") -> CodecAttentionStats:
-    """Wrap the forward of every supported attention module of ``model`` (this instance only).
+    """Make ``model`` (this instance only) attend on the codes of every codec layer.
 
     Args:
-        model: a transformers model (any module tree holding Llama / Qwen-style attention).
+        model: a transformers ``PreTrainedModel`` whose attention goes through transformers'
+            attention interface (every family that supports ``set_attn_implementation``).
         backend: ``"auto"`` (Triton on CUDA when importable, torch otherwise), ``"torch"`` or ``"triton"``.
 
-    Returns the model's :class:`CodecAttentionStats` (decode calls served on the stored rows and
-    fallbacks by reason). Applying again replaces the wrappers (new backend, fresh stats). Warns
-    when no module is supported (nothing is wrapped then). Decode steps only take the new path with
-    a :class:`~flashcodec.hf.FlashCodecCache` (explicit, or from ``apply_flash_codec``).
+    Returns the model's :class:`CodecAttentionStats`. Applying again replaces the backend and
+    the stats. ``KVConfigError`` (nothing changed) when the model cannot switch its attention
+    implementation. Steps only take the codes with a :class:`~flashcodec.hf.FlashCodecCache`
+    (explicit, or from ``apply_flash_codec``).
     """
     _check_module(model, "apply_codec_attention")
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise KVConfigError(f"backend must be one of {BACKENDS}; got {backend!r}")
-    remove_codec_attention(model)
-    stats = CodecAttentionStats()
-    wrapped = 0
-    for module in model.modules():
-        if _is_supported(module):
-            _wrap(module, backend, stats)
-            wrapped += 1
-    if not wrapped:
-        warnings.warn(
-            f"apply_codec_attention: no attention module of {type(model).__name__} is one of {SUPPORTED_ATTENTION}; "
-            "nothing was wrapped and every step keeps the materialized path",
-            stacklevel=2,
+    config = _attention_config(model)
+    modules = _attention_modules(model)
+    if config is None or not modules or not type(model)._can_set_attn_implementation():
+        raise KVConfigError(
+            f"apply_codec_attention: {type(model).__name__} does not call transformers' attention "
+            "interface (set_attn_implementation cannot switch it), so attention on the codes cannot "
+            "be installed; use a FlashCodecCache without it (the materialized path)"
         )
+    previous = _APPLIED.get(model)
+    base = previous[0] if previous is not None else config._attn_implementation or "eager"
+    remove_codec_attention(model)
+    model.set_attn_implementation(_register(base))
+    stats = CodecAttentionStats()
+    tokens: list[Any] = []  # one per forward in progress (a forward may run inside another)
+
+    def enter(module: torch.nn.Module, args: Any) -> None:
+        tokens.append(CODES_STEP.set(CodesStep(not module.training, backend, stats)))
+
+    def leave(module: torch.nn.Module, args: Any, output: Any) -> None:
+        CODES_STEP.reset(tokens.pop())
+
+    # on every attention module, so a call to the base model or to one layer is marked too
+    handles = []
+    for _, module in modules:
+        handles.append(module.register_forward_pre_hook(enter))
+        handles.append(module.register_forward_hook(leave, always_call=True))
+    _APPLIED[model] = (base, handles, stats)
     return stats
 
 
-def _wrap(module: torch.nn.Module, backend: str, stats: CodecAttentionStats) -> None:
-    instance = vars(module)
-    before = instance.get("forward", _MISSING)
-    original = before if before is not _MISSING else type(module).forward.__get__(module, type(module))
-    module_ref = weakref.ref(module)
-
-    @functools.wraps(original)
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        mod = module_ref()
-        found = _bound_arguments(original, args, kwargs)
-        result = None if found is None else _decode_on_rows(mod, found, backend, stats)
-        if result is not None:
-            return result
-        out = original(*args, **kwargs)
-        if found is not None:
-            _release_after_original(found, mod)
-        return out
-
-    setattr(forward, _WRAPPER_ATTR, (before, stats))
-    instance["forward"] = forward
-
-
 def remove_codec_attention(model: torch.nn.Module) -> int:
-    """Undo :func:`apply_codec_attention`: every module's ``forward`` is again exactly what it was.
-
-    Returns the number of modules restored (0 when the model was not wrapped).
-    """
+    """Undo :func:`apply_codec_attention`: the attention implementation it replaced is set again
+    and its hooks removed. Returns how many attention modules attended on the codes (0 when the
+    model was not set up)."""
     _check_module(model, "remove_codec_attention")
-    restored = 0
-    for module in model.modules():
-        current = vars(module).get("forward")
-        marker = getattr(current, _WRAPPER_ATTR, None)
-        if marker is None:
-            continue
-        before, _ = marker
-        if before is _MISSING:
-            del vars(module)["forward"]
-        else:
-            vars(module)["forward"] = before
-        restored += 1
-    return restored
+    modules = len(codec_attention_modules(model))
+    applied = _APPLIED.pop(model, None)
+    if applied is None:
+        return 0
+    base, handles, _ = applied
+    for handle in handles:
+        handle.remove()
+    model.set_attn_implementation(base)
+    return modules

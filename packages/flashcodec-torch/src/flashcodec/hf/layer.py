@@ -18,6 +18,7 @@ from transformers.cache_utils import CacheLayerMixin
 from ..cache import CodecKVCache
 from ..storage import CodecStorage
 from ..validate import batch_index, check_int
+from .codes_step import codes_step_active, tag_step
 
 __all__ = ["FlashCodecLayer"]
 
@@ -81,6 +82,8 @@ class FlashCodecLayer(CacheLayerMixin):
         (with :attr:`step_raw`, a multi-token step's own tokens as given).
 
         Complete blocks are encoded once and archived; reads decode only blocks not decoded before.
+        During a forward on the codes (:mod:`flashcodec.hf.codes_step`) nothing is read: the
+        step's own tensors come back, tagged for the attention function.
         A rejected input (kvspec error) leaves the layer as it was, a fresh layer uninitialized.
         """
         if isinstance(key_states, torch.Tensor) and key_states.dim() == 4 and key_states.shape[-2] == 0:
@@ -91,6 +94,13 @@ class FlashCodecLayer(CacheLayerMixin):
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
             return self.keys, self.values
+        if codes_step_active():
+            # attention on the codes (hf.codec_attention): store without reading anything back
+            self.codec_cache.append(key_states, value_states)  # validates first
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            self.release_view()  # a view some earlier call built (a crop, a materialized step)
+            return tag_step(self, key_states, value_states)
         before = self.codec_cache.offset
         keys, values = self.codec_cache.update_and_fetch(key_states, value_states)  # validates first
         if not self.is_initialized:
@@ -107,6 +117,15 @@ class FlashCodecLayer(CacheLayerMixin):
                 torch.cat([values[:, :, :before], value_states], dim=2),
             )
         return self.keys, self.values
+
+    def release_view(self) -> None:
+        """Drop the memoized ``[B, H, S, D]`` reconstruction and this layer's references to it."""
+        self.codec_cache.release_view()
+        if isinstance(self.keys, torch.Tensor) and isinstance(self.values, torch.Tensor):
+            # fresh empty tensors: even a zero-length slice of the view would keep its storage alive
+            b, h, _, d = self.keys.shape
+            self.keys = self.keys.new_empty((b, h, 0, d))
+            self.values = self.values.new_empty((b, h, 0, self.values.shape[-1]))
 
     def _refresh(self) -> None:
         """Point ``keys`` / ``values`` at the current reconstruction after an edit.
