@@ -626,7 +626,7 @@ CATALOGUE = {
         model,
         lambda o, c: apply_flash_codec(o, materialization_free="yes"),
         kvspec.KVConfigError,
-        "materialization_free must be True or False",
+        "materialization_free must be True, False or None",
     ),
     "apply-flash-codec-bad-per-layer": (
         model,

@@ -39,7 +39,7 @@ from .codecs import (
     ZeroPointJPEGCodec,
 )
 
-__all__ = ["MF_SUFFIX", "Tier", "TIERS", "tier", "tier_names"]
+__all__ = ["DEFAULT_TIER", "MF_SUFFIX", "Tier", "TIERS", "default_codec", "tier", "tier_names"]
 
 #: the name suffix that selects materialization-free attention on a tier
 MF_SUFFIX = "-mf"
@@ -171,6 +171,15 @@ _TABLE: tuple[tuple[str, bool, BlockCodec, str], ...] = (
 TIERS: dict[str, Tier] = _registry(
     *(Tier(name, description, codec, offer_mf=mf) for name, mf, codec, description in _TABLE)
 )
+
+
+#: the tier a cache gets when it is given no codec and no keyword of the keyword form
+DEFAULT_TIER = "kivi64r-k4v4-w64i8-s8"
+
+
+def default_codec() -> BlockCodec:
+    """The codec of :data:`DEFAULT_TIER`."""
+    return TIERS[DEFAULT_TIER].codec
 
 
 def tier_names() -> list[str]:

@@ -23,6 +23,7 @@ from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, LinearAt
 
 from ..codecs import BlockCodec, keyword_codec, keyword_options
 from ..storage import CodecStorage
+from ..tiers import default_codec as default_tier_codec
 from ..validate import batch_index, check_int
 from .layer import FlashCodecLayer
 from .options import check_per_layer, layer_options
@@ -69,7 +70,8 @@ class FlashCodecCache(Cache):
         keyword_form, codec_options: the codec of every codec layer in the keyword form, as
             :class:`flashcodec.CodecKVCache` takes it (``mode``, ``block_size``, ``keep_freqs``,
             ``keep_ratio``, ``quant_bits`` by position or name, any other codec field by name;
-            ``jpeg`` k=r by default).
+            ``jpeg`` k=r when only other keywords are given). With neither this nor ``codec``,
+            the default tier's codec (:data:`flashcodec.tiers.DEFAULT_TIER`).
         codec: the same as a codec object, e.g. ``JPEGCodec(block_size=8, keep_freqs=2)``; giving
             it together with a keyword of the keyword form is a ``KVConfigError``.
         check_finite, initial_blocks: as :class:`flashcodec.CodecKVCache`.
@@ -109,6 +111,8 @@ class FlashCodecCache(Cache):
             raise KVConfigError(f"step_raw must be True or False; got {step_raw!r}")
         #: whether a multi-token step attends its own tokens as given (:class:`FlashCodecLayer`)
         self.step_raw = step_raw
+        if codec is None and not keyword_form and not codec_options:
+            codec = default_tier_codec()  # nothing chosen: the measured default, not the reference's k=r
         default_codec = keyword_codec(*keyword_form, codec=codec, **codec_options)
         #: the ``CodecKVCache`` arguments of every codec layer ``per_layer`` does not name
         self.codec_defaults = layer_options(

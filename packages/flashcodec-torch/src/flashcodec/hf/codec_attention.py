@@ -43,6 +43,7 @@ from .layer import FlashCodecLayer
 
 __all__ = [
     "IMPLEMENTATION_PREFIX",
+    "check_codec_attention",
     "apply_codec_attention",
     "remove_codec_attention",
     "codec_attention_modules",
@@ -264,6 +265,24 @@ def _attention_config(model: torch.nn.Module) -> Any:
     return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
 
 
+def check_codec_attention(model: torch.nn.Module, backend: str = "auto") -> tuple[Any, list]:
+    """Everything :func:`apply_codec_attention` checks, changing nothing: ``KVConfigError`` for a
+    bad backend or a model whose attention does not go through transformers' interface.
+    Returns the model's text config and its attention modules ``[(name, module)]``."""
+    _check_module(model, "apply_codec_attention")
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise KVConfigError(f"backend must be one of {BACKENDS}; got {backend!r}")
+    config = _attention_config(model)
+    modules = _attention_modules(model)
+    if config is None or not modules or not type(model)._can_set_attn_implementation():
+        raise KVConfigError(
+            f"attention on the codes: {type(model).__name__} does not call transformers' attention "
+            "interface (set_attn_implementation cannot switch it), so it cannot be installed; "
+            "pass materialization_free=False (or a FlashCodecCache alone) for the materialized path"
+        )
+    return config, modules
+
+
 def apply_codec_attention(model: torch.nn.Module, *, backend: str = "auto") -> CodecAttentionStats:
     """Make ``model`` (this instance only) attend on the codes of every codec layer.
 
@@ -277,17 +296,7 @@ def apply_codec_attention(model: torch.nn.Module, *, backend: str = "auto") -> C
     implementation. Steps only take the codes with a :class:`~flashcodec.hf.FlashCodecCache`
     (explicit, or from ``apply_flash_codec``).
     """
-    _check_module(model, "apply_codec_attention")
-    if not isinstance(backend, str) or backend not in BACKENDS:
-        raise KVConfigError(f"backend must be one of {BACKENDS}; got {backend!r}")
-    config = _attention_config(model)
-    modules = _attention_modules(model)
-    if config is None or not modules or not type(model)._can_set_attn_implementation():
-        raise KVConfigError(
-            f"apply_codec_attention: {type(model).__name__} does not call transformers' attention "
-            "interface (set_attn_implementation cannot switch it), so attention on the codes cannot "
-            "be installed; use a FlashCodecCache without it (the materialized path)"
-        )
+    config, modules = check_codec_attention(model, backend)
     previous = _APPLIED.get(model)
     base = previous[0] if previous is not None else config._attn_implementation or "eager"
     remove_codec_attention(model)

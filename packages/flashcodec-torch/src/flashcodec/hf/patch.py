@@ -135,7 +135,7 @@ def apply_flash_codec(
     per_layer: dict[int, BlockCodec | dict[str, Any]] | None = None,
     check_finite: bool = True,
     initial_blocks: int = 16,
-    materialization_free: bool = False,
+    materialization_free: bool | None = None,
     step_raw: bool = True,
     **codec_options: Any,
 ) -> torch.nn.Module:
@@ -148,10 +148,15 @@ def apply_flash_codec(
             :class:`FlashCodecCache` (``codec=`` or the keyword form: ``mode``, ``block_size``,
             ``keep_freqs``, ``keep_ratio``, ``quant_bits`` by position or name, any other codec
             field by name).
-        materialization_free: also wrap the model's Llama / Qwen-style attention modules so decode
-            steps attend on the stored rows and prefill / multi-token steps on the archive a chunk
-            at a time, never building the K/V view
-            (:func:`flashcodec.hf.codec_attention.apply_codec_attention`; undone by remove).
+        materialization_free: also make the model attend on the codes (decode steps on the
+            stored rows, prefill / multi-token steps on the archive a chunk at a time, never
+            building the K/V view; :func:`flashcodec.hf.codec_attention.apply_codec_attention`,
+            undone by remove). None (the default): True when no codec and no keyword of the
+            keyword form is given (the default tier, whose measured figures are on the codes),
+            False otherwise, as the reference's keyword form has it.
+
+    ``apply_flash_codec(model)`` with nothing else uses :data:`flashcodec.tiers.DEFAULT_TIER`
+    with attention on the codes.
 
     Returns ``model`` (patched in place). Calls that pass their own cache, ``use_cache=False``,
     a ``cache_implementation`` or ``custom_generate`` are not changed. Applying again replaces
@@ -164,8 +169,10 @@ def apply_flash_codec(
     options.update(
         per_layer=per_layer, check_finite=check_finite, initial_blocks=initial_blocks, step_raw=step_raw
     )
-    if not isinstance(materialization_free, bool):
-        raise KVConfigError(f"materialization_free must be True or False; got {materialization_free!r}")
+    if materialization_free is not None and not isinstance(materialization_free, bool):
+        raise KVConfigError(f"materialization_free must be True, False or None; got {materialization_free!r}")
+    if materialization_free is None:
+        materialization_free = codec is None and not keyword_form and not codec_options
     _check_model(model, "apply_flash_codec", needs_generate=True)
     config = getattr(model, "config", None)
     if getattr(config, "is_encoder_decoder", False):
@@ -175,6 +182,10 @@ def apply_flash_codec(
     # Build one cache now so every option (and per_layer against the real layer layout) is checked
     # before the model is touched.
     FlashCodecCache.from_config(config, **options) if config is not None else FlashCodecCache(**options)
+    if materialization_free:
+        from .codec_attention import check_codec_attention
+
+        check_codec_attention(model)
 
     if get_flash_codec_patch(model) is not None:
         remove_flash_codec(model)
