@@ -31,8 +31,7 @@ def _bits(cache: PaluKVCache) -> tuple[int, int]:
 def test_the_default_config_is_the_tier_palu_2_25bit_scaled_rel():
     default, named = KVCacheConfig(), tier("palu-2.25bit-scaled+rel").config
     assert DEFAULT_PALU_BITS == 2.25
-    assert default.coder_choice == named.coder_choice
-    assert dataclasses.asdict(default.coder_choice) == dataclasses.asdict(named.coder_choice)
+    assert default == named  # field for field: one projection per KV head, bits and weighing automatic
     assert dataclasses.asdict(default.coder_choice) == {
         "bits": 2.25,
         "token_scale": True,
@@ -40,21 +39,16 @@ def test_the_default_config_is_the_tier_palu_2_25bit_scaled_rel():
         "value_weight": 1.0,
         "relative": True,
     }
-    assert default.relative_error and named.relative_error
-    # the tier states what the default leaves automatic, and has one head group (one tier serves any
-    # head count); nothing else differs
-    stated = dataclasses.replace(named, palu_n_head_groups=None, palu_bits=None, palu_relative_error=None)
-    assert stated == default
+    assert default.relative_error
 
 
-def test_the_default_and_the_tier_code_alike():
+def test_the_default_codes_as_the_tier_s_choices_stated():
     keys, values = gaussian((1, 2, 80, 16), seed=1), gaussian((1, 2, 80, 16), seed=2) * 0.05
     step_k, step_v = gaussian((1, 2, 1, 16), seed=3), gaussian((1, 2, 1, 16), seed=4) * 0.05
+    stated = KVCacheConfig(palu_bits=2.25, palu_relative_error=True)
+    assert stated != KVCacheConfig() and stated.coder_choice == KVCacheConfig().coder_choice
     out = []
-    for config in (
-        dataclasses.replace(KVCacheConfig(), palu_n_head_groups=1),
-        tier("palu-2.25bit-scaled+rel").config,
-    ):
+    for config in (KVCacheConfig(), stated):
         cache = PaluKVCache(config)
         cache.update_and_fetch(keys, values)
         k, v = cache.update_and_fetch(step_k, step_v)
@@ -64,20 +58,33 @@ def test_the_default_and_the_tier_code_alike():
 
 
 # ---------------------------------------------------------------------- every tier as measured
+def _as_run(config: KVCacheConfig) -> dict:
+    """The config's fields with the bits and weighing it leaves automatic read as it codes them."""
+    fields = json.loads(config.to_json())
+    return {**fields, "palu_bits": config.coder_bits, "palu_relative_error": config.relative_error}
+
+
 def test_every_tier_means_the_configuration_it_was_measured_as():
     assert set(AS_MEASURED) <= set(EVERY_TIER)  # no tier dropped
     for name, was in AS_MEASURED.items():
         config = EVERY_TIER[name].config
-        now = json.loads(config.to_json())
-        assert {k: now[k] for k in was["config"]} == was["config"], name
+        now = _as_run(config)
+        # the snapshot holds the registry's one head group, which palu-mlx compare never ran: it
+        # replaced it by one projection per KV head, now the registry's own
+        assert was["config"]["palu_n_head_groups"] == 1 and now["palu_n_head_groups"] is None, name
+        measured = {**was["config"], "palu_n_head_groups": None}
+        assert {k: now[k] for k in measured} == measured, name
         coder = dict(was["coder"])
         kind = coder.pop("class")
         assert type(config.coder_choice).__name__ == kind, name
         assert dataclasses.asdict(config.coder_choice) == coder, name
         assert config.relative_error is coder.get("relative", False), name
-    # only the +rel tiers weigh by relative error, and every tier states its weighing
+    # only the +rel tiers weigh by relative error; every tier but the default (KVCacheConfig()
+    # itself, automatic) states its weighing
     for name, entry in EVERY_TIER.items():
-        assert entry.config.palu_relative_error is ("+rel" in name), name
+        assert entry.config.relative_error is ("+rel" in name), name
+        stated = entry.config.palu_relative_error
+        assert stated is (None if entry.config == KVCacheConfig() else "+rel" in name), name
 
 
 def test_the_registry_reads_back_the_coders_it_was_measured_with():

@@ -134,7 +134,9 @@ class KVCacheBuilder:
         other layer caches the model asks for (rotating windows, SSM state) are kept.
         With ``config.palu_pre_rope`` each palu cache codes its layer's keys before RoPE
         where the architecture supports it (else a ``PreRopeFallbackWarning``).
-        Raises ``KVConfigError`` when ``config.head_dim`` differs from the model's
+        What ``config`` leaves to the model (``head_dim`` None, the default) is taken from it
+        (:meth:`KVCacheConfig.for_head_dim`), so ``KVCacheConfig()`` fits any model.
+        Raises ``KVConfigError`` when a ``config.head_dim`` given differs from the model's
         head dim or its KV head count is not divisible by ``palu_n_head_groups`` (the
         default, None, takes one group per KV head and fits every model).
         """
@@ -153,8 +155,7 @@ class KVCacheBuilder:
         check_policy(allocation_policy)
         register_with_mlx_lm()  # so mlx-lm's load_prompt_cache can rebuild what this process saves
         head_dim, n_kv = model_kv_dims(model)
-        if head_dim is not None and head_dim != config.head_dim:
-            raise KVConfigError(f"head_dim={config.head_dim} does not match the model's head_dim {head_dim}")
+        config = config.for_head_dim(head_dim)
         if config.method == "palu" and n_kv is not None and n_kv % config.head_groups(n_kv):
             raise KVConfigError(
                 f"palu_n_head_groups={config.palu_n_head_groups} must divide the model's "

@@ -10,8 +10,8 @@ Candidates, all built for the loaded model's layers (layers whose default cache 
 plain ``KVCache``, e.g. rotating windows or SSM state, keep their default in every candidate):
 
 * ``baseline``: mlx-lm's ``KVCache`` (uncompressed, the model's dtype);
-* tiers: :data:`palu_mlx.tiers.TIERS` (same names), sized for the model's head dim, with the
-  default head grouping (one projection per KV head);
+* tiers: :data:`palu_mlx.tiers.TIERS` (same names), sized for the model's head dim by
+  :meth:`palu_mlx.tiers.Tier.for_head_dim` (one projection per KV head);
 * peers: mlx-lm's ``QuantizedKVCache`` at 8 and 4 bits (group size 64, or 32 for head dims 64
   does not divide).
 
@@ -58,14 +58,12 @@ _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 def tier_config(
     name: str, head_dim: int, n_kv_heads: int | None, calibration: str | None = None
 ) -> KVCacheConfig:
-    """The :class:`KVCacheConfig` of tier ``name`` for a model with ``head_dim`` and ``n_kv_heads``.
-
-    The tier keeps its rank and bit widths from :data:`palu_mlx.tiers.TIERS` (full rank becomes
-    the model's head dim; ranks are capped at it) and takes the default head grouping,
-    ``KVCacheConfig().palu_n_head_groups`` (None: one projection per KV head, which fits any KV
-    head count). ``n_kv_heads`` is accepted for callers that size tiers per model. A calibrated
-    tier (:data:`palu_mlx.tiers.CALIBRATED_TIERS`) needs ``calibration``, a ``palu-mlx
-    calibrate`` file for the model (:meth:`~palu_mlx.tiers.Tier.with_calibration`).
+    """The :class:`KVCacheConfig` of tier ``name`` for a model with ``head_dim`` and ``n_kv_heads``:
+    the registry's own sizing, :meth:`~palu_mlx.tiers.Tier.for_head_dim` (one projection per KV
+    head, ranks capped at the head dim), so what runs under a name is what the registry says.
+    ``n_kv_heads`` is accepted for callers that size tiers per model. A calibrated tier
+    (:data:`palu_mlx.tiers.CALIBRATED_TIERS`, :data:`~palu_mlx.tiers.SENSITIVITY_TIERS`) needs
+    ``calibration``, its file for the model (:meth:`~palu_mlx.tiers.Tier.with_calibration`).
     """
     chosen = tier(name)
     if chosen.calibration is not None:
@@ -74,14 +72,7 @@ def tier_config(
         chosen = chosen.with_calibration(calibration)
     elif calibration is not None:
         raise KVConfigError(f"tier {name!r} takes no calibration; got calibration={calibration!r}")
-    base = chosen.config
-    groups = KVCacheConfig().palu_n_head_groups
-    rank = base.palu_rank
-    if name == "full-rank-fp16":
-        rank = head_dim
-    elif rank is not None:
-        rank = min(rank, head_dim)
-    return dataclasses.replace(base, head_dim=head_dim, palu_rank=rank, palu_n_head_groups=groups)
+    return chosen.for_head_dim(head_dim)
 
 
 def round_kv_outputs(model: Any, dtype: Any) -> None:

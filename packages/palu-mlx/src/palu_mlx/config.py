@@ -413,6 +413,28 @@ class KVCacheConfig:
         """``palu_hi_fraction``, or the reference's 0.25 when unset."""
         return self._split("palu_hi_fraction")
 
+    def for_head_dim(self, head_dim: int | None) -> KVCacheConfig:
+        """This config for a model whose key head dim is ``head_dim`` (None: unknown).
+
+        ``head_dim`` left None takes the model's, so ``KVCacheConfig()`` fits any model; the other
+        model-dependent fields stay None and are read from the layer (one head group per KV head,
+        ``head_dim`` tokens before the fit). A different ``head_dim`` given, or a ``palu_rank`` above
+        the model's head dim, raises ``KVConfigError``; ``self`` is never changed.
+        """
+        if head_dim is None or self.head_dim == head_dim:
+            return self
+        if self.head_dim is not None:
+            raise KVConfigError(
+                f"head_dim={self.head_dim} does not match the model's head_dim {head_dim}; "
+                f"allowed: {head_dim}, or None to take the model's"
+            )
+        if self.palu_rank is not None and self.palu_rank > head_dim:
+            raise KVConfigError(
+                f"palu_rank={self.palu_rank} exceeds the model's head_dim {head_dim}; "
+                f"allowed: None or an integer in [1, {head_dim}]"
+            )
+        return dataclasses.replace(self, head_dim=head_dim)
+
     def head_groups(self, n_heads: int) -> int:
         """Head groups for a layer of ``n_heads`` KV heads: ``palu_n_head_groups``, or one per head
         when it is None. (Whether it divides ``n_heads`` is checked where the heads are known.)"""

@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import re
 from collections.abc import Sequence
@@ -22,7 +21,7 @@ from kvspec import KVConfigError
 
 from .builder import model_kv_dims
 from .config import DEFAULT_PALU_BITS, KVCacheConfig
-from .tiers import TIERS
+from .tiers import CALIBRATED_SUFFIX, CALIBRATED_TIERS, TIERS
 
 __all__ = ["ModelNameError", "resolve_model_arg", "add_palu_arguments", "palu_config", "kv_bytes"]
 
@@ -99,8 +98,11 @@ def add_palu_arguments(parser: argparse.ArgumentParser) -> None:
 def palu_config(model: Any, args: argparse.Namespace) -> KVCacheConfig:
     """The :class:`KVCacheConfig` that ``args``' palu options mean for ``model``.
 
-    Head dim from the model; one projection per KV head (the config's default, so any KV head
-    count fits). Raises ``KVConfigError`` for an unknown tier or a calibration that is not a file.
+    A tier is the registry's, sized for the model by :meth:`~palu_mlx.tiers.Tier.for_head_dim`
+    (as ``palu-mlx compare`` runs it); with ``--calibration`` its calibrated twin ``<tier>+cal``.
+    Otherwise ``KVCacheConfig(palu_bits=...)`` with the model's head dim (one projection per KV
+    head). Raises ``KVConfigError`` for an unknown tier, a tier with no calibrated twin given a
+    calibration, or a calibration that is not a file.
     """
     head_dim, _ = model_kv_dims(model)
     tier_name = getattr(args, "palu_tier", None)
@@ -109,26 +111,24 @@ def palu_config(model: Any, args: argparse.Namespace) -> KVCacheConfig:
         raise KVConfigError(
             f"--calibration {calibration!r} is not a file; make one with `palu-mlx calibrate`"
         )
-    if tier_name is not None:
-        if tier_name not in TIERS:
-            raise KVConfigError(f"--palu-tier {tier_name!r} is not a palu tier; allowed: {', '.join(TIERS)}")
-        base = TIERS[tier_name].config
-        rank = base.palu_rank
-        if rank is not None and head_dim is not None:
-            rank = head_dim if tier_name == "full-rank-fp16" else min(rank, head_dim)
-        return dataclasses.replace(
-            base,
-            head_dim=head_dim,
-            palu_rank=rank,
-            palu_n_head_groups=KVCacheConfig().palu_n_head_groups,
-            palu_calibration=calibration,
-        )
-    return KVCacheConfig(
-        method="palu",
-        head_dim=head_dim,
-        palu_bits=getattr(args, "palu_bits", None),
-        palu_calibration=calibration,
-    )
+    if tier_name is None:
+        config = KVCacheConfig(palu_bits=getattr(args, "palu_bits", None), palu_calibration=calibration)
+        return config.for_head_dim(head_dim)
+    if tier_name not in TIERS:
+        raise KVConfigError(f"--palu-tier {tier_name!r} is not a palu tier; allowed: {', '.join(TIERS)}")
+    chosen = TIERS[tier_name]
+    if calibration is not None:
+        twin = CALIBRATED_TIERS.get(tier_name + CALIBRATED_SUFFIX)
+        if twin is None:
+            allowed = ", ".join(name.removesuffix(CALIBRATED_SUFFIX) for name in CALIBRATED_TIERS)
+            raise KVConfigError(
+                f"--palu-tier {tier_name!r} with --calibration: the tier has no calibrated twin; "
+                f"allowed: {allowed}"
+            )
+        chosen = twin.with_calibration(calibration)
+    if head_dim is None:
+        raise KVConfigError(f"--palu-tier {tier_name!r}: the model's head dim cannot be read from its args")
+    return chosen.for_head_dim(head_dim)
 
 
 def describe(config: KVCacheConfig) -> str:

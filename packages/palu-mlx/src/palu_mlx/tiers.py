@@ -13,9 +13,11 @@ calibration is per model, so the registry names the kind and :meth:`Tier.with_ca
 binds a file; those twins are not in :data:`TIERS` because the conformance suite and the
 model-free runners have no model to calibrate.
 
-Every tier has ``head_dim=None`` and one head group, so one tier serves any
-``[B, H, S, D]`` input; a runner that targets one model sets ``head_dim`` (and, if it
-wants, a head grouping) with ``dataclasses.replace``.
+Every tier has ``head_dim=None`` and one projection per KV head (``palu_n_head_groups=None``), so
+one tier serves any ``[B, H, S, D]`` input. :meth:`Tier.for_head_dim` is the one way a tier is sized
+for a model (``palu-mlx compare``, ``palu-mlx generate`` / ``server`` and the benchmarks all read it):
+the model's head dim, ranks capped at it and the full-rank tier at it, so the config a results
+file records under a tier's name is this registry's.
 """
 
 from __future__ import annotations
@@ -61,12 +63,15 @@ class Tier:
         calibration: None (the tier fits its projections at the prefill), or one of
             :data:`CALIBRATIONS`: the calibration the tier needs, given a file by
             :meth:`with_calibration` (its ``config.palu_calibration`` is None until then).
+        full_rank: the tier's rank is the model's whole head dim (:meth:`for_head_dim`); its
+            ``config.palu_rank`` is the rank it has on 64-wide heads, for inputs of no model.
     """
 
     name: str
     description: str
     config: KVCacheConfig
     calibration: str | None = None
+    full_rank: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name or self.name != self.name.strip():
@@ -79,6 +84,34 @@ class Tier:
             raise KVConfigError(
                 f"calibration={self.calibration!r} must be None or one of {', '.join(map(repr, CALIBRATIONS))}"
             )
+        if not isinstance(self.full_rank, bool) or (self.full_rank and self.config.palu_rank is None):
+            raise KVConfigError(
+                f"full_rank={self.full_rank!r} must be True or False (True only with a config.palu_rank)"
+            )
+
+    def for_head_dim(self, head_dim: int) -> KVCacheConfig:
+        """The config this tier runs as on a model whose key head dim is ``head_dim``.
+
+        :attr:`config` with that ``head_dim`` (:meth:`KVCacheConfig.for_head_dim`), its rank capped
+        at it (the full-rank tier's rank becoming it), everything else as registered: one projection
+        per KV head. A calibrated tier must be bound to its file first (:meth:`with_calibration`).
+        Raises ``KVConfigError`` for a ``head_dim`` that is not a positive integer or an unbound
+        calibrated tier.
+        """
+        if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1:
+            raise KVConfigError(
+                f"head_dim={head_dim!r} must be a positive integer (the model's key head dim)"
+            )
+        config = self.config
+        if self.calibration is not None and (config.palu_calibration or config.palu_sensitivity) is None:
+            raise KVConfigError(
+                f"tier {self.name!r} needs {'a calibration file' if self.calibration == 'model' else 'a sensitivity profile'} "
+                "for the model; bind it with Tier.with_calibration(path) first"
+            )
+        rank = config.palu_rank
+        if rank is not None:
+            rank = head_dim if self.full_rank else min(rank, head_dim)
+        return dataclasses.replace(config, palu_rank=rank).for_head_dim(head_dim)
 
     def with_calibration(self, path: str) -> Tier:
         """This calibrated tier bound to ``path``, the file for the model it runs on: a ``palu-mlx
@@ -119,7 +152,7 @@ def _palu(**fields) -> KVCacheConfig:
         "palu_relative_error": False,
         **fields,
     }
-    return KVCacheConfig(method="palu", head_dim=None, palu_n_head_groups=1, **fields)
+    return KVCacheConfig(method="palu", head_dim=None, **fields)
 
 
 #: the coder for real models' K/V (``KVCacheConfig()``'s defaults, which also weigh by relative error:
@@ -171,6 +204,12 @@ def _relative_tier(bits: float) -> Tier:
     return Tier(f"palu-{bits:g}bit-scaled+rel", _relative(bits), config)
 
 
+def _default_tier() -> Tier:
+    # KVCacheConfig() itself, so the zero-argument config is the registered one field for field:
+    # its automatic bits (DEFAULT_PALU_BITS) and weighing resolve to 2.25 bits by relative error
+    return Tier("palu-2.25bit-scaled+rel", _relative(2.25), KVCacheConfig())
+
+
 def _fixed_tier(bits: float) -> Tier:
     # the fixed-quantizer tiers measured before the per-token scale and the exact tokens
     description = (
@@ -188,8 +227,9 @@ TIERS: dict[str, Tier] = {
     for t in (
         Tier(
             "full-rank-fp16",
-            "rank 64 (all of a 64-dim head), latents unquantized: the change of basis alone",
+            "full rank (64 of a 64-dim head), latents unquantized: the change of basis alone",
             _palu(palu_rank=64, **_UNQUANTIZED),
+            full_rank=True,
         ),
         Tier(
             "r16-fp16",
@@ -210,7 +250,9 @@ TIERS: dict[str, Tier] = {
         *(_scaled_tier(bits) for bits in (3, 2.5, 2)),
         _compact_tier(1.75),
         _compact_tier(1.7, fill=True),
-        *(_relative_tier(bits) for bits in (3.25, 3, 2.5, 2.25, 2)),
+        *(_relative_tier(bits) for bits in (3.25, 3, 2.5)),
+        _default_tier(),
+        _relative_tier(2),
         *(_fixed_tier(bits) for bits in (3, 2, 1.5, 1.25, 1)),
     )
 }
@@ -230,7 +272,7 @@ def _twins(make, keep) -> dict[str, Tier]:
     accepts, in its order."""
     return {
         t.name: t
-        for t in (make(b) for b in TIERS.values() if b.config.palu_bits is not None and keep(b.config))
+        for t in (make(b) for b in TIERS.values() if b.config.coder_bits is not None and keep(b.config))
     }
 
 
