@@ -26,6 +26,7 @@ __all__ = [
     "render_int4_study",
     "render_window_compare",
     "render_copy_positions",
+    "render_families",
 ]
 
 _MIB = 1024 * 1024
@@ -213,6 +214,29 @@ def render_step_raw(result: dict[str, Any]) -> list[str]:
         _from("flashcodec_step_raw.json", result["stamp"]["date"], within=f", run `{run['name']}`"),
         "",
         *_table("| cache | KL | top-1 | Δ ppl | prefill time vs baseline |", "lrrrr", rows),
+    ]
+
+
+def render_families(result: dict[str, Any]) -> list[str]:
+    """Per family of tiny random-weight model: its layer types, the zero-argument default's bytes
+    over DynamicCache's, whether that meets the tests' target, and whether the tokens are the
+    materialized path's."""
+
+    def row(r: dict[str, Any]) -> str:
+        window = f" (window {r['window']})" if r["window"] and "sliding_attention" in r["layer_types"] else ""
+        types = ", ".join(t.removesuffix("_attention") for t in r["layer_types"]) + window
+        meets = "yes" if r["meets_target"] else f"no (target {r['target']:.2f})"
+        same = "yes" if r["same_tokens"] else "no"
+        return f"| {r['family']} | {types} | {r['ratio']:.3f} | {meets} | {same} |"
+
+    return [
+        _from("flashcodec_families.json", result["date"]),
+        "",
+        *_table(
+            "| family | layers | bytes / DynamicCache | within target | tokens = materialized path |",
+            "llrll",
+            (row(r) for r in result["families"]),
+        ),
     ]
 
 
@@ -414,4 +438,5 @@ BLOCKS: tuple[Block, ...] = (
     _block("int4_study", render_int4_study),
     _block("window_compare", render_window_compare),
     _block("copy_positions", render_copy_positions),
+    _block("families", render_families),
 )

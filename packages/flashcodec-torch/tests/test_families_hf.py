@@ -9,6 +9,8 @@ attention is computed, not what it computes).
 
 from __future__ import annotations
 
+import json
+import os
 import warnings
 
 import pytest
@@ -16,61 +18,56 @@ import torch
 
 pytest.importorskip("transformers")
 
-from flashcodec.hf import FlashCodecCache, apply_flash_codec, remove_flash_codec  # noqa: E402
+from flashcodec.hf import (  # noqa: E402
+    FlashCodecCache,
+    apply_flash_codec,
+    config_layer_types,
+    remove_flash_codec,
+    resident_bytes,
+)
 from flashcodec.tiers import default_codec  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache  # noqa: E402
 
 PROMPT, NEW = 400, 16
+#: a file to append each family's measurement to (benchmarks/flashcodec/families.py sets it)
+RECORD = os.environ.get("FLASHCODEC_FAMILIES_RECORD")
 #: the most the default may hold, as a fraction of DynamicCache's bytes
 TARGET = 0.40
 
-#: families whose every attention layer is full attention (or given no sliding window here)
-FULL = ["llama", "qwen2", "qwen3", "qwen3_moe", "olmo2", "granite", "gpt_neox", "phi3", "smollm3"]
-#: families with sliding-window layers: those layers keep transformers' native bounded cache
-SLIDING = ["mistral", "gemma2", "gemma3_text", "starcoder2", "cohere", "qwen3-sliding"]
+#: families whose every attention layer is full attention (no sliding window given here), and
+#: families with sliding-window layers (a window of 128) beside full ones
+COVERED = ["llama", "qwen2", "qwen3", "qwen3_moe", "olmo2", "granite", "gpt_neox", "phi3", "smollm3"] + [
+    "gemma2",
+    "gemma3_text",
+    "qwen3-sliding",
+]
+#: families whose every layer slides (a window of 128): whole 64-token blocks keep up to 63 tokens
+#: beyond the 127 the native layer keeps, 0.41x DynamicCache at this length
+ALL_SLIDING = ["mistral", "starcoder2", "cohere"]
+SLIDING = ["gemma2", "gemma3_text", "qwen3-sliding", *ALL_SLIDING]
 
 
-def tiny_family(name: str, dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
-    """A seeded 6-layer model of family ``name`` (hidden 256, 2 KV heads of 64), eval mode."""
+def options(name: str) -> dict:
+    """The config of family ``name``'s tiny model (``<family>-sliding``: qwen's sliding lower layers)."""
     kind, _, variant = name.partition("-")
-    options = dict(
+    config = dict(
         hidden_size=256, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
         intermediate_size=512, vocab_size=512, max_position_embeddings=1024, pad_token_id=0,
     )  # fmt: skip
     if name in SLIDING:
-        options["sliding_window"] = 128
-    if variant == "sliding":  # qwen's sliding lower layers
-        options.update(use_sliding_window=True, max_window_layers=3)
+        config["sliding_window"] = 128
+    if variant == "sliding":
+        config.update(use_sliding_window=True, max_window_layers=3)
     if kind == "qwen3_moe":
-        options.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128)
+        config.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128)
+    return config
+
+
+def tiny_family(name: str, dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
+    """A seeded 6-layer model of family ``name`` (hidden 256, 2 KV heads of 64), eval mode."""
     torch.manual_seed(0)
-    config = AutoConfig.for_model(kind, **options)
+    config = AutoConfig.for_model(name.partition("-")[0], **options(name))
     return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
-
-
-def reachable_bytes(root: object) -> int:
-    """Bytes of every tensor storage reachable from ``root`` through attributes and containers, once."""
-    seen_objects: set[int] = set()
-    seen_storages: set[tuple[int, int]] = set()
-    total, stack = 0, [root]
-    while stack:
-        obj = stack.pop()
-        if id(obj) in seen_objects:
-            continue
-        seen_objects.add(id(obj))
-        if isinstance(obj, torch.Tensor):
-            storage = obj.untyped_storage()
-            key = (storage.data_ptr(), storage.nbytes())
-            if key not in seen_storages:
-                seen_storages.add(key)
-                total += storage.nbytes()
-        elif isinstance(obj, (list, tuple, set)):
-            stack.extend(obj)
-        elif isinstance(obj, dict):
-            stack.extend(obj.values())
-        elif hasattr(obj, "__dict__") and not isinstance(obj, (type, torch.nn.Module)):
-            stack.extend(vars(obj).values())
-    return total
 
 
 def run(model, cache=None):
@@ -100,24 +97,31 @@ def check_family(name: str) -> float:
     native = DynamicCache(config=model.config)
     run(model, native)
     _, cache = default_run(model)
-    ratio = reachable_bytes(cache) / reachable_bytes(native)
+    ratio = resident_bytes(cache) / resident_bytes(native)
     model = tiny_family(name, torch.float32)
     materialized, _ = run(model, FlashCodecCache.from_config(model.config, codec=default_codec()))
     tokens, _ = default_run(model)
-    assert torch.equal(tokens, materialized)
+    same = torch.equal(tokens, materialized)
+    if RECORD:
+        types = sorted(set(config_layer_types(model.config)[0]))
+        row = dict(
+            family=name, ratio=ratio, target=TARGET, meets_target=ratio <= TARGET, same_tokens=same,
+            layer_types=types, window=options(name).get("sliding_window"),
+        )  # fmt: skip
+        with open(RECORD, "a", encoding="utf-8") as out:
+            out.write(json.dumps(row) + "\n")
+    assert same
     return ratio
 
 
-@pytest.mark.parametrize("name", FULL)
+@pytest.mark.parametrize("name", COVERED)
 def test_the_default_holds_at_most_the_target_of_dynamic_cache(name):
     ratio = check_family(name)
     assert ratio <= TARGET, f"{name}: {ratio:.3f}x DynamicCache"
 
 
-@pytest.mark.xfail(
-    strict=True, reason="sliding-window layers keep transformers' 16-bit cache (not coded yet)"
-)
-@pytest.mark.parametrize("name", SLIDING)
-def test_sliding_window_families_reach_the_target_too(name):
+@pytest.mark.xfail(strict=True, reason="whole 64-token blocks beyond a 128-token window: 0.41x, not 0.40x")
+@pytest.mark.parametrize("name", ALL_SLIDING)
+def test_all_sliding_families_with_a_small_window_reach_the_target_too(name):
     ratio = check_family(name)
     assert ratio <= TARGET, f"{name}: {ratio:.3f}x DynamicCache"

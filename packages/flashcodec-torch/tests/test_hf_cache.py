@@ -22,11 +22,17 @@ pytest.importorskip("transformers")
 
 from conftest import TOKEN_IDS, tiny_model  # noqa: E402
 from flashcodec import CodecKVCache, JPEGCodec, PNGCodec  # noqa: E402
-from flashcodec.hf import FlashCodecCache, FlashCodecLayer  # noqa: E402
+from flashcodec.hf import (  # noqa: E402
+    FlashCodecCache,
+    FlashCodecLayer,
+    apply_codec_attention,
+    remove_codec_attention,
+)
 from flashcodec.hf.requirements import check_layer_api  # noqa: E402
+from flashcodec.hf.sliding_layer import FlashCodecSlidingLayer  # noqa: E402
 from kvspec import KVConfigError, KVShapeError, KVTrimError  # noqa: E402
 from transformers import DynamicCache, Qwen3ForCausalLM  # noqa: E402
-from transformers.cache_utils import DynamicSlidingWindowLayer, LinearAttentionLayer  # noqa: E402
+from transformers.cache_utils import LinearAttentionLayer  # noqa: E402
 
 
 def make_hybrid_model():
@@ -291,23 +297,56 @@ def test_activate_past_recording_rejects_a_bad_count_without_change():
     assert not any(cache.is_recording_past(i) for i in range(len(cache.layers)))
 
 
-def test_sliding_window_layers_stay_native_and_match_dynamic_cache():
+@pytest.mark.parametrize("attention", ["materialized", "on the codes"])
+def test_sliding_window_layers_are_bounded_codec_layers_and_match_dynamic_cache(attention):
     types = ["full_attention", "sliding_attention", "full_attention", "sliding_attention"]
     model = tiny_qwen3(layer_types=types, sliding_window=6)
-    cache = FlashCodecCache.from_config(model.config, mode="png")
-    assert cache.codec_layer_indices == [0, 2]
-    assert all(type(cache.layers[i]) is DynamicSlidingWindowLayer for i in (1, 3))
+    cache = FlashCodecCache.from_config(model.config, mode="png")  # lossless: the same tokens
+    assert cache.codec_layer_indices == [0, 1, 2, 3]
+    assert all(type(cache.layers[i]) is FlashCodecSlidingLayer for i in (1, 3))
     ids = ids_of(30)
     base = model.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False)
-    out = model.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False, cache=cache)
+    if attention == "on the codes":
+        apply_codec_attention(model, backend="torch")
+    try:
+        out = model.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False, cache=cache)
+    finally:
+        remove_codec_attention(model)
     assert torch.equal(out, base)
-    assert cache.get_seq_length() == 41 and cache.layers[1].keys.shape[2] == 5  # window - 1 kept
+    sliding = cache.layers[1]
+    assert cache.get_seq_length() == 41 and sliding.get_seq_length() == 41
+    # whole 8-token blocks behind the window are gone: at most window - 1 + 7 tokens stay
+    assert sliding.dropped > 0 and sliding.codec_cache.offset <= 6 - 1 + 7
 
 
-def test_config_without_full_attention_warns_that_nothing_is_compressed():
-    model = tiny_qwen3(layer_types=["sliding_attention"] * 2, sliding_window=4)
+def test_a_sliding_layer_crops_within_what_it_kept_and_refuses_beyond():
+    types = ["full_attention", "sliding_attention"]
+    model = tiny_qwen3(layer_types=types, sliding_window=6)
+    ids = ids_of(40)
+    cache = FlashCodecCache.from_config(model.config, mode="png")
+    with torch.no_grad():
+        model(ids[:, :37], cache=cache)
+        model(ids[:, 37:38], cache=cache)  # the step drops the blocks behind the window
+    sliding = cache.layers[1]
+    seen, dropped = sliding.get_seq_length(), sliding.dropped
+    assert seen == 38 and dropped == 32
+    with pytest.raises(KVTrimError, match="forgot its first 32 tokens"):
+        cache.crop(-2)  # the next query (position 36) would need position 31, dropped
+    assert cache.get_seq_length() == 38 and sliding.dropped == 32  # nothing was cropped
+    cache.crop(-1)  # position 37's window starts at 32: still held
+    native = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids[:, :37], cache=native)
+        want = model(ids[:, 37:40], cache=native).logits
+        got = model(ids[:, 37:40], cache=cache).logits
+    assert torch.allclose(got, want, atol=1e-5)
+
+
+def test_config_without_an_attention_layer_to_code_warns_that_nothing_is_compressed():
+    config = tiny_qwen3().config
+    config.layer_types, config.attention_chunk_size = ["chunked_attention"] * 4, 4
     with pytest.warns(UserWarning, match="nothing is compressed"):
-        cache = FlashCodecCache.from_config(model.config)
+        cache = FlashCodecCache.from_config(config)
     assert cache.codec_layer_indices == []
 
 

@@ -252,14 +252,15 @@ def test_transformers_cache_edits_are_all_or_nothing(method, call, monkeypatch):
 
 
 def test_failed_update_of_a_native_layer_leaves_it_as_it_was():
-    # a sliding-window layer kept native in a FlashCodecCache: a mismatched update fails inside
+    # a chunked-attention layer kept native in a FlashCodecCache: a mismatched update fails inside
     # transformers (torch.cat); the layer gets its attributes back
     pytest.importorskip("transformers")
     from flashcodec.hf import FlashCodecCache
     from test_hf_cache import tiny_qwen3
 
-    model = tiny_qwen3(layer_types=["full_attention", "sliding_attention"], sliding_window=6)
-    cache = FlashCodecCache.from_config(model.config)
+    config = tiny_qwen3(layer_types=["full_attention", "full_attention"]).config
+    config.layer_types, config.attention_chunk_size = ["full_attention", "chunked_attention"], 6
+    cache = FlashCodecCache.from_config(config)
     fresh = snapshot(cache)
     with pytest.raises((TypeError, AttributeError)):  # fails inside transformers
         cache.update(random_walk(s=3), random_walk(s=3).tolist(), 1)

@@ -271,6 +271,18 @@ class CodecKVCache:
         self.keys = None
         self.values = None
 
+    def archived_blocks(self) -> int:
+        """Complete blocks in the archive (the tokens before ``archived_blocks() * block_size``)."""
+        return 0 if self.keys is None else self.keys.n_blocks
+
+    def drop_front(self, blocks: int) -> None:
+        """Forget the first ``blocks`` archived blocks of keys and values (a sliding window moved
+        past them): :attr:`offset` falls by ``blocks * block_size``. ``KVTrimError`` (nothing
+        changed) unless ``0 <= blocks <= archived_blocks()``."""
+        blocks = check_int("blocks", blocks, low=0, high=self.archived_blocks(), error=KVTrimError)
+        for stream in self._streams():
+            stream.drop_front(blocks)
+
     def crop(self, max_length: int) -> None:
         """Keep the first ``max_length`` tokens; a negative value drops ``-max_length`` from the end
         (transformers' convention). No-op when ``max_length >= offset``.

@@ -23,10 +23,13 @@ from .calibrate import Calibration, calibrate  # noqa: E402
 from .codec_attention import apply_codec_attention, remove_codec_attention  # noqa: E402
 from .layer import FlashCodecLayer  # noqa: E402
 from .patch import FlashCodecPatch, apply_flash_codec, get_flash_codec_patch, remove_flash_codec  # noqa: E402
+from .resident import resident_bytes  # noqa: E402
+from .sliding_layer import FlashCodecSlidingLayer  # noqa: E402
 
 __all__ = [
     "FlashCodecCache",
     "FlashCodecLayer",
+    "FlashCodecSlidingLayer",
     "FlashCodecPatch",
     "Calibration",
     "calibrate",
@@ -36,6 +39,7 @@ __all__ = [
     "apply_codec_attention",
     "remove_codec_attention",
     "config_layer_types",
+    "resident_bytes",
     "CODEC_LAYER_TYPES",
     "MIN_TRANSFORMERS",
 ]

@@ -2,11 +2,11 @@
 
 Pass it to ``model.generate(..., cache=cache)`` (``past_key_values=`` on older 5.x releases) or to
 a forward call, like a ``DynamicCache``. Built with a model config (:meth:`FlashCodecCache.from_config`),
-it gives a :class:`FlashCodecLayer` to every ``full_attention`` layer and keeps transformers' own
-layer for every other layer type: linear attention (recurrent + conv state, nothing to code along
-the sequence), sliding / chunked windows (``DynamicSlidingWindowLayer``: already bounded, and
-dropping tokens from a window would cut through archived blocks), hybrid and dummy layers. Without
-a config every layer is a codec layer, created on its first ``update``.
+it gives a :class:`FlashCodecLayer` to every ``full_attention`` layer, a bounded
+:class:`~flashcodec.hf.sliding_layer.FlashCodecSlidingLayer` to every ``sliding_attention`` layer,
+and keeps transformers' own layer for every other layer type: linear attention (recurrent + conv
+state, nothing to code along the sequence), chunked attention, hybrid and dummy layers. Without a
+config every layer is a full-attention codec layer, created on its first ``update``.
 """
 
 from __future__ import annotations
@@ -27,11 +27,13 @@ from ..tiers import default_codec as default_tier_codec
 from ..validate import batch_index, check_int
 from .layer import FlashCodecLayer
 from .options import check_per_layer, layer_options
+from .sliding_layer import FlashCodecSlidingLayer, window_codec
 
 __all__ = ["CODEC_LAYER_TYPES", "FlashCodecCache", "config_layer_types"]
 
-#: the layer types that get a codec layer; every other type keeps transformers' native layer
-CODEC_LAYER_TYPES = ("full_attention",)
+#: the layer types that get a codec layer (sliding windows a bounded one); every other type keeps
+#: transformers' native layer
+CODEC_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 def config_layer_types(config: Any) -> tuple[list[str], list[dict[str, Any]]]:
@@ -138,19 +140,18 @@ class FlashCodecCache(Cache):
                 f"known: {sorted(set(DYNAMIC_LAYER_TYPE_MAPPING) | set(CODEC_LAYER_TYPES))}"
             )
         codec_idx = [i for i, t in enumerate(types) if t in CODEC_LAYER_TYPES]
+        self._window_codecs: dict[tuple[int, int], Any] = {}
         self.layer_types = types
         self.per_layer = check_per_layer(
             per_layer, self.codec_defaults, base_keywords, codec_layers=codec_idx, num_layers=len(types)
         )
         layers = [
-            FlashCodecLayer(step_raw=self.step_raw, **self._options_for(i))
-            if t in CODEC_LAYER_TYPES
-            else DYNAMIC_LAYER_TYPE_MAPPING[t](**kw)
+            self._codec_layer(i, t, kw) if t in CODEC_LAYER_TYPES else DYNAMIC_LAYER_TYPE_MAPPING[t](**kw)
             for i, (t, kw) in enumerate(zip(types, native_kwargs, strict=True))
         ]
         if not codec_idx:
             warnings.warn(
-                f"FlashCodecCache: the config has no full-attention layer (layer types {sorted(set(types))}), "
+                f"FlashCodecCache: the config has no attention layer to code (layer types {sorted(set(types))}), "
                 "so nothing is compressed; every layer keeps transformers' native cache",
                 stacklevel=3,
             )
@@ -168,6 +169,18 @@ class FlashCodecCache(Cache):
                 "from_config needs a model config; got None (use FlashCodecCache(...) instead)"
             )
         return cls(config=config, **options)
+
+    def _codec_layer(self, layer_idx: int, layer_type: str, native_kwargs: dict[str, Any]) -> FlashCodecLayer:
+        options = dict(step_raw=self.step_raw, **self._options_for(layer_idx))
+        if layer_type != "sliding_attention":
+            return FlashCodecLayer(**options)
+        window = native_kwargs["sliding_window"]
+        # one codec object per (codec, window), shared by the layers as the full layers share theirs
+        key = (id(options["codec"]), window)
+        if key not in self._window_codecs:
+            self._window_codecs[key] = window_codec(options["codec"], window)
+        options["codec"] = self._window_codecs[key]
+        return FlashCodecSlidingLayer(sliding_window=window, **options)
 
     def _options_for(self, layer_idx: int) -> dict[str, Any]:
         return self.per_layer.get(layer_idx, self.codec_defaults)
