@@ -31,7 +31,9 @@ def test_model_kv_dims_reads_the_heads_a_shard_computes():
     for layer in model.layers:  # what sharded_load's shard() does on each of 2 ranks
         layer.self_attn.n_kv_heads //= 2
     assert model_kv_dims(model) == (32, 2)
-    caches = KVCacheBuilder.for_model(model, dataclasses.replace(TIERS["r8-4bit"].config, head_dim=32))
+    # pre-RoPE off: this stand-in shard divides the head count but not k_proj, so no layer can run
+    config = dataclasses.replace(TIERS["r8-4bit"].config, head_dim=32, palu_pre_rope=False)
+    caches = KVCacheBuilder.for_model(model, config)
     assert all(isinstance(c, PaluKVCache) for c in caches)
     KVCacheBuilder.uninstall(model)
 

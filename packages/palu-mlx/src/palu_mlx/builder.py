@@ -6,9 +6,9 @@
 mlx-lm call that builds its own cache gets fresh palu caches; ``KVCacheBuilder.uninstall``
 puts the model's own ``make_cache`` back.
 
-For the architectures of :data:`palu_mlx.rope.PRE_ROPE_ARCHITECTURES` (and
-``config.palu_pre_rope``, the default) each palu cache gets its layer's RoPE, so keys are
-coded before RoPE; other architectures fall back to post-RoPE keys with a
+With ``config.palu_pre_rope`` (the default) each palu cache gets its layer's RoPE, so keys are
+coded before RoPE, where probing the layers shows the mechanism palu can undo
+(:func:`palu_mlx.rope.model_rotaries`); other models fall back to post-RoPE keys with a
 :class:`~palu_mlx.rope.PreRopeFallbackWarning`. No module of the model is changed either way.
 
 **Prompt-cache files.** mlx-lm's own ``save_prompt_cache`` / ``load_prompt_cache`` (and so
@@ -133,7 +133,8 @@ class KVCacheBuilder:
         Layers whose default cache is mlx-lm's plain ``KVCache`` get a palu cache;
         other layer caches the model asks for (rotating windows, SSM state) are kept.
         With ``config.palu_pre_rope`` each palu cache codes its layer's keys before RoPE
-        where the architecture supports it (else a ``PreRopeFallbackWarning``).
+        where probing the layers shows the mechanism palu can undo (else a
+        ``PreRopeFallbackWarning``).
         What ``config`` leaves to the model (``head_dim`` None, the default) is taken from it
         (:meth:`KVCacheConfig.for_head_dim`), so ``KVCacheConfig()`` fits any model.
         Raises ``KVConfigError`` when a ``config.head_dim`` given differs from the model's

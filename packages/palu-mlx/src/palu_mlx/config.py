@@ -126,9 +126,10 @@ class KVCacheConfig:
         palu_check_finite: reject NaN / inf keys and values (costs one device sync per
             layer call); False skips the check for speed.
         palu_pre_rope: when :meth:`KVCacheBuilder.for_model` builds caches for a model whose
-            architecture supports it, code keys as they were before RoPE and rotate the
-            reconstructed keys at their positions (see :mod:`palu_mlx.rope`); False, or an
-            unsupported architecture (with a warning), caches the post-RoPE keys. A cache built
+            layers support it (probed by :func:`~palu_mlx.rope.model_rotaries`), code keys as they
+            were before RoPE and rotate the reconstructed keys at their positions (see
+            :mod:`palu_mlx.rope`); False, or a model whose layers do not (with a warning), caches
+            the post-RoPE keys. A cache built
             without a model (``PaluKVCache(config)``) always codes the keys it is given.
         palu_token_scale: the bit-budget coder (``palu_bits``, fitted at the prefill or
             calibrated) stores one bfloat16 scale per token and head beside the codes, chosen so that

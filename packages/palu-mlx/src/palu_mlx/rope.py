@@ -13,14 +13,15 @@ model's own RoPE, queries and attention run unchanged, installing and removing p
 changes which caches the model gets, and the cache carries its rotation (the per-pair
 frequencies) in its state, so a saved prompt cache needs no model to reload.
 
-:func:`model_rotaries` decides, per layer, whether a model can use this path: its
-architecture must be one whose attention was read to follow ``q/k/v -> norm -> RoPE(offset =
-cache.offset) -> cache -> SDPA`` (:data:`PRE_ROPE_ARCHITECTURES`), and its RoPE module must
-be a plain per-pair rotation with angles linear in the position (checked numerically by
-probing the module, which also recovers the frequencies: scaled variants such as llama3's
-are covered; YaRN's magnitude scaling or dynamic NTK are not, and fall back). Anything else
-falls back to caching post-RoPE keys with a :class:`PreRopeFallbackWarning` naming the
-architecture.
+:func:`model_rotaries` decides per layer, by the mechanism rather than the architecture's name
+(:func:`layer_rotary`): the layer's attention runs on a probe input with stand-in caches at two
+offsets, and the keys it hands to ``cache.update_and_fetch`` must either not move with the offset
+(no RoPE, as SmolLM3's NoPE layers: nothing to undo) or be its ``rope`` module's rotation at
+positions ``cache.offset + i``, that module being a plain per-pair rotation with angles linear in
+the position (checked numerically by probing it, which also recovers the frequencies and the
+rotated channels: llama3's scaling and partial rotary are covered; YaRN's magnitude scaling or
+dynamic NTK are not). A model with any other layer falls back to caching post-RoPE keys with a
+:class:`PreRopeFallbackWarning` naming the architecture, the layer and the reason.
 """
 
 from __future__ import annotations
@@ -31,16 +32,42 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten
 
-__all__ = ["Rotary", "PreRopeFallbackWarning", "PRE_ROPE_ARCHITECTURES", "model_rotaries", "probe_rotary"]
+__all__ = [
+    "Rotary",
+    "PreRopeFallbackWarning",
+    "PRE_ROPE_ARCHITECTURES",
+    "model_rotaries",
+    "layer_rotary",
+    "probe_rotary",
+]
 
-#: mlx-lm ``model_type``\ s whose attention calls ``rope(keys, offset=cache.offset)`` right
-#: before ``cache.update_and_fetch`` and feeds the returned keys straight to SDPA (read in
-#: mlx-lm's ``llama.py``, ``qwen2.py``, ``qwen3.py``, ``qwen2_moe.py``, ``qwen3_moe.py``;
-#: mistral checkpoints load through ``llama.py``).
+#: mlx-lm ``model_type``\ s whose tiny random-weight models the tests run on the pre-RoPE path. The
+#: path is not decided by this list: every model's layers are probed (:func:`layer_rotary`).
 PRE_ROPE_ARCHITECTURES: frozenset[str] = frozenset(
-    {"llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe"}
+    {
+        "llama",
+        "mistral",
+        "qwen2",
+        "qwen3",
+        "qwen2_moe",
+        "qwen3_moe",
+        "gemma2",
+        "gemma3_text",
+        "phi3",
+        "olmo2",
+        "granite",
+        "starcoder2",
+        "smollm3",
+        "cohere",
+        "gpt_neox",
+    }
 )
+
+#: the probe's position and length: far enough along that every pair but the slowest turns visibly
+_PROBE_OFFSET = 37
+_PROBE_TOKENS = 3
 
 # positions at which a probed rotation must match the recovered linear-in-position one
 _CHECK_POSITIONS = (0, 1, 7, 300, 4099)
@@ -153,30 +180,120 @@ def _architecture(model: Any) -> str:
     )
 
 
-def model_rotaries(model: Any, head_dim: int | None) -> list[Rotary | None] | None:
-    """One :class:`Rotary` per layer of ``model`` for the pre-RoPE path, or None with a warning.
+class _Unsupported(Exception):
+    """A layer whose keys palu cannot take back to before RoPE (the message says why)."""
 
-    Returns None (and warns :class:`PreRopeFallbackWarning`, naming the architecture and why)
-    when the architecture is not in :data:`PRE_ROPE_ARCHITECTURES` or a layer's
-    ``self_attn.rope`` is not a rotation palu can invert.
+
+class _Recorded(Exception):
+    """Ends a probe once the keys reached the cache: the rest of the attention is not needed (and
+    under tensor parallel its output projection would be a collective)."""
+
+
+class _RecordingCache:
+    """Stands in for a layer's cache while its attention is probed: records the keys handed to it."""
+
+    def __init__(self, offset: int):
+        self.offset = offset
+        self.keys: mx.array | None = None
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        self.keys = keys
+        raise _Recorded
+
+
+def _attention_of(layer: Any) -> Any:
+    for name in ("self_attn", "attention", "attn"):
+        module = getattr(layer, name, None)
+        if callable(module):
+            return module
+    raise _Unsupported("it has no attention module (self_attn, attention or attn)")
+
+
+def _probe_dtype(attn: Any) -> mx.Dtype:
+    # the dtype the layer computes in: a quantized layer's scales, else its weights
+    for _, value in tree_flatten(attn.parameters()):
+        if isinstance(value, mx.array) and mx.issubdtype(value.dtype, mx.floating):
+            return value.dtype
+    return mx.float32
+
+
+def _cached_keys(attn: Any, x: mx.array, offset: int) -> mx.array:
+    cache = _RecordingCache(offset)
+    try:
+        attn(x, mask=None, cache=cache)
+    except _Recorded:
+        pass
+    except Exception as exc:  # noqa: BLE001 - an attention that cannot be probed is not supported
+        raise _Unsupported(f"its attention cannot be run on a probe ({type(exc).__name__}: {exc})") from None
+    if cache.keys is None or cache.keys.ndim != 4:
+        raise _Unsupported("its attention does not hand [B, H, S, D] keys to cache.update_and_fetch")
+    return cache.keys.astype(mx.float32)
+
+
+def _differ(a: mx.array, b: mx.array, tolerance: float) -> bool:
+    return not (mx.linalg.norm(a - b) <= tolerance * mx.linalg.norm(b)).item()
+
+
+def _rows_differ(keys: mx.array, tolerance: float) -> bool:
+    return _differ(keys, mx.broadcast_to(keys[:, :, :1], keys.shape), tolerance)
+
+
+def layer_rotary(layer: Any, hidden_size: int) -> Rotary | None:
+    """The rotation to take ``layer``'s cached keys back to before RoPE: None when they need none.
+
+    Verified on the mechanism, not the architecture's name: the layer's attention runs twice on
+    one random token repeated, with stand-in caches at offsets 0 and :data:`_PROBE_OFFSET`, and the
+    keys it hands to ``cache.update_and_fetch`` are compared. Keys alike at every position and
+    offset (a layer without RoPE, as SmolLM3's NoPE layers) need no un-rotation: None. Otherwise
+    they must be the layer's ``rope`` (a plain rotation, :func:`probe_rotary`) at positions
+    ``cache.offset + i``: un-rotated at those positions, every probe row is the same pre-RoPE key.
+    Anything else raises ``_Unsupported`` naming the reason.
+    """
+    attn = _attention_of(layer)
+    dtype = _probe_dtype(attn)
+    # one token at every position: its keys differ between rows only by what the position does
+    token = mx.random.normal((1, 1, hidden_size), key=mx.random.key(11)).astype(dtype)
+    x = mx.broadcast_to(token, (1, _PROBE_TOKENS, hidden_size))
+    at_zero, moved = _cached_keys(attn, x, 0), _cached_keys(attn, x, _PROBE_OFFSET)
+    # 16-bit layers round the rotated keys: a relative error of a few 2^-8 is rounding, not a misfit
+    tolerance = 1e-3 if dtype == mx.float32 else 3e-2
+    if not _differ(moved, at_zero, tolerance) and not _rows_differ(at_zero, tolerance):
+        return None
+    rope = getattr(attn, "rope", None)
+    rotary = None if rope is None else probe_rotary(rope, at_zero.shape[-1])
+    if rotary is None:
+        raise _Unsupported(
+            f"its keys move with the position but its RoPE ({type(rope).__name__}) is not a plain "
+            "rotation linear in the position"
+        )
+    before = rotary.unrotate(at_zero, 0)
+    if _differ(rotary.unrotate(moved, _PROBE_OFFSET), before, tolerance) or _rows_differ(before, tolerance):
+        raise _Unsupported("the keys it caches are not its RoPE's rotation at positions cache.offset + i")
+    return rotary
+
+
+def model_rotaries(model: Any, head_dim: int | None = None) -> list[Rotary | None] | None:
+    """One entry per layer of ``model`` for the pre-RoPE path, or None with a warning.
+
+    Each layer is verified by :func:`layer_rotary` (a :class:`Rotary`, or None for keys that carry
+    no rotation). Returns None and warns :class:`PreRopeFallbackWarning`, naming the architecture,
+    the first layer that fails and why, when any layer's keys cannot be taken back to before RoPE:
+    then every layer caches the keys as the model gives them. ``head_dim`` is not needed (each
+    layer's keys say theirs); it is accepted for the callers that pass it.
     """
     arch = _architecture(model)
-    reason = None
+    hidden_size = getattr(getattr(model, "args", None), "hidden_size", None)
     rotaries: list[Rotary | None] = []
-    if arch not in PRE_ROPE_ARCHITECTURES:
-        reason = f"its attention is not one of {', '.join(sorted(PRE_ROPE_ARCHITECTURES))}"
-    elif head_dim is None:
-        reason = "its head dim is unknown"
+    reason = None
+    if not isinstance(hidden_size, int) or isinstance(hidden_size, bool) or hidden_size < 1:
+        reason = "its hidden size (args.hidden_size) is unknown, so its attention cannot be probed"
     else:
-        for i, layer in enumerate(getattr(model, "layers", [])):
-            rope = getattr(getattr(layer, "self_attn", None), "rope", None)
-            rotary = None if rope is None else probe_rotary(rope, head_dim)
-            if rotary is None:
-                reason = (
-                    f"layer {i}'s RoPE ({type(rope).__name__}) is not a plain rotation linear in the position"
-                )
+        for i, layer in enumerate(getattr(model, "layers", None) or []):
+            try:
+                rotaries.append(layer_rotary(layer, hidden_size))
+            except _Unsupported as exc:
+                reason = f"layer {i}: {exc}"
                 break
-            rotaries.append(rotary)
     if reason is not None:
         warnings.warn(
             f"palu: architecture {arch!r} does not support the pre-RoPE path ({reason}); "
