@@ -56,6 +56,11 @@ FAMILIES = {
         {"layer_norm_eps": 1e-5, "rotary_emb_base": 10000, "rotary_pct": 0.25, "use_parallel_residual": True},
         [8, 8],  # partial rotary: a quarter of each head's channels
     ),
+    # the attention that owns the RoPE sits one module deeper (layer.attn.attention)
+    "exaone": (
+        {"num_layers": 2, "layer_norm_epsilon": 1e-5, "attention_bias": False, "mlp_bias": False},
+        [32, 32],
+    ),
     "qwen3_moe": (
         {
             "head_dim": 32,
@@ -182,7 +187,6 @@ def test_an_attention_off_the_mechanism_falls_back_naming_the_layer_and_why(chan
 
 def test_a_layer_without_an_attention_module_falls_back():
     model = make_tiny_qwen3()
-    model.layers[0].attn_renamed = model.layers[0].self_attn
-    del model.layers[0]["self_attn"]
+    del model.layers[0]["self_attn"]  # the probe has nothing to run
     with pytest.warns(PreRopeFallbackWarning, match="layer 0: it has no attention module"):
         assert model_rotaries(model) is None

@@ -202,11 +202,27 @@ class _RecordingCache:
 
 
 def _attention_of(layer: Any) -> Any:
+    # the module owning a ``rope``, at any depth (exaone nests it in layer.attn.attention), else a
+    # conventionally named one (an attention without RoPE, as ALiBi's, has none)
+    named = getattr(layer, "named_modules", None)
+    owners = [(n.count("."), n) for n, m in (named() if callable(named) else []) if _owns_rope(m)]
+    if owners:
+        return layer if min(owners)[1] == "" else _child(layer, min(owners)[1])
     for name in ("self_attn", "attention", "attn"):
         module = getattr(layer, name, None)
         if callable(module):
             return module
-    raise _Unsupported("it has no attention module (self_attn, attention or attn)")
+    raise _Unsupported("it has no attention module (one with a rope, or named self_attn, attention or attn)")
+
+
+def _owns_rope(module: Any) -> bool:
+    return callable(module) and getattr(module, "rope", None) is not None
+
+
+def _child(module: Any, path: str) -> Any:
+    for part in path.split("."):
+        module = module[int(part)] if isinstance(module, list) else getattr(module, part)
+    return module
 
 
 def _probe_dtype(attn: Any) -> mx.Dtype:
