@@ -12,7 +12,14 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 from palu_helpers import make_tiny_qwen3
-from palu_mlx import KVCacheBuilder, KVCacheConfig, PaluKVCache, PreRopeFallbackWarning, model_rotaries
+from palu_mlx import (
+    PRE_ROPE_ARCHITECTURES,
+    KVCacheBuilder,
+    KVCacheConfig,
+    PaluKVCache,
+    PreRopeFallbackWarning,
+    model_rotaries,
+)
 
 COMMON = dict(
     hidden_size=128,
@@ -30,6 +37,18 @@ HEAD_DIM = 32  # 128 / 4 where a family does not state it
 #: family -> (its extra args, the channels its RoPE rotates per layer: None for a layer without RoPE)
 FAMILIES = {
     "llama": ({}, [32, 32]),
+    "qwen2": ({}, [32, 32]),
+    "qwen2_moe": (
+        {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 64,
+            "shared_expert_intermediate_size": 64,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+        },
+        [32, 32],
+    ),
     "qwen3": ({"head_dim": 32}, [32, 32]),
     "gemma2": ({"head_dim": 32, "query_pre_attn_scalar": 32, "sliding_window": 4096}, [32, 32]),
     "gemma3_text": (
@@ -74,7 +93,7 @@ FAMILIES = {
         [32, 32],
     ),
 }
-FLOAT32_ONLY = {"qwen3_moe"}
+FLOAT32_ONLY = {"qwen2_moe", "qwen3_moe"}
 FULL_RANK = dict(palu_rank=HEAD_DIM, palu_hi_bit=16, palu_lo_bit=16)
 
 
@@ -99,6 +118,10 @@ def _quietly(model, config):
     with warnings.catch_warnings():
         warnings.simplefilter("error", PreRopeFallbackWarning)
         return KVCacheBuilder.for_model(model, config)
+
+
+def test_the_exported_list_names_the_families_tested_here():
+    assert set(FAMILIES) | {"mistral"} == PRE_ROPE_ARCHITECTURES  # mistral loads through llama
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

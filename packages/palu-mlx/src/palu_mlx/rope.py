@@ -43,8 +43,9 @@ __all__ = [
     "probe_rotary",
 ]
 
-#: mlx-lm ``model_type``\ s whose tiny random-weight models the tests run on the pre-RoPE path. The
-#: path is not decided by this list: every model's layers are probed (:func:`layer_rotary`).
+#: mlx-lm ``model_type``\ s whose tiny random-weight models the tests run on the pre-RoPE path
+#: (mistral checkpoints load through llama's). The path is not decided by this list: every model's
+#: layers are probed (:func:`layer_rotary`).
 PRE_ROPE_ARCHITECTURES: frozenset[str] = frozenset(
     {
         "llama",
@@ -62,6 +63,7 @@ PRE_ROPE_ARCHITECTURES: frozenset[str] = frozenset(
         "smollm3",
         "cohere",
         "gpt_neox",
+        "exaone",
     }
 )
 
