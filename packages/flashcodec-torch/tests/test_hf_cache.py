@@ -422,3 +422,18 @@ def test_codec_layer_wraps_the_core_cache():
         8, keep_freqs=4
     )
     assert FlashCodecLayer(codec=JPEGCodec(8, keep_freqs=4)).codec_cache.codec == layer.codec_cache.codec
+
+
+def test_a_default_cache_on_a_decoded_view_says_how_to_attend_on_the_codes():
+    model = tiny_qwen3()
+    cache = FlashCodecCache.from_config(model.config)  # nothing chosen: the default tier
+    with pytest.warns(UserWarning, match="apply_flash_codec"):
+        with torch.no_grad():
+            model(ids_of(9), cache=cache)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per cache
+        with torch.no_grad():
+            model(ids_of(1), cache=cache)
+        chosen = FlashCodecCache.from_config(model.config, mode="png")  # a codec chosen: no advice
+        with torch.no_grad():
+            model(ids_of(9), cache=chosen)

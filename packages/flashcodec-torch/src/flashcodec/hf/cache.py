@@ -25,6 +25,7 @@ from ..codecs import BlockCodec, keyword_codec, keyword_options
 from ..storage import CodecStorage
 from ..tiers import default_codec as default_tier_codec
 from ..validate import batch_index, check_int
+from .codes_step import codes_step_active
 from .layer import FlashCodecLayer
 from .options import check_per_layer, layer_options
 from .sliding_layer import FlashCodecSlidingLayer, window_codec
@@ -73,7 +74,9 @@ class FlashCodecCache(Cache):
             :class:`flashcodec.CodecKVCache` takes it (``mode``, ``block_size``, ``keep_freqs``,
             ``keep_ratio``, ``quant_bits`` by position or name, any other codec field by name;
             ``jpeg`` k=r when only other keywords are given). With neither this nor ``codec``,
-            the default tier's codec (:data:`flashcodec.tiers.DEFAULT_TIER`).
+            the default tier's codec (:data:`flashcodec.tiers.DEFAULT_TIER`); its figures are
+            with attention on the codes (``apply_flash_codec(model)``), and a model that attends
+            on a decoded view instead gets a warning once, since the view is kept beside the codes.
         codec: the same as a codec object, e.g. ``JPEGCodec(block_size=8, keep_freqs=2)``; giving
             it together with a keyword of the keyword form is a ``KVConfigError``.
         check_finite, initial_blocks: as :class:`flashcodec.CodecKVCache`.
@@ -113,7 +116,9 @@ class FlashCodecCache(Cache):
             raise KVConfigError(f"step_raw must be True or False; got {step_raw!r}")
         #: whether a multi-token step attends its own tokens as given (:class:`FlashCodecLayer`)
         self.step_raw = step_raw
-        if codec is None and not keyword_form and not codec_options:
+        #: warn once when a cache built with nothing chosen attends on a decoded view
+        self._advise_codes = codec is None and not keyword_form and not codec_options
+        if self._advise_codes:
             codec = default_tier_codec()  # nothing chosen: the measured default, not the reference's k=r
         default_codec = keyword_codec(*keyword_form, codec=codec, **codec_options)
         #: the ``CodecKVCache`` arguments of every codec layer ``per_layer`` does not name
@@ -205,6 +210,14 @@ class FlashCodecCache(Cache):
         # tensors instead of writing into the old ones (DynamicLayer, DynamicSlidingWindowLayer), so
         # their attributes as they were are their state as it was
         native = None if isinstance(layer, FlashCodecLayer) else dict(vars(layer))
+        if native is None and self._advise_codes and not codes_step_active():
+            self._advise_codes = False
+            warnings.warn(
+                "FlashCodecCache: the model attends on a decoded view of the codes, which this cache keeps "
+                "beside them (several times a plain cache's bytes for the default tier); call "
+                "flashcodec.apply_flash_codec(model) (or apply_codec_attention(model)) to attend on the codes",
+                stacklevel=3,
+            )
         try:
             return super().update(key_states, value_states, layer_idx, *args, **kwargs)
         except BaseException:
