@@ -104,9 +104,9 @@ class Tier:
             )
         config = self.config
         if self.calibration is not None and (config.palu_calibration or config.palu_sensitivity) is None:
+            what = "a calibration file" if self.calibration == "model" else "a sensitivity profile"
             raise KVConfigError(
-                f"tier {self.name!r} needs {'a calibration file' if self.calibration == 'model' else 'a sensitivity profile'} "
-                "for the model; bind it with Tier.with_calibration(path) first"
+                f"tier {self.name!r} needs {what} for the model; bind it with Tier.with_calibration(path) first"
             )
         rank = config.palu_rank
         if rank is not None:
