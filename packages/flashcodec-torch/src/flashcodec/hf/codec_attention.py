@@ -40,6 +40,7 @@ from kvspec import KVConfigError
 from ..attention import BACKENDS, codec_decode_attention, codec_prefill_attention
 from .codes_step import CODES_STEP, CodesStep, step_layer
 from .layer import FlashCodecLayer
+from .sliding_layer import FlashCodecSlidingLayer
 
 __all__ = [
     "IMPLEMENTATION_PREFIX",
@@ -170,7 +171,7 @@ def _materialized(
 
 
 def _unsupported(
-    module: torch.nn.Module, query: torch.Tensor, layer: FlashCodecLayer, kwargs: dict
+    base: str, module: torch.nn.Module, query: torch.Tensor, layer: FlashCodecLayer, kwargs: dict
 ) -> str | None:
     """Why the coded kernels cannot serve this call, or None."""
     if kwargs.get("softcap") is not None:
@@ -181,6 +182,8 @@ def _unsupported(
         return "dropout"
     if kwargs.get("output_attentions"):
         return "output_attentions"
+    if isinstance(layer, FlashCodecSlidingLayer) and "flash" in base:
+        return "sliding window without a mask"  # flash-attention masks leave the window to the kernel
     stream = layer.codec_cache.keys
     if (query.dtype, query.device, query.shape[0]) != (stream.dtype, stream.device, stream.batch):
         return "dtype, device or batch differs from the cache"
@@ -210,7 +213,7 @@ def _codes_attention(
     batch, steps = query.shape[0], query.shape[2]
     total = layer.codec_cache.offset
     decode = steps == 1 and total > 1
-    reason = _unsupported(module, query, layer, kwargs)
+    reason = _unsupported(base, module, query, layer, kwargs)
     if reason is None:
         if decode:
             usable, mask = _key_mask(attention_mask, batch, total)
@@ -252,9 +255,8 @@ def _register(base: str) -> str:
 
     name = IMPLEMENTATION_PREFIX + base
     AttentionInterface.register(name, functools.partial(_codes_attention, base))
-    mask = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.get(base)
-    if mask is not None:
-        AttentionMaskInterface.register(name, mask)
+    if base in ALL_MASK_ATTENTION_FUNCTIONS:  # the masks the base implementation expects
+        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[base])
     return name
 
 
@@ -274,7 +276,8 @@ def check_codec_attention(model: torch.nn.Module, backend: str = "auto") -> tupl
         raise KVConfigError(f"backend must be one of {BACKENDS}; got {backend!r}")
     config = _attention_config(model)
     modules = _attention_modules(model)
-    if config is None or not modules or not type(model)._can_set_attn_implementation():
+    can_switch = getattr(type(model), "_can_set_attn_implementation", lambda: True)()
+    if config is None or not modules or not can_switch:
         raise KVConfigError(
             f"attention on the codes: {type(model).__name__} does not call transformers' attention "
             "interface (set_attn_implementation cannot switch it), so it cannot be installed; "
