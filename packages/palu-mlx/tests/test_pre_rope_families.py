@@ -97,16 +97,20 @@ FLOAT32_ONLY = {"qwen2_moe", "qwen3_moe"}
 FULL_RANK = dict(palu_rank=HEAD_DIM, palu_hi_bit=16, palu_lo_bit=16)
 
 
-def _build(family: str):
-    extra, _ = FAMILIES[family]
+def build_family(family: str, common: dict, extra: dict):
+    """A seeded random model of mlx-lm's ``family`` from ``common`` and ``extra`` arguments."""
     try:
         module = importlib.import_module(f"mlx_lm.models.{family}")
         mx.random.seed(0)
-        model = module.Model(module.ModelArgs.from_dict({**COMMON, "model_type": family, **extra}))
+        model = module.Model(module.ModelArgs.from_dict({**common, "model_type": family, **extra}))
     except (ImportError, TypeError, ValueError) as exc:
         pytest.skip(f"this mlx-lm cannot build a tiny {family}: {exc}")
     mx.eval(model.parameters())
     return model
+
+
+def _build(family: str):
+    return build_family(family, COMMON, FAMILIES[family][0])
 
 
 def _greedy(model, prompt, steps, caches) -> list[int]:
