@@ -37,14 +37,18 @@ TARGET = 0.40
 #: families whose every attention layer is full attention (no sliding window given here), and
 #: families with sliding-window layers (a window of 128) beside full ones
 COVERED = ["llama", "qwen2", "qwen3", "qwen3_moe", "olmo2", "granite", "gpt_neox", "phi3", "smollm3"] + [
+    "mixtral",
+    "gemma",
     "gemma2",
     "gemma3_text",
+    "cohere2",
+    "gpt_oss",
     "qwen3-sliding",
 ]
 #: families whose every layer slides (a window of 128): whole 64-token blocks keep up to 63 tokens
 #: beyond the 127 the native layer keeps, 0.41x DynamicCache at this length
 ALL_SLIDING = ["mistral", "starcoder2", "cohere"]
-SLIDING = ["gemma2", "gemma3_text", "qwen3-sliding", *ALL_SLIDING]
+SLIDING = ["gemma2", "gemma3_text", "cohere2", "gpt_oss", "qwen3-sliding", *ALL_SLIDING]
 
 
 def options(name: str) -> dict:
@@ -60,6 +64,8 @@ def options(name: str) -> dict:
         config.update(use_sliding_window=True, max_window_layers=3)
     if kind == "qwen3_moe":
         config.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128)
+    if kind in ("mixtral", "gpt_oss"):
+        config.update(num_local_experts=4, num_experts_per_tok=2)
     return config
 
 

@@ -234,6 +234,8 @@ def codec_decode_attention(
     key_mask: torch.Tensor | None = None,
     backend: str = "auto",
     blocks_per_split: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Softmax attention of one decode token per sequence over coded keys/values, without the view.
 
@@ -251,6 +253,11 @@ def codec_decode_attention(
         blocks_per_split: archived blocks per split (torch: per chunk; Triton: per program);
             default: torch chunks cast at most :data:`TORCH_CHUNK_BYTES` of rows to fp32 at a time;
             Triton aims at ~256 programs.
+        softcap: None, or a logit soft-cap ``c > 0``: scores pass through ``c * tanh(score / c)``
+            before the mask (Gemma 2).
+        sinks: None, or one attention-sink logit per query head ``[Hq]`` (gpt-oss): it joins each
+            softmax's denominator and carries no value. With either, ``"auto"`` runs the torch
+            kernel (the Triton kernel takes neither).
 
     Returns:
         ``[B, Hq, 1, Dv]`` in ``query.dtype``; arithmetic in fp32 from the stored rows.
@@ -260,13 +267,17 @@ def codec_decode_attention(
     """
     _check_call(query, key_stream, value_stream, scale, backend, blocks_per_split)
     b, hq, _, d = query.shape
+    _check_softcap_and_sinks(softcap, sinks, hq)
+    extras = softcap is not None or sinks is not None
+    if backend == "triton" and extras:
+        raise KVConfigError("backend='triton' takes no softcap or sinks; use backend='torch' or 'auto'")
     mask = additive_key_mask(key_mask, b, key_stream.seq_len)
     if mask is not None:
         mask = mask.to(query.device)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     keys, values = coded_rows(key_stream), coded_rows(value_stream)
     if backend == "auto":
-        backend = "triton" if query.is_cuda and triton_available() else "torch"
+        backend = "triton" if query.is_cuda and triton_available() and not extras else "torch"
     if backend == "triton":
         from .kernels.triton_attention import triton_decode_attention
 
@@ -284,8 +295,29 @@ def codec_decode_attention(
             scale=scale,
             key_mask=mask,
             blocks_per_split=blocks_per_split or _torch_chunk_blocks(keys, values),
+            softcap=None if softcap is None else float(softcap),
+            sinks=sinks,
         )
     return out.unsqueeze(2)
+
+
+def _check_softcap_and_sinks(softcap: object, sinks: object, heads: int) -> None:
+    """``KVConfigError`` unless ``softcap`` is None or a finite number > 0 and ``sinks`` None or a
+    floating tensor of ``heads`` logits."""
+    if softcap is not None and (
+        isinstance(softcap, bool)
+        or not isinstance(softcap, numbers.Real)
+        or not math.isfinite(softcap)
+        or softcap <= 0
+    ):
+        raise KVConfigError(f"softcap must be None or a finite number > 0; got {softcap!r}")
+    if sinks is not None and (
+        not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point() or sinks.numel() != heads
+    ):
+        raise KVConfigError(
+            f"sinks must be None or a floating tensor of one logit per query head ({heads}); got "
+            f"{type(sinks).__name__} {tuple(getattr(sinks, 'shape', ()))}"
+        )
 
 
 @torch.no_grad()
@@ -413,6 +445,8 @@ def _prefill_split_tail(
     chunk_blocks: int,
     tail_tokens: int = CHUNK_TOKENS,
     score_elements: int = 1 << 18,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`~flashcodec.kernels.naive.prefill_attention_naive` with the raw tail cut into chunks
     of ``tail_tokens``: with the step's own tokens raw, the tail holds the whole step, and one
@@ -427,6 +461,8 @@ def _prefill_split_tail(
         chunk_blocks=chunk_blocks,
         score_elements=score_elements,
         tail_tokens=tail_tokens,
+        softcap=softcap,
+        sinks=sinks,
     )
 
 
@@ -441,6 +477,8 @@ def codec_prefill_attention(
     chunk_blocks: int | None = None,
     step_keys: torch.Tensor | None = None,
     step_values: torch.Tensor | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of the ``s`` newest tokens over the coded streams, without the whole-history view.
 
@@ -458,6 +496,7 @@ def codec_prefill_attention(
             keys and values of the ``s`` query tokens as they were appended (stream dtype). Given,
             the step attends its own tokens in that form and the earlier tokens as stored
             (:func:`step_rows`), as transformers' ``QuantizedCache`` does in a prefill.
+        softcap, sinks: as :func:`codec_decode_attention`.
 
     Returns:
         ``[B, Hq, s, Dv]`` in ``query.dtype``; fp32 arithmetic on keys and values rounded to the
@@ -467,6 +506,8 @@ def codec_prefill_attention(
     """
     _check_prefill(query, key_stream, value_stream, scale, chunk_blocks)
     b, hq, s, d = query.shape
+    _check_softcap_and_sinks(softcap, sinks, hq)
+    extras = dict(softcap=None if softcap is None else float(softcap), sinks=sinks)
     if (step_keys is None) != (step_values is None):
         raise KVConfigError("step_keys and step_values must be given together (or neither)")
     if step_keys is not None:
@@ -482,6 +523,7 @@ def codec_prefill_attention(
             scale=1.0 / math.sqrt(d) if scale is None else float(scale),
             mask=mask,
             chunk_blocks=chunk_blocks or chunk_blocks_for(key_stream.block_size),
+            **extras,
         )
     return prefill_attention_naive(
         query,
@@ -490,6 +532,7 @@ def codec_prefill_attention(
         scale=1.0 / math.sqrt(d) if scale is None else float(scale),
         mask=mask,
         chunk_blocks=chunk_blocks or chunk_blocks_for(key_stream.block_size),
+        **extras,
     )
 
 

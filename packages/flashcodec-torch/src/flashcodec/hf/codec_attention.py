@@ -17,8 +17,8 @@ the step's tensors to the attention function, which attends
   chunked prefill, verification): the archive a chunk at a time in an online softmax; with the
   layer's ``step_raw`` (the default) the step's own tokens as computed.
 
-Calls the coded kernels do not serve (logit soft-capping, attention sinks, dropout, a mask
-layout they do not take, another dtype or device) decode that layer's history for that call
+Logit soft-capping (Gemma 2) and attention-sink logits (gpt-oss) are applied on the codes. Calls
+the coded kernels do not serve (dropout, a mask layout they do not take, another dtype or device) decode that layer's history for that call
 only, run the base implementation on it and drop it again, so the cache never holds more than
 its codes; ``CodecAttentionStats.fallbacks`` counts them by reason. Layers that are not codec
 layers (sliding-window, linear, any other cache) go to the base implementation unchanged.
@@ -174,10 +174,6 @@ def _unsupported(
     base: str, module: torch.nn.Module, query: torch.Tensor, layer: FlashCodecLayer, kwargs: dict
 ) -> str | None:
     """Why the coded kernels cannot serve this call, or None."""
-    if kwargs.get("softcap") is not None:
-        return "softcap"
-    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
-        return "attention sinks"
     if kwargs.get("dropout") or module.training:
         return "dropout"
     if kwargs.get("output_attentions"):
@@ -229,6 +225,8 @@ def _codes_attention(
             del keys, values
             layer.release_view()
     scale = kwargs.get("scaling")
+    # Gemma 2's logit soft-capping and gpt-oss's per-head sink logits, as its eager function applies them
+    extras = dict(softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux"))
     if decode:
         out = codec_decode_attention(
             query,
@@ -236,13 +234,20 @@ def _codes_attention(
             layer.codec_cache.values,
             scale=scale,
             key_mask=mask,
-            backend=step.backend,
+            backend=step.backend if extras == dict(softcap=None, sinks=None) else "auto",
+            **extras,
         )
         stats.coded += 1
     else:
         raw = dict(step_keys=key, step_values=value) if layer.step_raw else {}
         out = codec_prefill_attention(
-            query, layer.codec_cache.keys, layer.codec_cache.values, scale=scale, attn_mask=mask, **raw
+            query,
+            layer.codec_cache.keys,
+            layer.codec_cache.values,
+            scale=scale,
+            attn_mask=mask,
+            **raw,
+            **extras,
         )
         stats.chunked += 1
     return out.transpose(1, 2).contiguous(), None

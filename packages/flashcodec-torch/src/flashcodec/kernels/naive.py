@@ -278,6 +278,27 @@ def _weighted_rows(weights: torch.Tensor, rows: CodedRows, start: int, stop: int
     return out if shift is None else out + shift
 
 
+def capped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """``softcap * tanh(scores / softcap)`` (Gemma 2's logit soft-capping), or ``scores`` for None."""
+    return scores if softcap is None else softcap * torch.tanh(scores / softcap)
+
+
+def with_sinks(
+    m: torch.Tensor, denom: torch.Tensor, acc: torch.Tensor, sinks: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Decode partials ``m, denom [B, Hq, P]``, ``acc [B, Hq, P, Dv]`` plus one split per head for an
+    attention sink (gpt-oss): a logit ``sinks [Hq]`` in the softmax's denominator with no value."""
+    if sinks is None:
+        return m, denom, acc
+    b, hq = m.shape[:2]
+    m_sink = sinks.float().to(m.device).reshape(1, hq, 1).expand(b, hq, 1)
+    return (
+        torch.cat([m, m_sink], dim=-1),
+        torch.cat([denom, torch.ones_like(m_sink)], dim=-1),
+        torch.cat([acc, acc.new_zeros(b, hq, 1, acc.shape[-1])], dim=-2),
+    )
+
+
 def _softmax_partial(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``scores [..., T]`` -> ``(m [...], l [...], p [..., T])`` with masked (-inf) entries giving 0."""
     if scores.shape[-1] == 0:  # an empty tail: amax has nothing to reduce
@@ -296,6 +317,7 @@ def decode_attention_partials(
     scale: float,
     key_mask: torch.Tensor | None = None,
     blocks_per_split: int | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-split softmax partials of one decode query over coded keys and values.
 
@@ -306,6 +328,7 @@ def decode_attention_partials(
         scale: multiplies every score (usually ``D ** -0.5``).
         key_mask: optional additive fp32 ``[B, S]`` (0 = visible, -inf = hidden).
         blocks_per_split: archived blocks per split (default: all in one split).
+        softcap: None, or the logit soft-cap every score passes through (:func:`capped`).
 
     Returns:
         ``(m, denom, acc)``: fp32 ``[B, Hq, n_splits + 1]``, ``[B, Hq, n_splits + 1]`` and
@@ -331,7 +354,7 @@ def decode_attention_partials(
         stop = min(start + step, n)
         nb = stop - start
         # q . S^T per stored row, then the synthesis matrix turns rows into token scores
-        scores = _token_scores(q_arch, keys, start, stop).reshape(b, hkv, g, nb * r)
+        scores = capped(_token_scores(q_arch, keys, start, stop).reshape(b, hkv, g, nb * r), softcap)
         if key_mask is not None:
             scores = scores + key_mask[:, None, None, start * r : stop * r]
         m, denom, p = _softmax_partial(scores)
@@ -347,13 +370,13 @@ def decode_attention_partials(
         ms.append(m), ls.append(denom), accs.append(acc)
     # the raw tail: ordinary attention over fewer than r + raw_window tokens
     tail_k, tail_v = keys.tail.float(), values.tail.float()
-    scores = torch.einsum("bhgd,bhtd->bhgt", q, tail_k)
+    scores = capped(torch.einsum("bhgd,bhtd->bhgt", q, tail_k), softcap)
     if key_mask is not None:
         scores = scores + key_mask[:, None, None, n * r : n * r + tail_k.shape[2]]
     m, denom, p = _softmax_partial(scores)
     ms.append(m), ls.append(denom), accs.append(torch.einsum("bhgt,bhtd->bhgd", p, tail_v))
     dv = values.tail.shape[-1]
-    sink = sink_partial(query, keys, values, scale=scale, key_mask=sink_mask)
+    sink = sink_partial(query, keys, values, scale=scale, key_mask=sink_mask, softcap=softcap)
     if sink is not None:
         ms.append(sink[0].reshape(b, hkv, g)), ls.append(sink[1].reshape(b, hkv, g))
         accs.append(sink[2].reshape(b, hkv, g, dv))
@@ -398,6 +421,7 @@ def sink_partial(
     *,
     scale: float,
     key_mask: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """The decode split of a sink: ``(m [B, Hq], denom [B, Hq], acc [B, Hq, Dv])`` over the first
     ``k`` tokens, each side taken from its sink or, without one, from archived block 0 decoded
@@ -412,7 +436,7 @@ def sink_partial(
     g = hq // hkv
     sink_k, sink_v = _first_tokens(keys, k), _first_tokens(values, k)  # [B, Hkv, k, D], [B, Hkv, k, Dv]
     q = (query.float() * scale).reshape(b, hkv, g, d)
-    scores = torch.einsum("bhgd,bhtd->bhgt", q, sink_k)
+    scores = capped(torch.einsum("bhgd,bhtd->bhgt", q, sink_k), softcap)
     if key_mask is not None:
         scores = scores + key_mask[:, None, None, :k]
     m, denom, p = _softmax_partial(scores)
@@ -466,17 +490,26 @@ def decode_attention_naive(
     scale: float | None = None,
     key_mask: torch.Tensor | None = None,
     blocks_per_split: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention on coded rows: ``query [B, Hq, D]`` -> ``[B, Hq, Dv]`` in ``query.dtype``.
 
-    ``scale`` defaults to ``D ** -0.5``; the other arguments as :func:`decode_attention_partials`.
+    ``scale`` defaults to ``D ** -0.5``; ``sinks``: None or one attention-sink logit per query head
+    ``[Hq]`` (:func:`with_sinks`); the other arguments as :func:`decode_attention_partials`.
     """
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
     m, denom, acc = decode_attention_partials(
-        query, keys, values, scale=scale, key_mask=key_mask, blocks_per_split=blocks_per_split
+        query,
+        keys,
+        values,
+        scale=scale,
+        key_mask=key_mask,
+        blocks_per_split=blocks_per_split,
+        softcap=softcap,
     )
-    return combine_partials(m, denom, acc, query.dtype)
+    return combine_partials(*with_sinks(m, denom, acc, sinks), query.dtype)
 
 
 # --------------------------------------------------------------------------- multi-token steps
@@ -543,6 +576,8 @@ def prefill_attention_naive(
     chunk_blocks: int = 64,
     score_elements: int = 1 << 18,
     tail_tokens: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ``s`` new query tokens over coded keys/values, chunk by chunk (never the whole view).
 
@@ -558,6 +593,7 @@ def prefill_attention_naive(
         score_elements: most score entries one pass forms (the queries are split to fit).
         tail_tokens: None (the raw tail is one chunk) or the tail's chunk length: a tail that holds
             a whole prompt's step is cut so that causal chunks skip the keys after each query.
+        softcap, sinks: as :func:`decode_attention_naive`.
 
     Returns:
         ``[B, Hq, s, Dv]`` in ``query.dtype``, fp32 arithmetic on keys/values rounded to the
@@ -598,7 +634,7 @@ def prefill_attention_naive(
         q_start = max(0, k0 - first) if mask is None else 0
         for q0 in range(q_start, s, qc):
             q1 = min(s, q0 + qc)
-            scores = q[:, :, :, q0:q1] @ kt  # [B, Hkv, G, sq, T]
+            scores = capped(q[:, :, :, q0:q1] @ kt, softcap)  # [B, Hkv, G, sq, T]
             if mask is None:
                 pos_k = torch.arange(k0, k1, device=dev)
                 scores = scores.masked_fill(pos_k[None, :] > pos_q[q0:q1, None], -math.inf)
@@ -608,5 +644,11 @@ def prefill_attention_naive(
                 scores = scores + part
             state = (m[..., q0:q1], denom[..., q0:q1], acc[..., q0:q1, :])
             m[..., q0:q1], denom[..., q0:q1], acc[..., q0:q1, :] = online_softmax_update(state, scores, vf)
+    if sinks is not None:  # one more logit per head in each denominator, with no value
+        sink = sinks.float().to(dev).reshape(1, hkv, g, 1)
+        m_new = torch.maximum(m, sink)
+        alpha = torch.exp(m - m_new)
+        denom = denom * alpha + torch.exp(sink - m_new)
+        acc = acc * alpha.unsqueeze(-1)
     out = acc / denom.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)
     return out.reshape(b, hq, s, dv).to(query.dtype)
