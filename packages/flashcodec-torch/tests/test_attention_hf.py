@@ -288,3 +288,25 @@ def test_a_dynamic_cache_step_after_coded_steps_is_untouched():
     finally:
         remove_codec_attention(model)
     assert torch.equal(out, model.generate(ids, max_new_tokens=5, do_sample=False))
+
+
+def test_bad_softcap_and_sinks_are_refused_with_what_is_allowed():
+    from flashcodec import CodecKVCache
+    from flashcodec.attention import codec_decode_attention, codec_prefill_attention
+
+    cache = CodecKVCache(mode="png", block_size=8)
+    k = torch.randn(1, 2, 20, 16)
+    cache.update_and_fetch(k, k)
+    query = torch.randn(1, 4, 1, 16)
+    for bad, match in [
+        (dict(softcap=0.0), "softcap must be None or a finite number > 0"),
+        (dict(softcap=float("inf")), "softcap must be None or a finite number > 0"),
+        (dict(sinks=torch.zeros(3)), r"one logit per query head \(4\)"),
+        (dict(sinks=torch.zeros(4, dtype=torch.int64)), "floating tensor"),
+        (dict(softcap=30.0, backend="triton"), "takes no softcap or sinks"),
+    ]:
+        with pytest.raises(KVConfigError, match=match):
+            codec_decode_attention(query, cache.keys, cache.values, **bad)
+    with pytest.raises(KVConfigError, match="softcap"):
+        codec_prefill_attention(torch.randn(1, 4, 3, 16), cache.keys, cache.values, softcap=-1)
+    assert cache.offset == 20  # only read, never changed
