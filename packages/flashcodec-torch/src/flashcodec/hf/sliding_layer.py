@@ -4,10 +4,10 @@ transformers' ``DynamicSlidingWindowLayer`` keeps the newest ``sliding_window - 
 bits. This layer codes them like a full-attention codec layer and forgets whole archived blocks
 once no later query can see them: before a step whose first query sits at position ``p``, every
 archived block that ends before ``p - sliding_window + 1`` is dropped. The codec's raw window of
-newest tokens is cut to an eighth of the attention window (:func:`window_codec`). It keeps whole blocks, so
-up to ``block_size - 1`` tokens older than the window stay (the model's sliding mask, built from
-:meth:`FlashCodecSlidingLayer.get_mask_sizes`, hides them), and it can undo a crop as far as those
-spare tokens reach without recording anything.
+newest tokens is cut to an eighth of the attention window (:func:`window_codec`). It keeps whole
+blocks, so up to ``block_size - 1`` tokens older than the window stay (the model's sliding mask,
+built from :meth:`FlashCodecSlidingLayer.get_mask_sizes`, hides them), and it can undo a crop as
+far as those spare tokens reach without recording anything.
 """
 
 from __future__ import annotations
