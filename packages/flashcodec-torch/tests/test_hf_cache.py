@@ -437,3 +437,13 @@ def test_a_default_cache_on_a_decoded_view_says_how_to_attend_on_the_codes():
         chosen = FlashCodecCache.from_config(model.config, mode="png")  # a codec chosen: no advice
         with torch.no_grad():
             model(ids_of(9), cache=chosen)
+
+
+def test_the_compare_harness_refuses_a_model_with_no_layer_to_code():
+    from flashcodec.compare import build_candidates
+    from kvbench.errors import CompareError
+
+    model = tiny_qwen3()
+    model.config.layer_types, model.config.attention_chunk_size = ["chunked_attention"] * 4, 4
+    with pytest.raises(CompareError, match="cannot serve this model .* no attention layer to code"):
+        build_candidates(model, ["png-keep1"], [])

@@ -217,3 +217,17 @@ def test_a_layer_without_an_attention_module_falls_back():
     del model.layers[0]["self_attn"]  # the probe has nothing to run
     with pytest.warns(PreRopeFallbackWarning, match="layer 0: it has no attention module"):
         assert model_rotaries(model) is None
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_keys_rounded_to_16_bits_before_rope_still_take_the_pre_rope_path(family):
+    # palu-mlx compare --compute-dtype float32 (and the demo) run a float32 model whose K/V
+    # projections round to bfloat16: the probe must read that rounding as rounding
+    from palu_mlx.compare import round_kv_outputs
+
+    model = _build(family)
+    round_kv_outputs(model, mx.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PreRopeFallbackWarning)
+        rotaries = model_rotaries(model)
+    assert rotaries is not None and all(r is not None for r in rotaries)

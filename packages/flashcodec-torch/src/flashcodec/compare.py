@@ -324,14 +324,16 @@ def build_candidates(
         tier = tier_named(name)
         try:
             with warnings.catch_warnings():
-                warnings.simplefilter("error", UserWarning)  # "no full-attention layer" is an error here
+                warnings.simplefilter("error", UserWarning)  # "nothing is compressed" is an error here
                 probe = FlashCodecCache.from_config(model.config, codec=tier.codec)
         except (KVSpecError, UserWarning) as err:
             raise CompareError(
                 f"--model: flashcodec cannot serve this model with tier {name!r}: {err}"
             ) from None
         if not probe.codec_layer_indices:
-            raise CompareError("--model: flashcodec cannot serve this model: it has no full-attention layer")
+            raise CompareError(
+                "--model: flashcodec cannot serve this model: it has no full-attention or sliding-window layer"
+            )
         context = details = None
         if tier.materialization_free:
             context, details = _codec_attention(model)
