@@ -52,3 +52,25 @@ def make_tiny_qwen3(seed: int = 0, **overrides) -> qwen3.Model:
     model = qwen3.Model(qwen3.ModelArgs(**{**TINY_ARGS, **overrides}))
     mx.eval(model.parameters())
     return model
+
+
+def reachable_nbytes(root: object) -> int:
+    """Bytes of every MLX array reachable from ``root`` through attributes, lists, tuples and
+    dicts, each array once: everything a cache keeps, derived tables included (a cache's own
+    ``nbytes`` may count only its stored form)."""
+    seen: set[int] = set()
+    total, stack = 0, [root]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, mx.array):
+            total += obj.nbytes
+        elif isinstance(obj, (list, tuple, set)):
+            stack.extend(obj)
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+            stack.extend(vars(obj).values())
+    return total
