@@ -197,13 +197,7 @@ def _check_call(
         )
     if query.device != ks.device or vs.device != ks.device:
         raise KVDtypeError(f"query (on {query.device}) and the streams (on {ks.device}) must share a device")
-    if scale is not None and (
-        isinstance(scale, bool)
-        or not isinstance(scale, numbers.Real)
-        or not math.isfinite(scale)
-        or scale <= 0
-    ):
-        raise KVConfigError(f"scale must be None or a finite number > 0; got {scale!r}")
+    _check_positive("scale", scale)
     if backend not in BACKENDS:
         raise KVConfigError(f"backend must be one of {BACKENDS}; got {backend!r}")
     if blocks_per_split is not None and (
@@ -301,16 +295,21 @@ def codec_decode_attention(
     return out.unsqueeze(2)
 
 
+def _check_positive(name: str, value: object) -> None:
+    """``KVConfigError`` unless ``value`` is None or a finite number > 0."""
+    if value is not None and (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise KVConfigError(f"{name} must be None or a finite number > 0; got {value!r}")
+
+
 def _check_softcap_and_sinks(softcap: object, sinks: object, heads: int) -> None:
     """``KVConfigError`` unless ``softcap`` is None or a finite number > 0 and ``sinks`` None or a
     floating tensor of ``heads`` logits."""
-    if softcap is not None and (
-        isinstance(softcap, bool)
-        or not isinstance(softcap, numbers.Real)
-        or not math.isfinite(softcap)
-        or softcap <= 0
-    ):
-        raise KVConfigError(f"softcap must be None or a finite number > 0; got {softcap!r}")
+    _check_positive("softcap", softcap)
     if sinks is not None and (
         not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point() or sinks.numel() != heads
     ):

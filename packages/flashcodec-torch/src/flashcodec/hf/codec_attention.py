@@ -200,11 +200,10 @@ def _codes_attention(
     Returns ``([B, s, Hq, Dv], None)`` like transformers' implementations."""
     step = CODES_STEP.get()
     layer = step_layer(key)
-    base_fn = _base_function(module, base)
     if layer is None or step is None:
         if step is not None:
             step.stats.fallback("not a codec layer" if step.active else "training")
-        return base_fn(module, query, key, value, attention_mask, **kwargs)
+        return _base_function(module, base)(module, query, key, value, attention_mask, **kwargs)
     stats = step.stats
     batch, steps = query.shape[0], query.shape[2]
     total = layer.codec_cache.offset
@@ -220,13 +219,14 @@ def _codes_attention(
         stats.fallback(reason)
         keys, values = _materialized(layer, key, value)
         try:
-            return base_fn(module, query, keys, values, attention_mask, **kwargs)
+            return _base_function(module, base)(module, query, keys, values, attention_mask, **kwargs)
         finally:
             del keys, values
             layer.release_view()
     scale = kwargs.get("scaling")
     # Gemma 2's logit soft-capping and gpt-oss's per-head sink logits, as its eager function applies them
     extras = dict(softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux"))
+    plain = extras["softcap"] is None and extras["sinks"] is None  # what the Triton kernel takes
     if decode:
         out = codec_decode_attention(
             query,
@@ -234,7 +234,7 @@ def _codes_attention(
             layer.codec_cache.values,
             scale=scale,
             key_mask=mask,
-            backend=step.backend if extras == dict(softcap=None, sinks=None) else "auto",
+            backend=step.backend if plain else "auto",
             **extras,
         )
         stats.coded += 1
