@@ -186,28 +186,27 @@ class FixedQuantCoder:
 
     @cached_property
     def _layout(self) -> tuple[mx.array, ...]:
-        """Per channel: first byte, bit shift inside it, mask, levels; the byte one-hots; the
-        channels a token scale covers.
+        """Per channel: first byte, bit shift inside it, mask, levels, and whether a token scale
+        covers it.
 
         A code of at most 8 bits starting at stream bit ``o`` lies in bytes ``o // 8`` and
         ``o // 8 + 1``, so encoding adds its low and high parts into those two bytes and
-        decoding reads those two bytes: work per channel, never per bit.
+        decoding reads those two bytes: work per channel, never per bit. These stay with the
+        coder for every step, so they are vectors of ``rank``; the channel-to-byte matrix
+        encoding needs is built per call (:meth:`_byte_onehot`).
         """
         start = np.concatenate([[0], np.cumsum(self.widths)[:-1]])
-        first = start // 8
-        onehot_lo = np.zeros((self.rank, self.code_bytes + 1), dtype=np.float32)
-        onehot_lo[np.arange(self.rank), first] = 1.0
-        onehot_hi = np.zeros_like(onehot_lo)
-        onehot_hi[np.arange(self.rank), first + 1] = 1.0
         return (
-            mx.array(first.astype(np.int32)),
+            mx.array((start // 8).astype(np.int32)),
             mx.array((start % 8).astype(np.uint32)),
             mx.array([(1 << w) - 1 for w in self.widths], dtype=mx.uint32),
             mx.array([1 << w for w in self.widths], dtype=mx.float32),
-            mx.array(onehot_lo),
-            mx.array(onehot_hi),
             mx.array([w >= 2 for w in self.widths]),
         )
+
+    def _byte_onehot(self, first: mx.array) -> mx.array:
+        """``[rank, code_bytes + 1]`` float32: 1 where channel ``c`` starts in byte ``first[c]``."""
+        return (first[:, None] == mx.arange(self.code_bytes + 1)[None, :]).astype(mx.float32)
 
     # -- the latent-coder interface the caches use (palu_mlx.coders.base.LatentCoder)
     #: every channel is quantized
@@ -252,7 +251,7 @@ class FixedQuantCoder:
 
     def encode(self, latents: mx.array) -> mx.array:
         """Latents ``[B, H, S, r]`` -> packed rows ``[B, H, S, bytes_per_row]`` uint8."""
-        _, shift, _, levels, onehot_lo, onehot_hi, wide = self._layout
+        first, shift, _, levels, wide = self._layout
         u = latents.astype(mx.float32) / self.steps[None, :, None, :]
         scale_bytes = None
         if self.token_scale:
@@ -265,15 +264,18 @@ class FixedQuantCoder:
             u = u / read_scales(scale_bytes, self.scale_bits)
         q = mx.floor(u + levels / 2)
         q = mx.clip(q, 0, levels - 1).astype(mx.uint32) << shift
-        # the fields of one byte are disjoint, so their float32 sum (< 256) is their bitwise OR
-        lo = (q & 0xFF).astype(mx.float32) @ onehot_lo
-        hi = (q >> 8).astype(mx.float32) @ onehot_hi
-        codes = (lo + hi)[..., : self.code_bytes].astype(mx.uint8)
+        # the fields of one byte are disjoint, so their float32 sum (< 256) is their bitwise OR;
+        # a channel's high part lands one byte after its low part
+        onehot = self._byte_onehot(first)
+        lo = (q & 0xFF).astype(mx.float32) @ onehot
+        hi = (q >> 8).astype(mx.float32) @ onehot
+        hi = mx.concatenate([mx.zeros_like(hi[..., :1]), hi[..., : self.code_bytes - 1]], axis=-1)
+        codes = (lo[..., : self.code_bytes] + hi).astype(mx.uint8)
         return codes if scale_bytes is None else mx.concatenate([scale_bytes, codes], axis=-1)
 
     def decode(self, packed: mx.array) -> mx.array:
         """Packed rows ``[B, H, S, bytes_per_row]`` -> latents ``[B, H, S, r]`` float32."""
-        first, shift, mask, levels, _, _, _ = self._layout
+        first, shift, mask, levels, _ = self._layout
         scale = None
         if self.token_scale:
             scale = read_scales(packed[..., : self.scale_bytes], self.scale_bits)
