@@ -29,7 +29,8 @@ from flashcodec.hf import (  # noqa: E402
     remove_codec_attention,
 )
 from flashcodec.hf.requirements import check_layer_api  # noqa: E402
-from flashcodec.hf.sliding_layer import FlashCodecSlidingLayer  # noqa: E402
+from flashcodec.hf.sliding_layer import FlashCodecSlidingLayer, window_codec  # noqa: E402
+from flashcodec.tiers import default_codec  # noqa: E402
 from kvspec import KVConfigError, KVShapeError, KVTrimError  # noqa: E402
 from transformers import DynamicCache, Qwen3ForCausalLM  # noqa: E402
 from transformers.cache_utils import LinearAttentionLayer  # noqa: E402
@@ -340,6 +341,32 @@ def test_a_sliding_layer_crops_within_what_it_kept_and_refuses_beyond():
         want = model(ids[:, 37:40], cache=native).logits
         got = model(ids[:, 37:40], cache=cache).logits
     assert torch.allclose(got, want, atol=1e-5)
+
+
+def test_a_sliding_layers_codec_keeps_its_tail_within_an_eighth_of_the_window():
+    default = default_codec()  # 64-token blocks, a 64-token int8 window
+    small = window_codec(default, 128)
+    assert (small.block_size, small.raw_window) == (16, 0)
+    assert (window_codec(default, 512).block_size, window_codec(default, 512).raw_window) == (64, 0)
+    assert window_codec(default, 1024) is default and window_codec(default, 4096) is default
+    assert window_codec(default, 40).block_size == 8  # never below 8 tokens
+    png = PNGCodec(block_size=8)
+    assert window_codec(png, 16) is png  # already within its share
+
+
+def test_a_sliding_layers_archive_stays_within_the_window_as_it_decodes():
+    types = ["full_attention", "sliding_attention"]
+    model = tiny_qwen3(layer_types=types, sliding_window=128)
+    cache = FlashCodecCache.from_config(model.config, codec=default_codec())
+    ids = ids_of(200)
+    with torch.no_grad():
+        model(ids, cache=cache)  # a prefill longer than the window
+        for step in range(40):
+            model(ids[:, step : step + 1], cache=cache)
+            for stream in (cache.layers[1].codec_cache.keys, cache.layers[1].codec_cache.values):
+                # whole 16-token blocks: the window's 127 tokens and at most 15 behind it
+                assert stream.n_blocks * 16 + stream.tail_len <= 127 + 15 + 16
+                assert stream.capacity <= stream.n_blocks + 1  # no spare room kept after a drop
 
 
 def test_config_without_an_attention_layer_to_code_warns_that_nothing_is_compressed():

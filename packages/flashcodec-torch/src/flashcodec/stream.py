@@ -592,11 +592,11 @@ class CodecStream:
     def drop_front(self, blocks: int) -> None:
         """Forget the first ``blocks`` archived blocks (``0 <= blocks <= n_blocks``, validated by the
         caller): a sliding window has moved past them. The kept blocks move to the front of new
-        buffers (written under the caller's grad mode, never into inference tensors); the sink and
-        the view go with block 0."""
+        buffers of exactly their size, leaving the spare capacity behind (written under the caller's
+        grad mode, never into inference tensors); the sink and the view go with block 0."""
         if blocks <= 0:
             return
-        self._archive = tuple(buf[:, :, blocks:].clone() for buf in self._archive)
+        self._archive = tuple(buf[:, :, blocks : self.n_blocks].clone() for buf in self._archive)
         self.n_blocks -= blocks
         self._sink = self._no_sink()
         self.release_view()

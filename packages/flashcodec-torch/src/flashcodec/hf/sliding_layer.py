@@ -3,9 +3,9 @@
 transformers' ``DynamicSlidingWindowLayer`` keeps the newest ``sliding_window - 1`` tokens at 16
 bits. This layer codes them like a full-attention codec layer and forgets whole archived blocks
 once no later query can see them: before a step whose first query sits at position ``p``, every
-archived block that ends before ``p - sliding_window + 1`` is dropped. The codec's raw window of
-newest tokens is cut to an eighth of the attention window (:func:`window_codec`). It keeps whole
-blocks, so up to ``block_size - 1`` tokens older than the window stay (the model's sliding mask,
+archived block that ends before ``p - sliding_window + 1`` is dropped. The codec's tail (raw window
+and the block being filled) is cut to an eighth of the attention window (:func:`window_codec`). It
+keeps whole blocks, so up to ``block_size - 1`` tokens older than the window stay (the model's sliding mask,
 built from :meth:`FlashCodecSlidingLayer.get_mask_sizes`, hides them), and it can undo a crop as
 far as those spare tokens reach without recording anything.
 """
@@ -17,27 +17,45 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from kvspec import KVShapeError, KVTrimError
+from kvspec import KVConfigError, KVShapeError, KVTrimError
 
 from ..validate import check_int
 from .layer import FlashCodecLayer
 
 __all__ = ["FlashCodecSlidingLayer", "window_codec"]
 
-#: a sliding layer's raw (int8 or 16-bit) window is at most this fraction of its attention window
-RAW_SHARE = 8
+#: a sliding layer's tail (the raw window plus the block being filled, int8 or 16-bit) holds at
+#: most this fraction of its attention window
+TAIL_SHARE = 8
+#: the smallest block a sliding layer's codec is cut to (side information per block grows past it)
+MIN_BLOCK = 8
 
 
 def window_codec(codec: Any, sliding_window: int) -> Any:
-    """``codec`` for a layer of window ``sliding_window``: its ``raw_window`` (the newest tokens
-    kept out of the blocks) cut to at most ``sliding_window // RAW_SHARE``. A window of 128 would
-    otherwise hold half its tokens at 8 bits (the default's 64); windows of 512 and more keep the
-    codec as it is."""
-    raw = getattr(codec, "raw_window", 0)
-    limit = sliding_window // RAW_SHARE
-    if not raw or raw <= limit or not dataclasses.is_dataclass(codec):
+    """``codec`` for a layer of window ``sliding_window``, its tail (``raw_window`` plus up to
+    ``block_size - 1`` tokens not yet archived) at most ``sliding_window // TAIL_SHARE`` tokens:
+    ``block_size`` cut to the largest power of two within that share (at least ``MIN_BLOCK``),
+    ``raw_window`` to what is left of it. A window of 128 keeps 16-token blocks and no raw window
+    (64-token blocks would hold up to 79 of its 128 tokens at 8 bits, and up to 63 behind it);
+    windows of 1,024 and more keep the default codec as it is."""
+    if not dataclasses.is_dataclass(codec) or not hasattr(codec, "block_size"):
         return codec
-    return dataclasses.replace(codec, raw_window=limit)
+    share = sliding_window // TAIL_SHARE
+    block = codec.block_size
+    if block > share:
+        block = max(MIN_BLOCK, 1 << max(0, share.bit_length() - 1))
+    raw = getattr(codec, "raw_window", 0)
+    changes = {}
+    if block < codec.block_size:
+        changes["block_size"] = block
+    if raw > max(0, share - block):
+        changes["raw_window"] = max(0, share - block)
+    if not changes:
+        return codec
+    try:
+        return dataclasses.replace(codec, **changes)
+    except KVConfigError:  # a field tied to the block size (a sink longer than the cut block, ...)
+        return codec
 
 
 class FlashCodecSlidingLayer(FlashCodecLayer):
