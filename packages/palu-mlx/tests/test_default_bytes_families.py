@@ -24,7 +24,8 @@ TARGET = 0.40
 SIZES = dict(
     hidden_size=256, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, vocab_size=512
 )
-#: families whose sliding layers mlx-lm gives a RotatingKVCache, which palu leaves at 16 bits
+#: families whose sliding layers mlx-lm gives a RotatingKVCache (palu codes them in a
+#: RotatingPaluKVCache, whose per-sequence projections cost as much whatever the window)
 ROTATING = {"gemma3_text"}
 
 
@@ -65,7 +66,10 @@ def test_the_default_holds_at_most_the_target_of_mlx_lm_caches(family):
 
 
 @pytest.mark.xfail(
-    strict=True, reason="sliding layers keep mlx-lm's 16-bit RotatingKVCache (no palu rotating cache yet)"
+    strict=True,
+    reason="a 128-token window of 64-wide heads: the sliding layers' fitted projections alone (34 KB) "
+    "are 0.52x of the 64 KB mlx-lm's RotatingKVCache holds, so they cannot come under 0.40x overall "
+    "(measured 0.51x)",
 )
 @pytest.mark.parametrize("family", sorted(ROTATING))
 def test_families_with_rotating_layers_reach_the_target_too(family):

@@ -41,8 +41,6 @@ def test_prints_mlx_lm_figures_and_kv_bytes_and_continues_a_conversation(tmp_pat
 def test_refuses_mlx_lm_cache_options_palu_replaces(capsys):
     assert generate_main(["--model", MODEL, "--kv-bits", "4"]) == 1
     assert "--kv-bits 4" in capsys.readouterr().err
-    assert generate_main(["--model", MODEL, "--max-kv-size", "64"]) == 1
-    assert "--max-kv-size 64" in capsys.readouterr().err
 
 
 def test_model_names(monkeypatch, tmp_path):

@@ -44,6 +44,7 @@ from .mixed_bit import (
     water_fill,
 )
 from .rope import PRE_ROPE_ARCHITECTURES, PreRopeFallbackWarning, Rotary, model_rotaries
+from .rotating import RotatingPaluKVCache
 from .tiers import CALIBRATED_TIERS, TIERS, Tier, tier
 
 __version__ = "0.1.0"
@@ -56,6 +57,7 @@ __all__ = [
     "KVCacheBuilder",
     "PaluKVCache",
     "CalibratedKVCache",
+    "RotatingPaluKVCache",
     "FixedQuantCoder",
     "Calibration",
     "TensorCalibration",

@@ -56,6 +56,7 @@ from .integrity import CHECKSUM_KEY, UnverifiedFileWarning, digest
 from .mixed_bit import BitAllocationPolicy, check_policy
 from .models import check_model, default_caches, model_kv_dims, original_make_cache
 from .rope import Rotary, model_rotaries
+from .rotating import RotatingPaluKVCache
 from .state_checks import STATE_META
 
 __all__ = [
@@ -73,6 +74,7 @@ _OURS: dict[str, type] = {
     "PaluKVCache": PaluKVCache,
     "NaiveQuantKVCache": NaiveQuantKVCache,
     "CalibratedKVCache": CalibratedKVCache,
+    "RotatingPaluKVCache": RotatingPaluKVCache,
 }
 _OUR_CLASSES = tuple(_OURS.values())
 _FORMAT = "palu-mlx.prompt-cache.v1"
@@ -84,7 +86,8 @@ def register_with_mlx_lm() -> None:
     mlx-lm rebuilds each saved layer with ``globals()[class_name].from_state(state)`` inside
     ``mlx_lm.models.cache`` (``CacheList`` does the same for its members), so the classes must be
     names of that module. This adds :class:`PaluKVCache`, :class:`CalibratedKVCache`,
-    :class:`NaiveQuantKVCache` and :class:`~palu_mlx.batch.BatchedLayerCache` there; building
+    :class:`NaiveQuantKVCache`, :class:`~palu_mlx.rotating.RotatingPaluKVCache` and
+    :class:`~palu_mlx.batch.BatchedLayerCache` there; building
     palu caches runs it, a process that only loads a file calls it, and it is idempotent. A name
     mlx-lm already uses for something else is never overwritten (``KVConfigError``).
     """
@@ -127,11 +130,17 @@ class KVCacheBuilder:
         model: nn.Module,
         config: KVCacheConfig,
         allocation_policy: BitAllocationPolicy | None = None,
+        max_kv_size: int | None = None,
     ) -> list[Any]:
         """One cache per layer of ``model``.
 
-        Layers whose default cache is mlx-lm's plain ``KVCache`` get a palu cache;
-        other layer caches the model asks for (rotating windows, SSM state) are kept.
+        Layers whose default cache is mlx-lm's plain ``KVCache`` get a palu cache; layers whose
+        default is a ``RotatingKVCache`` (sliding windows) get a
+        :class:`~palu_mlx.rotating.RotatingPaluKVCache` of the same ``max_size`` and ``keep``
+        (with ``method="palu"``; the naive baseline leaves them to mlx-lm); other layer caches
+        (SSM state) are kept. ``max_kv_size``: the full-attention layers are bounded too, as
+        mlx-lm's ``make_prompt_cache(model, max_kv_size)`` bounds them (a rotating cache of
+        ``max_kv_size`` tokens keeping the first 4); ``method="palu"`` only.
         With ``config.palu_pre_rope`` each palu cache codes its layer's keys before RoPE
         where probing the layers shows the mechanism palu can undo (else a
         ``PreRopeFallbackWarning``).
@@ -141,7 +150,7 @@ class KVCacheBuilder:
         head dim or its KV head count is not divisible by ``palu_n_head_groups`` (the
         default, None, takes one group per KV head and fits every model).
         """
-        caches = KVCacheBuilder._build(model, config, allocation_policy, None)
+        caches = KVCacheBuilder._build(model, config, allocation_policy, None, max_kv_size)
         route_attention(model)
         return caches
 
@@ -151,9 +160,21 @@ class KVCacheBuilder:
         config: KVCacheConfig,
         allocation_policy: BitAllocationPolicy | None,
         rotaries: list[Rotary | None] | None,
+        max_kv_size: int | None = None,
     ) -> list[Any]:
         _check_config(config)
         check_policy(allocation_policy)
+        if max_kv_size is not None and (
+            isinstance(max_kv_size, bool) or not isinstance(max_kv_size, int) or max_kv_size <= _MAX_KV_KEEP
+        ):
+            raise KVConfigError(
+                f"max_kv_size={max_kv_size!r} must be None or an int above {_MAX_KV_KEEP} (the first "
+                f"{_MAX_KV_KEEP} tokens are always kept, as mlx-lm keeps them)"
+            )
+        if max_kv_size is not None and config.method != "palu":
+            raise KVConfigError(
+                f"max_kv_size needs method='palu'; the {config.method!r} cache does not rotate"
+            )
         register_with_mlx_lm()  # so mlx-lm's load_prompt_cache can rebuild what this process saves
         head_dim, n_kv = model_kv_dims(model)
         config = config.for_head_dim(head_dim)
@@ -179,20 +200,21 @@ class KVCacheBuilder:
             _check_calibration(calibration, model, shard)
             heads = None if shard is None else shard.head_slice
             calibrated = calibrated_caches(config, calibration, rotaries or None, heads)
-            caches = [
-                calibrated[i] if type(c) in replaceable and calibrated[i] is not None else c
-                for i, c in enumerate(defaults)
-            ]
+            made = [calibrated[i] for i in range(len(defaults))]
         else:
             configs = _layer_configs(model, config, len(defaults))
-            caches = [
+            made = [
                 KVCacheBuilder.make_layer_cache(configs[i], allocation_policy, _at(rotaries, i), shard)
                 if type(c) in replaceable
-                else c
+                or (config.method == "palu" and type(c) is mlx_cache.RotatingKVCache)
+                else None
                 for i, c in enumerate(defaults)
             ]
+        caches = [_placed(c, palu, max_kv_size) for c, palu in zip(defaults, made, strict=True)]
         if not any(isinstance(c, _OUR_CLASSES) for c in caches):
-            raise KVConfigError("the model has no full-attention KVCache layer a palu cache could replace")
+            raise KVConfigError(
+                "the model has no KVCache or RotatingKVCache layer a palu cache could replace"
+            )
         return caches
 
     @staticmethod
@@ -313,6 +335,25 @@ def _rotaries(model: nn.Module, config: KVCacheConfig, head_dim: int | None) -> 
     if config.method != "palu" or not config.palu_pre_rope:
         return _NO_ROTARIES
     return model_rotaries(model, head_dim) or _NO_ROTARIES
+
+
+#: first tokens a ``max_kv_size`` rotating cache always keeps (mlx-lm's ``make_prompt_cache``)
+_MAX_KV_KEEP = 4
+
+
+def _placed(default: Any, palu: Any, max_kv_size: int | None) -> Any:
+    """The cache a layer gets: ``palu`` (None: none was made) in place of the model's ``default``,
+    rotating where the default rotates or ``max_kv_size`` bounds the layer; else ``default``."""
+    rotates = type(default) in (mlx_cache.RotatingKVCache, RotatingPaluKVCache)
+    if palu is None or not (
+        rotates or type(default) is mlx_cache.KVCache or isinstance(default, _OUR_CLASSES)
+    ):
+        return default
+    if rotates:
+        return RotatingPaluKVCache(palu, default.max_size, default.keep)
+    if max_kv_size is not None and isinstance(palu, PaluKVCache):
+        return RotatingPaluKVCache(palu, max_kv_size, _MAX_KV_KEEP)
+    return palu
 
 
 def _at(rotaries: list[Rotary | None], i: int) -> Rotary | None:

@@ -6,6 +6,8 @@ other sampling options, the chat template options, ``--prompt-cache-file``. palu
 ``--palu-bits`` / ``--palu-tier`` and ``--calibration``; ``--model`` also takes kvbench's named
 models. It prints what mlx-lm prints (the text, prompt and generation tokens per second, peak
 memory) and then the KV bytes the cache holds against an uncompressed cache of the same tokens.
+``--max-kv-size N`` bounds every layer to a window of ``N`` tokens (the first 4 kept), as mlx-lm's
+does, with palu's rotating caches (:mod:`palu_mlx.rotating`).
 
 ``--prompt-cache-file FILE``:
 
@@ -72,8 +74,13 @@ def generate_main(argv: Sequence[str]) -> int:
         return _error(
             f"--kv-bits {args.kv_bits}: mlx-lm's quantized cache replaces palu's; use --palu-bits instead"
         )
-    if args.max_kv_size is not None:
-        return _error(f"--max-kv-size {args.max_kv_size}: palu caches keep every token; drop --max-kv-size")
+    if args.max_kv_size is not None and args.prompt_cache_file is not None:
+        # a conversation file is continued by trimming back to the common prefix, which a cache
+        # whose first tokens have left the window cannot do
+        return _error(
+            f"--max-kv-size {args.max_kv_size} with --prompt-cache-file: a file's cache continues every "
+            "token of the conversation; drop one of the two"
+        )
     if args.image:
         return _error("--image is not supported by palu-mlx generate; use mlx_lm.generate")
 
@@ -189,7 +196,16 @@ def generate_main(argv: Sequence[str]) -> int:
         if cached is not None and palu_file:
             tokens = cached_tokens + tokens
 
-    cache = cached if cached is not None else make_prompt_cache(model)
+    if cached is not None:
+        cache = cached
+    elif args.max_kv_size is not None:
+        # as mlx-lm's make_prompt_cache(model, max_kv_size): every layer holds a bounded window
+        try:
+            cache = KVCacheBuilder.for_model(model, config, max_kv_size=args.max_kv_size)
+        except KVSpecError as exc:
+            return _error(f"--max-kv-size {args.max_kv_size}: {exc}")
+    else:
+        cache = make_prompt_cache(model)
     if palu_file and cached is not None:
         # the file's tokens are a prefix of the new conversation up to where the template agrees
         common = 0
