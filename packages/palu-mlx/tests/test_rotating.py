@@ -377,3 +377,67 @@ def test_generate_max_kv_size_bounds_every_layer(capsys, tmp_path):
     file = str(tmp_path / "c.safetensors")
     assert generate_main([*args, "--max-kv-size", "32", "--prompt-cache-file", file]) == 1
     assert "--prompt-cache-file" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- the server
+def _sliding_model_dir(path: Path) -> Path:
+    """A tiny random llama whose first layer slides (window 8), with the embedded model's tokenizer."""
+    import shutil
+
+    from mlx.utils import tree_flatten
+
+    config = {
+        **COMMON,
+        "model_type": "llama",
+        "vocab_size": 4096,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "sliding_window": 8,
+    }
+    model = build_family("llama", config, {})
+    path.mkdir()
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (path / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(MODEL) / name, path / name)
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir(MODEL), reason="the embedded model's tokenizer is not checked out")
+def test_a_served_model_with_sliding_layers_answers_two_turns(tmp_path):
+    import sys
+
+    openai = pytest.importorskip("openai")
+    process = pytest.importorskip("kvbench.process")
+    model_dir = _sliding_model_dir(tmp_path / "sliding")
+    port = process.free_port()
+    cmd = [sys.executable, "-m", "palu_mlx.cli", "server", "--model", str(model_dir), "--port", str(port)]
+    cmd += ["--max-tokens", "12"]
+    log = tmp_path / "server.log"
+    with process.served(
+        cmd,
+        f"http://127.0.0.1:{port}/health",
+        log,
+        timeout_s=180,
+        poll_s=0.5,
+        stop_timeout_s=20,
+        name="palu-mlx server",
+        log_chars=3000,
+    ):
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120
+        )
+        messages = [{"role": "user", "content": "Explain lists and tuples in Python, please."}]
+        # a random model's reply need not tokenize back to the tokens it generated, and a cache whose
+        # window has slid cannot be trimmed back to the common prefix (as mlx-lm's own): the
+        # follow-up may be computed afresh, but it must be answered
+        for _ in range(2):
+            reply = client.chat.completions.create(
+                model="default_model", messages=messages, max_tokens=12, temperature=0.0
+            )
+            assert reply.choices[0].message.content is not None and reply.usage.completion_tokens > 0
+            messages += [
+                {"role": "assistant", "content": reply.choices[0].message.content},
+                {"role": "user", "content": "And a short example?"},
+            ]
+    assert "one request at a time" in log.read_text()
