@@ -25,6 +25,7 @@ from flashcodec.codecs import (
     PartSpec,
     RotatedKIVICodec,
     TokenIntCodec,
+    TurboQuantCodec,
     ZeroPointJPEGCodec,
     keyword_codec,
     make_codec,
@@ -69,14 +70,14 @@ def raw_registered(monkeypatch):
 # ---------------------------------------------------------------- the registry
 def test_every_registry_key_is_its_class_mode():
     registered = (JPEGCodec, PNGCodec, MixedJPEGCodec, ZeroPointJPEGCodec, ChannelInt4Codec, KIVICodec)
-    assert list(CODECS.values()) == [*registered, TokenIntCodec, RotatedKIVICodec]
+    assert list(CODECS.values()) == [*registered, TokenIntCodec, RotatedKIVICodec, TurboQuantCodec]
     assert all(cls.mode == mode and issubclass(cls, BlockCodec) for mode, cls in CODECS.items())
 
 
 def test_an_unregistered_mode_names_the_registered_ones():
     with pytest.raises(
         KVConfigError,
-        match=r"mode must be one of \('jpeg', 'png', 'jpeg-mixed', 'jpeg-int4z', 'chan-int4', 'kivi', 'token-int', 'kivi-rot'\); got 'raw'",
+        match=r"mode must be one of \('jpeg', 'png', 'jpeg-mixed', 'jpeg-int4z', 'chan-int4', 'kivi', 'token-int', 'kivi-rot', 'turboquant'\); got 'raw'",
     ):
         CodecKVCache(mode="raw", block_size=4)
 

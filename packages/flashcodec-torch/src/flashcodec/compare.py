@@ -15,8 +15,10 @@ Candidates:
   (:func:`flashcodec.hf.codec_attention.apply_codec_attention`, removed again after each of its
   runs; its details count both kinds of step and any fallback);
 * peers: transformers' ``QuantizedCache`` with each backend that works here (``hqq`` 8 and 4
-  bits, ``quanto`` 4 bits: optional packages; ``fp8``: built in). A backend that cannot be built
-  is listed under ``absent`` with the exact error.
+  bits, ``quanto`` 4 and 2 bits: optional packages; ``fp8``: built in). A backend that cannot be
+  built is listed under ``absent`` with the exact error. And TurboQuant (MSE variant, 4 and 3 bits:
+  :mod:`flashcodec.codecs.turboquant`, a reference built to its paper) as a
+  :class:`flashcodec.hf.FlashCodecCache` with attention on its codes, as the ``-mf`` tiers run.
 
 The protocol, options, JSON layout, table and chart are kvbench's, shared with ``palu-mlx
 compare``; this module is the torch runner and the candidates.
@@ -44,11 +46,13 @@ from kvbench.protocol import Candidate, KVBytes
 from kvbench.results import CompareError, weights_digest
 from kvspec import KVSpecError
 
+from .codecs import BlockCodec, TurboQuantCodec
 from .tiers import MF_SUFFIX, tier_names
 from .tiers import tier as tier_named
 
 __all__ = [
     "PEERS",
+    "CODEC_PEERS",
     "ATTENTION_CHOICES",
     "load_model",
     "TorchRunner",
@@ -64,7 +68,15 @@ PEERS: dict[str, tuple[str, int | None]] = {
     "hf-hqq-q8": ("hqq", 8),
     "hf-hqq-q4": ("hqq", 4),
     "hf-quanto-q4": ("quanto", 4),
+    "hf-quanto-q2": ("quanto", 2),
     "hf-fp8": ("fp8", None),
+}
+
+#: peers that are other methods' quantizers run as flashcodec codecs: name -> codec. Tokens are coded
+#: independently, so the block is short (the incomplete one waits raw, as QuantizedCache's residual)
+CODEC_PEERS: dict[str, BlockCodec] = {
+    "turboquant-4": TurboQuantCodec(block_size=16, bits=4),
+    "turboquant-3": TurboQuantCodec(block_size=16, bits=3),
 }
 
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
@@ -322,18 +334,7 @@ def build_candidates(
     ]
     for name in tiers:
         tier = tier_named(name)
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("error", UserWarning)  # "nothing is compressed" is an error here
-                probe = FlashCodecCache.from_config(model.config, codec=tier.codec)
-        except (KVSpecError, UserWarning) as err:
-            raise CompareError(
-                f"--model: flashcodec cannot serve this model with tier {name!r}: {err}"
-            ) from None
-        if not probe.codec_layer_indices:
-            raise CompareError(
-                "--model: flashcodec cannot serve this model: it has no full-attention or sliding-window layer"
-            )
+        _probe_codec(model, name, tier.codec, "tier")
         context = details = None
         if tier.materialization_free:
             context, details = _codec_attention(model)
@@ -354,6 +355,9 @@ def build_candidates(
         )
     absent = []
     for name in peers:
+        if name in CODEC_PEERS:
+            out.append(_codec_peer(model, name, CODEC_PEERS[name]))
+            continue
         backend, nbits = PEERS[name]
         make = _peer_factory(model, backend, nbits)
         try:
@@ -376,6 +380,49 @@ def build_candidates(
             )
         )
     return out, absent
+
+
+def _probe_codec(model: Any, name: str, codec: BlockCodec, kind: str) -> None:
+    """CompareError (one line) unless a FlashCodecCache with ``codec`` codes some layer of ``model``."""
+    from .hf import FlashCodecCache
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)  # "nothing is compressed" is an error here
+            probe = FlashCodecCache.from_config(model.config, codec=codec)
+    except (KVSpecError, UserWarning) as err:
+        raise CompareError(
+            f"--model: flashcodec cannot serve this model with {kind} {name!r}: {err}"
+        ) from None
+    if not probe.codec_layer_indices:
+        raise CompareError(
+            "--model: flashcodec cannot serve this model: it has no full-attention or sliding-window layer"
+        )
+
+
+def _codec_peer(model: Any, name: str, codec: TurboQuantCodec) -> Candidate:
+    """A peer run as a flashcodec codec, with attention on its codes (the ``-mf`` tiers' path)."""
+    from .hf import FlashCodecCache
+
+    _probe_codec(model, name, codec, "peer")
+    context, details = _codec_attention(model)
+    return Candidate(
+        name,
+        "peer",
+        f"TurboQuant (Zandieh et al. 2025), MSE variant, reference implementation: per token and head "
+        f"an fp16 norm and {codec.bits}-bit Lloyd-Max codes of the unit vector after a seeded random "
+        f"rotation, keys and values; the newest incomplete block of {codec.block_size} tokens raw; "
+        "attention on the codes (codebook values looked up per step, no decoded cache kept)",
+        lambda: FlashCodecCache.from_config(model.config, codec=codec),
+        {
+            "class": "flashcodec.hf.FlashCodecCache",
+            "codec": repr(codec),
+            "materialization_free": True,
+            "variant": "mse (no QJL residual)",
+        },
+        context=context,
+        details=details,
+    )
 
 
 def _codec_attention(model: Any) -> tuple[Any, Any]:
@@ -436,10 +483,15 @@ class FlashCodecHarness:
         return {name: tier_named(name).description for name in tier_names()}
 
     def peers(self) -> Mapping[str, str]:
-        return {
+        quantized = {
             name: f"transformers QuantizedCache(backend={backend!r}, nbits={nbits})"
             for name, (backend, nbits) in PEERS.items()
         }
+        coded = {
+            name: f"TurboQuant MSE variant, {codec.bits} bits (flashcodec reference codec, attention on the codes)"
+            for name, codec in CODEC_PEERS.items()
+        }
+        return {**quantized, **coded}
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument(

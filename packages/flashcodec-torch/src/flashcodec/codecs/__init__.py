@@ -26,6 +26,7 @@ from .kivi import KIVICodec, TokenIntCodec
 from .png import PNGCodec, delta_variance_ratio
 from .quant import dequantize_int8, quantize_int8
 from .rotated import RotatedKIVICodec
+from .turboquant import TurboQuantCodec
 
 __all__ = [
     "BlockCodec",
@@ -37,6 +38,7 @@ __all__ = [
     "KIVICodec",
     "TokenIntCodec",
     "RotatedKIVICodec",
+    "TurboQuantCodec",
     "PNGCodec",
     "CODECS",
     "allocate_freq_bits",
@@ -63,6 +65,7 @@ CODECS: dict[str, type[BlockCodec]] = {
     "kivi": KIVICodec,
     "token-int": TokenIntCodec,
     "kivi-rot": RotatedKIVICodec,
+    "turboquant": TurboQuantCodec,
 }
 
 
