@@ -193,7 +193,8 @@ def test_compare_adds_a_calibrated_candidate_per_bit_budget_tier(calibration_fil
 
     path, _ = calibration_file
     model = make_tiny_qwen3()
-    candidates = build_candidates(model, ["reference-default", "palu-2bit"], [], calibration=path)
+    candidates, absent = build_candidates(model, ["reference-default", "palu-2bit"], [], calibration=path)
+    assert absent == []
     assert [c.name for c in candidates] == ["baseline", "reference-default", "palu-2bit", "palu-2bit+cal"]
     assert all(isinstance(c, CalibratedKVCache) for c in candidates[-1].make_cache())
     from kvbench.results import CompareError

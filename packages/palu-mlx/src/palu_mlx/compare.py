@@ -12,8 +12,10 @@ plain ``KVCache``, e.g. rotating windows or SSM state, keep their default in eve
 * ``baseline``: mlx-lm's ``KVCache`` (uncompressed, the model's dtype);
 * tiers: :data:`palu_mlx.tiers.TIERS` (same names), sized for the model's head dim by
   :meth:`palu_mlx.tiers.Tier.for_head_dim` (one projection per KV head);
-* peers: mlx-lm's ``QuantizedKVCache`` at 8 and 4 bits (group size 64, or 32 for head dims 64
-  does not divide).
+* peers: :data:`palu_mlx.peers.PEERS`: mlx-lm's ``QuantizedKVCache`` at 8 and 4 bits (group
+  size 64, or 32 for head dims 64 does not divide), KIVI in plain MLX, and VeloxQuant-MLX's
+  caches where that optional package is installed. A peer that cannot run here is listed under
+  ``absent`` with the reason.
 
 The protocol, options, JSON layout, table and chart are kvbench's, shared with ``flashcodec
 compare``; this module is the MLX runner and the candidates.
@@ -43,12 +45,21 @@ from mlx.utils import tree_flatten
 
 from .builder import KVCacheBuilder, model_kv_dims
 from .config import KVCacheConfig
+from .peers import PEERS, PeerUnavailable, peer, resident_nbytes
+from .peers.mlx_lm_quant import PEER_BITS
 from .tiers import CALIBRATED_SUFFIX, CALIBRATED_TIERS, TIERS, tier
 
-__all__ = ["PEER_BITS", "tier_config", "load_model", "MLXRunner", "build_candidates", "PaluHarness", "main"]
+__all__ = [
+    "PEER_BITS",
+    "tier_config",
+    "load_model",
+    "MLXRunner",
+    "build_candidates",
+    "peer_candidate",
+    "PaluHarness",
+    "main",
+]
 
-#: peer name -> bits of mlx-lm's QuantizedKVCache
-PEER_BITS: dict[str, int] = {"mlx-lm-q8": 8, "mlx-lm-q4": 4}
 
 _DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
@@ -194,7 +205,10 @@ class MLXRunner:
         return self._logits(cache, [int(token)])
 
     def kv_bytes(self, cache: list[Any]) -> KVBytes:
-        # every cache here reports the bytes of its arrays at their grown capacity
+        if getattr(cache, "count_arrays", False):
+            # a peer whose nbytes is its own estimate: count what its caches keep
+            return KVBytes(held=resident_nbytes(list(cache)))
+        # every other cache here reports the bytes of its arrays at their grown capacity
         return KVBytes(held=sum(int(c.nbytes) for c in cache))
 
     def raw_bytes(self, cache: list[Any]) -> int:
@@ -231,16 +245,16 @@ def _default_caches(model: Any) -> list[Any]:
 
 def build_candidates(
     model: Any, tiers: Sequence[str], peers: Sequence[str], calibration: str | None = None
-) -> list[Candidate]:
-    """Baseline, then the chosen tiers, then the chosen peers, each checked against the model.
+) -> tuple[list[Candidate], list[dict[str, str]]]:
+    """Baseline, then the chosen tiers, then the chosen peers, each checked against the model;
+    and ``{"name", "kind", "reason"}`` for each chosen peer that cannot run here
+    (:class:`~palu_mlx.peers.PeerUnavailable`: not installed, or it refuses the model).
 
     With ``calibration`` (a ``palu-mlx calibrate`` file for this model) every tier with a
     calibrated twin in :data:`palu_mlx.tiers.CALIBRATED_TIERS` (those with a bit budget) also
     runs calibrated, as ``<tier>+cal``, right after it.
     Raises CompareError (one line) when palu cannot serve the model.
     """
-    from mlx_lm.models.cache import KVCache, QuantizedKVCache
-
     head_dim, n_kv = model_kv_dims(model)
     if head_dim is None:
         raise CompareError("--model: cannot read the head dim from the model's args; palu needs it")
@@ -285,26 +299,41 @@ def build_candidates(
                     dataclasses.asdict(cal),
                 )
             )
-    group = 64 if head_dim % 64 == 0 else 32
+    absent: list[dict[str, str]] = []
     for name in peers:
-        bits = PEER_BITS[name]
+        candidate = peer_candidate(model, name)
+        if isinstance(candidate, str):
+            absent.append({"name": name, "kind": "peer", "reason": candidate})
+        else:
+            out.append(candidate)
+    return out, absent
 
-        def make(bits: int = bits) -> list[Any]:
-            return [
-                QuantizedKVCache(group_size=group, bits=bits) if type(c) is KVCache else c
-                for c in _default_caches(model)
-            ]
 
-        out.append(
-            Candidate(
-                name,
-                "peer",
-                f"mlx-lm QuantizedKVCache, {bits}-bit, group size {group}",
-                make,
-                {"class": "mlx_lm.models.cache.QuantizedKVCache", "bits": bits, "group_size": group},
-            )
-        )
-    return out
+def peer_candidate(model: Any, name: str) -> Candidate | str:
+    """The candidate of peer ``name`` (:data:`palu_mlx.peers.PEERS`) for ``model``, or the
+    reason it cannot run here (its caches are built once now, so a refusal shows before the
+    baseline runs rather than in the middle of the measurements)."""
+    chosen = peer(name)
+    try:
+        chosen.make(model)
+        record = chosen.record_for(model)
+    except PeerUnavailable as err:
+        return err.reason
+    last: list[Any] = []
+
+    def make() -> list[Any]:
+        caches = chosen.make(model)
+        last[:] = [caches]
+        return caches
+
+    details = None
+    if chosen.accounted is not None:
+        accounted = chosen.accounted
+
+        def details() -> dict[str, Any]:
+            return accounted(model, list(last[0])) if last else {}
+
+    return Candidate(name, "peer", chosen.description, make, record, details=details)
 
 
 def _kv_dtype(model: Any) -> Any:
@@ -317,7 +346,7 @@ def _kv_dtype(model: Any) -> Any:
 
 
 class PaluHarness:
-    """palu-mlx's part of ``kvbench.cli.run_compare``: mlx-lm models, palu tiers, mlx-lm peers."""
+    """palu-mlx's part of ``kvbench.cli.run_compare``: mlx-lm models, palu tiers, MLX peers."""
 
     tool = "palu-mlx compare"
     packages = ("palu-mlx", "kvbench", "kvcache-spec", "mlx", "mlx-lm", "numpy", "transformers")
@@ -327,7 +356,7 @@ class PaluHarness:
         return {name: tier.description for name, tier in TIERS.items()}
 
     def peers(self) -> Mapping[str, str]:
-        return {name: f"mlx-lm QuantizedKVCache, {bits}-bit" for name, bits in PEER_BITS.items()}
+        return {name: p.description for name, p in PEERS.items()}
 
     def __init__(self) -> None:
         self._calibration: str | None = None
@@ -356,7 +385,7 @@ class PaluHarness:
         return Loaded.with_tokenizer(MLXRunner(model, tokenizer), tokenizer, info, max_positions, model)
 
     def candidates(self, loaded: Loaded, tiers: Sequence[str], peers: Sequence[str]):
-        return build_candidates(loaded.handle, tiers, peers, self._calibration), []
+        return build_candidates(loaded.handle, tiers, peers, self._calibration)
 
     def noise_floor(self, loaded: Loaded) -> Candidate:
         return noise_floor_candidate(loaded.handle)
