@@ -272,3 +272,25 @@ def test_velox_peers_run_here_and_report_their_accounting():
     # while it keeps buffers at least as large as 16-bit keys and values of every token
     assert resident_nbytes(list(cache)) >= 200 * 2 * 4 * 64 * 2 * len(cache)
     assert math.isfinite(details["accounted_bits"])
+
+
+def test_a_peer_s_own_account_is_read_from_its_first_window_caches(monkeypatch):
+    pytest.importorskip("kvbench")
+    from palu_mlx import peers
+    from palu_mlx.compare import peer_candidate
+    from palu_mlx.peers import Peer
+
+    def tokens(model, caches):
+        return {"tokens": [c.offset for c in caches]}
+
+    probe = Peer(
+        "probe", "a KVCache that reports its tokens", lambda m: [KVCache()], {"x": 1}, accounted=tokens
+    )
+    monkeypatch.setitem(peers.PEERS, "probe", probe)
+    candidate = peer_candidate(make_tiny_qwen3(), "probe")
+    k, v = _kv((1, 2, 5, 32))
+    first, later = candidate.make_cache(), candidate.make_cache()
+    first[0].update_and_fetch(k, v)
+    later[0].update_and_fetch(k[:, :, :2], v[:, :, :2])
+    assert candidate.config == {"x": 1}
+    assert candidate.details() == {"tokens": [5], "accounted_after": "the first window"}
