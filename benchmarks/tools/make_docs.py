@@ -22,6 +22,12 @@ from flashcodec_blocks import BLOCKS as FLASHCODEC_BLOCKS
 from kvbench.report import LEGEND, format_bytes, render_markdown
 from kvbench.results import read_json
 from long_run_block import render_long_run
+from palu_families_block import (
+    PALU_FAMILIES_END,
+    PALU_FAMILIES_FILE,
+    PALU_FAMILIES_START,
+    render_palu_families_block,
+)
 from palu_long_block import (
     PALU_LONG_END,
     PALU_LONG_FILE,
@@ -692,6 +698,10 @@ def main(argv: list[str] | None = None) -> int:
     real_file = args.results / PALU_REAL_FILE
     if real_file.is_file():
         put(PALU_DOC, render_palu_real_block(read_json(real_file)), PALU_REAL_START, PALU_REAL_END)
+    families_file = args.results / PALU_FAMILIES_FILE
+    if families_file.is_file():
+        block = render_palu_families_block(read_json(families_file))
+        put(PALU_DOC, block, PALU_FAMILIES_START, PALU_FAMILIES_END)
     for block in FLASHCODEC_BLOCKS:  # the measured tables of docs/flashcodec.md
         source = args.results / block.results_file
         if source.is_file():

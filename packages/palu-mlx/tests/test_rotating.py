@@ -32,6 +32,7 @@ from palu_mlx import (
     Rotary,
     RotatingPaluKVCache,
     load_prompt_cache,
+    rotation_code,
     save_prompt_cache,
 )
 from palu_mlx.rotating import HeldRotary
@@ -152,6 +153,13 @@ def greedy(model, prompt, caches, steps=24, prefill_step_size=2048) -> list[int]
     return [int(t) for t, _ in gen]
 
 
+@pytest.fixture
+def fitted_windows(monkeypatch):
+    """Every window fitted, however short: the tests of the rotating semantics compare a lossless
+    fitted code with mlx-lm token for token (short windows otherwise take the 4-bit rotation code)."""
+    monkeypatch.setattr(rotation_code, "FIT_WINDOW_PER_DIM", 0)
+
+
 @pytest.fixture(scope="module")
 def gemma():
     return build_family("gemma3_text", COMMON, GEMMA)
@@ -159,7 +167,7 @@ def gemma():
 
 @pytest.mark.parametrize("prefill_step_size", [2048, 23, 5])
 def test_greedy_tokens_of_a_tiny_gemma3_equal_mlx_lm_with_a_window_shorter_than_the_prompt(
-    gemma, prefill_step_size
+    gemma, prefill_step_size, fitted_windows
 ):
     prompt = list(range(3, 73))  # 70 tokens, windows of 16
     caches = KVCacheBuilder.for_model(gemma, KVCacheConfig(**FULL_RANK))
@@ -170,7 +178,7 @@ def test_greedy_tokens_of_a_tiny_gemma3_equal_mlx_lm_with_a_window_shorter_than_
     assert caches[0].cache.offset < 16 + caches[0].slack <= caches[0].offset
 
 
-def test_mixed_llama_layers_and_max_kv_size_equal_mlx_lm():
+def test_mixed_llama_layers_and_max_kv_size_equal_mlx_lm(fitted_windows):
     model = build_family(
         "llama", COMMON, {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 12}
     )
@@ -250,7 +258,7 @@ def test_save_and_load_through_mlx_lm_and_palu_files(gemma, tmp_path):
     assert _continued(gemma, caches, [7, 8, 9]) == want  # saving left the caches as they were
 
 
-def test_the_server_prompt_cache_reuses_rotating_caches(gemma):
+def test_the_server_prompt_cache_reuses_rotating_caches(gemma, fitted_windows):
     # what mlx-lm's server does with a conversation's caches: keep them, hand out deep copies,
     # trim a copy back to a shared prefix where every layer allows it
     lru = LRUPromptCache(max_size=4)

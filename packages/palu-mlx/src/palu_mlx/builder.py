@@ -30,6 +30,7 @@ stored through their own ``state`` / ``from_state`` the way mlx-lm does it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import warnings
@@ -57,6 +58,7 @@ from .mixed_bit import BitAllocationPolicy, check_policy
 from .models import check_model, default_caches, model_kv_dims, original_make_cache
 from .rope import Rotary, model_rotaries
 from .rotating import RotatingPaluKVCache
+from .rotation_code import fits_window, rotation_cache, window_config
 from .state_checks import STATE_META
 
 __all__ = [
@@ -210,7 +212,13 @@ class KVCacheBuilder:
                 else None
                 for i, c in enumerate(defaults)
             ]
-        caches = [_placed(c, palu, max_kv_size) for c, palu in zip(defaults, made, strict=True)]
+        short = _short_window_code(config, n_kv if shard is None else shard.heads, head_dim)
+        caches = [
+            _placed(
+                c, palu, max_kv_size, None if short is None else functools.partial(short, _at(rotaries, i))
+            )
+            for i, (c, palu) in enumerate(zip(defaults, made, strict=True))
+        ]
         if not any(isinstance(c, _OUR_CLASSES) for c in caches):
             raise KVConfigError(
                 "the model has no KVCache or RotatingKVCache layer a palu cache could replace"
@@ -337,23 +345,47 @@ def _rotaries(model: nn.Module, config: KVCacheConfig, head_dim: int | None) -> 
     return model_rotaries(model, head_dim) or _NO_ROTARIES
 
 
+def _short_window_code(
+    config: KVCacheConfig, heads: int | None, head_dim: int | None
+) -> Callable[[Rotary | None, int, int], Any] | None:
+    """``(rotary, window, keep) -> cache`` for the windows too short to pay for a fitted projection
+    (None when that code cannot be built: the naive method, unknown head counts or dims)."""
+    if config.method != "palu" or heads is None or head_dim is None:
+        return None
+
+    def make(rotary: Rotary | None, window: int, keep: int) -> Any:
+        if fits_window(window, head_dim):
+            return None
+        return rotation_cache(window_config(config, window, keep), heads, head_dim, head_dim, rotary)
+
+    return make
+
+
 #: first tokens a ``max_kv_size`` rotating cache always keeps (mlx-lm's ``make_prompt_cache``)
 _MAX_KV_KEEP = 4
 
 
-def _placed(default: Any, palu: Any, max_kv_size: int | None) -> Any:
+def _placed(
+    default: Any, palu: Any, max_kv_size: int | None, short_window: Callable[[int, int], Any] | None = None
+) -> Any:
     """The cache a layer gets: ``palu`` (None: none was made) in place of the model's ``default``,
-    rotating where the default rotates or ``max_kv_size`` bounds the layer; else ``default``."""
+    rotating where the default rotates or ``max_kv_size`` bounds the layer; else ``default``.
+    ``short_window(max_size, keep)``: the code for a window too short to pay for a fitted
+    projection (:func:`~palu_mlx.rotation_code.fits_window`), or None to keep ``palu``'s."""
     rotates = type(default) in (mlx_cache.RotatingKVCache, RotatingPaluKVCache)
+    if rotates:
+        window, keep = default.max_size, default.keep
+    elif max_kv_size is not None and isinstance(palu, PaluKVCache):
+        window, keep = max_kv_size, _MAX_KV_KEEP
+    else:
+        window = keep = None
+    if window is not None and short_window is not None:
+        palu = short_window(window, keep) or palu
     if palu is None or not (
         rotates or type(default) is mlx_cache.KVCache or isinstance(default, _OUR_CLASSES)
     ):
         return default
-    if rotates:
-        return RotatingPaluKVCache(palu, default.max_size, default.keep)
-    if max_kv_size is not None and isinstance(palu, PaluKVCache):
-        return RotatingPaluKVCache(palu, max_kv_size, _MAX_KV_KEEP)
-    return palu
+    return palu if window is None else RotatingPaluKVCache(palu, window, keep)
 
 
 def _at(rotaries: list[Rotary | None], i: int) -> Rotary | None:

@@ -1,0 +1,96 @@
+"""The data-free rotation code of short sliding windows: what it is, where the builder uses it,
+what it holds and how close it stays."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from kvspec import KVConfigError
+from mlx_lm.models.cache import load_prompt_cache as mlx_load_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import save_prompt_cache as mlx_save_prompt_cache
+from palu_helpers import reachable_nbytes
+from palu_mlx import CalibratedKVCache, KVCacheBuilder, KVCacheConfig, PaluKVCache, RotatingPaluKVCache
+from palu_mlx.rotation_code import (
+    FIT_WINDOW_PER_DIM,
+    ROTATION_BITS,
+    fits_window,
+    orthonormal_rotation,
+    rotation_code,
+    window_config,
+)
+from test_pre_rope_families import COMMON, build_family
+
+#: a tiny gemma3: a sliding layer of window 16 (heads of 32) beside a full-attention one
+GEMMA = {"head_dim": 32, "query_pre_attn_scalar": 32, "sliding_window": 16, "sliding_window_pattern": 2}
+
+
+@pytest.mark.parametrize("dim", [64, 128, 96])
+def test_the_rotation_is_orthonormal_and_a_hadamard_matrix_for_powers_of_two(dim):
+    r = orthonormal_rotation(dim).astype(np.float64)
+    assert np.allclose(r @ r.T, np.eye(dim), atol=1e-5)
+    if dim & (dim - 1) == 0:
+        assert np.allclose(np.abs(r), 1 / np.sqrt(dim))  # every channel spread over every other
+    assert np.array_equal(orthonormal_rotation(dim), orthonormal_rotation(dim))  # data-free, fixed
+
+
+def test_bad_dims_and_bits_are_refused():
+    for bad in (0, -4, 2.5, True):
+        with pytest.raises(KVConfigError, match="dim"):
+            orthonormal_rotation(bad)
+    with pytest.raises(KVConfigError, match="bits"):
+        rotation_code(2, 64, 9)
+
+
+def test_the_code_round_trips_within_a_four_bit_error_and_holds_a_row_in_d_half_bytes():
+    code = rotation_code(2, 64)
+    x = mx.random.normal((1, 2, 50, 64), key=mx.random.key(1)) * 3
+    latents = (x - code.projection.mean.astype(mx.float32)[None, :, None]) @ code.projection.basis.astype(
+        mx.float32
+    )
+    rows = code.coder.encode(latents)
+    assert rows.shape[-1] == 64 * ROTATION_BITS // 8 + 2  # the codes and a 16-bit scale per token
+    back = code.coder.decode(rows) @ code.projection.basis.astype(mx.float32).swapaxes(-1, -2)
+    rel = float((mx.linalg.norm(back - x) / mx.linalg.norm(x)).item())
+    # a step of max|x| / 8 for 16 levels: about 0.3 standard deviations, an error of 0.087 of a row
+    assert rel < 0.1
+
+
+def test_short_windows_take_the_rotation_code_long_ones_a_fitted_projection():
+    assert not fits_window(FIT_WINDOW_PER_DIM * 64 - 1, 64) and fits_window(FIT_WINDOW_PER_DIM * 64, 64)
+    cfg = window_config(KVCacheConfig(), 128, 0)
+    assert (cfg.palu_sink_tokens, cfg.palu_recent_tokens) == (0, 8)
+    model = build_family("gemma3_text", COMMON, GEMMA)
+    caches = KVCacheBuilder.for_model(model, KVCacheConfig())
+    sliding, full = caches[0], caches[1]
+    assert type(sliding) is RotatingPaluKVCache and type(sliding.cache) is CalibratedKVCache
+    assert type(full) is PaluKVCache
+    # one rotation for every layer and for keys and values: held once
+    assert (
+        sliding.cache._key_proj is sliding.cache._value_proj is rotation_code(*_heads_dim(model)).projection
+    )
+
+
+def _heads_dim(model):
+    from palu_mlx.models import model_kv_dims
+
+    head_dim, heads = model_kv_dims(model)
+    return heads, head_dim
+
+
+def test_a_short_window_stays_close_to_mlx_lm_and_saves_and_loads(tmp_path):
+    model = build_family("gemma3_text", COMMON, GEMMA)
+    prompt = mx.array(list(range(3, 90)))
+    ours, theirs = KVCacheBuilder.for_model(model, KVCacheConfig()), make_prompt_cache(model)
+    a = model(prompt[None], cache=ours)[0, -1].astype(mx.float32)
+    b = model(prompt[None], cache=theirs)[0, -1].astype(mx.float32)
+    p, q = mx.softmax(b), (a - mx.logsumexp(a)) - (b - mx.logsumexp(b))
+    assert float(-(p * q).sum().item()) < 0.05  # KL of the last position's next-token distribution
+    sliding = ours[0]
+    assert sliding.cache.offset < sliding.offset  # rows left the window
+    assert reachable_nbytes(sliding.cache._key_codes) < reachable_nbytes(theirs[0].keys) / 2
+    mlx_save_prompt_cache(str(tmp_path / "c.safetensors"), ours)
+    loaded = mlx_load_prompt_cache(str(tmp_path / "c.safetensors"))
+    nxt = mx.array([[5]])
+    assert mx.allclose(model(nxt, cache=loaded), model(nxt, cache=ours), atol=1e-4).item()
