@@ -411,7 +411,7 @@ def _codec_peer(model: Any, name: str, codec: TurboQuantCodec) -> Candidate:
         "peer",
         f"TurboQuant (Zandieh et al. 2025), MSE variant, reference implementation: per token and head "
         f"an fp16 norm and {codec.bits}-bit Lloyd-Max codes of the unit vector after a seeded random "
-        f"rotation, keys and values; the newest incomplete block of {codec.block_size} tokens raw; "
+        f"rotation, keys and values; the newest tokens (under {codec.block_size}, an incomplete block) uncoded; "
         "attention on the codes (codebook values looked up per step, no decoded cache kept)",
         lambda: FlashCodecCache.from_config(model.config, codec=codec),
         {
