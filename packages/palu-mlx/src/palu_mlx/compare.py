@@ -355,7 +355,16 @@ class PaluHarness:
     """palu-mlx's part of ``kvbench.cli.run_compare``: mlx-lm models, palu tiers, MLX peers."""
 
     tool = "palu-mlx compare"
-    packages = ("palu-mlx", "kvbench", "kvcache-spec", "mlx", "mlx-lm", "numpy", "transformers")
+    packages = (
+        "palu-mlx",
+        "kvbench",
+        "kvcache-spec",
+        "mlx",
+        "mlx-lm",
+        "numpy",
+        "transformers",
+        "veloxquant-mlx",
+    )
     dtypes = tuple(_DTYPES)
 
     def tiers(self) -> Mapping[str, str]:
