@@ -583,7 +583,7 @@ CATALOGUE = {
         lambda c: filled_hf(),
         lambda o, c: o.crop(1.5),
         kvspec.KVTrimError,
-        "tokens_to_remove must be an integer; got 1.5",
+        "max_length must be an integer; got 1.5",
     ),
     "hf-storage-bytes-negative-layer": (
         lambda c: filled_hf(),

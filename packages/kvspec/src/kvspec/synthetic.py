@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from .interface import KVShapeError
 from .vectors import DATA_DIR, TestVector, load_vectors, round_to_dtype, write_vectors
 
 __all__ = [
@@ -37,6 +38,19 @@ __all__ = [
 ]
 
 Shape = tuple[int, int, int, int]
+
+
+def _check_shape(shape: object) -> Shape:
+    """``shape`` as a ``(B, H, S, D)`` tuple of positive ints; ``KVShapeError`` otherwise.
+
+    Every generator makes ``[B, H, S, D]`` tensors; another rank would come back as arrays no
+    cache accepts (or fail deep inside numpy), so it is refused where the caller can see why.
+    """
+    ok = isinstance(shape, (tuple, list)) and len(shape) == 4
+    ok = ok and all(isinstance(n, (int, np.integer)) and not isinstance(n, bool) and n >= 1 for n in shape)
+    if not ok:
+        raise KVShapeError(f"shape must be (B, H, S, D): four integers >= 1; got {shape!r}")
+    return tuple(int(n) for n in shape)  # type: ignore[return-value]
 
 
 def _orthonormal(rng: np.random.Generator, d: int, r: int) -> np.ndarray:
@@ -62,6 +76,7 @@ def planted_lowrank(shape: Shape, seed: int, rank: int = 8, noise: float = 0.05)
     shared by all heads, singular strengths from 3.0 down to 0.5, a per-channel mean ``mu`` and
     ``eps ~ N(0, 1)``. Values use their own basis at half the scale. Returns float64 arrays.
     """
+    shape = _check_shape(shape)
     if not 1 <= rank <= shape[3]:
         raise ValueError(f"rank must be in [1, D={shape[3]}]; got {rank}")
     rng = np.random.default_rng(seed)
@@ -90,6 +105,7 @@ def random_walk(shape: Shape, seed: int, rho: float = 0.98):
     per-channel scale and mean. Keys use ``rho``, values ``rho - 0.03``. Smooth along S, so
     sequence-axis transforms (DCT) have something to exploit. Returns float64 arrays.
     """
+    shape = _check_shape(shape)
     if not 0.0 <= rho < 1.0:
         raise ValueError(f"rho must be in [0, 1); got {rho}")
     rng = np.random.default_rng(seed)
@@ -100,6 +116,7 @@ def random_walk(shape: Shape, seed: int, rho: float = 0.98):
 
 def gaussian(shape: Shape, seed: int):
     """i.i.d. standard normal keys and values: no structure for any codec to exploit."""
+    shape = _check_shape(shape)
     rng = np.random.default_rng(seed)
     return rng.standard_normal(shape), rng.standard_normal(shape)
 
@@ -111,6 +128,7 @@ def outlier_keys(shape: Shape, seed: int, n_outliers: int = 4, magnitude: float 
     U(0.7, 1.3) factor and a standard deviation of ``magnitude / 4``; other channels are N(0, 1).
     Returns float64 arrays.
     """
+    shape = _check_shape(shape)
     b, h, s, d = shape
     if not 0 <= n_outliers <= d:
         raise ValueError(f"n_outliers must be in [0, D={d}]; got {n_outliers}")

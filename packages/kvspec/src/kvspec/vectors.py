@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from .interface import KVDataError
+from .interface import KVConfigError, KVDataError, KVDtypeError
 
 __all__ = [
     "FAMILIES",
@@ -55,6 +55,19 @@ FORMAT_VERSION = 1
 
 
 # --------------------------------------------------------------------------- dtype rounding
+def _as_float32(array: object, caller: str) -> np.ndarray:
+    """``array`` as float32 when it holds real numbers; ``KVDtypeError`` otherwise (``None`` or
+    text would otherwise become NaN or fail inside numpy)."""
+    kind = np.asarray(array).dtype.kind if array is not None else "O"
+    if kind not in "biuf":
+        raise KVDtypeError(
+            f"{caller}: array must be a numpy array (or nested list) of real numbers; "
+            f"got {type(array).__name__}"
+            + (f" of dtype {np.asarray(array).dtype}" if array is not None else "")
+        )
+    return np.asarray(array, dtype=np.float32)
+
+
 def round_to_dtype(array: np.ndarray, dtype: str) -> np.ndarray:
     """Round a float array to the nearest value of ``dtype``; return it as float32.
 
@@ -62,7 +75,7 @@ def round_to_dtype(array: np.ndarray, dtype: str) -> np.ndarray:
     bfloat16 rounding is round-to-nearest-even on the float32 bit pattern (numpy has no
     bfloat16), matching what torch and mlx do when they cast float32 to bfloat16.
     """
-    x = np.asarray(array, dtype=np.float32)
+    x = _as_float32(array, "round_to_dtype")
     if dtype == "float32":
         return x.copy()
     if dtype == "float16":
@@ -74,12 +87,12 @@ def round_to_dtype(array: np.ndarray, dtype: str) -> np.ndarray:
         # add 0x7FFF plus the lowest kept bit, then drop the low half: ties go to even
         rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
         return rounded.astype(np.uint32).view(np.float32)
-    raise ValueError(f"dtype must be one of {DTYPES}; got {dtype!r}")
+    raise KVConfigError(f"dtype must be one of {DTYPES}; got {dtype!r}")
 
 
 def is_representable(array: np.ndarray, dtype: str) -> bool:
     """True when every element of the float32 ``array`` is exactly a ``dtype`` value."""
-    x = np.asarray(array, dtype=np.float32)
+    x = _as_float32(array, "is_representable")
     if dtype == "float32":
         return True
     if dtype == "float16":
@@ -87,7 +100,7 @@ def is_representable(array: np.ndarray, dtype: str) -> bool:
             return bool(np.array_equal(x.astype(np.float16).astype(np.float32), x, equal_nan=True))
     if dtype == "bfloat16":
         return bool(np.all((x.view(np.uint32) & 0xFFFF) == 0))
-    raise ValueError(f"dtype must be one of {DTYPES}; got {dtype!r}")
+    raise KVConfigError(f"dtype must be one of {DTYPES}; got {dtype!r}")
 
 
 # --------------------------------------------------------------------------- the vector type
@@ -241,7 +254,7 @@ def _read_dir(data_dir: Path) -> list[TestVector]:
     arrays = data_dir / ARRAYS_NAME
     try:
         npz = np.load(arrays, allow_pickle=False)
-    except (OSError, ValueError, zipfile.BadZipFile) as err:
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as err:
         raise KVDataError(
             f"{arrays}: cannot be read as the vectors' arrays ({type(err).__name__}: {err})"
         ) from None
@@ -249,13 +262,21 @@ def _read_dir(data_dir: Path) -> list[TestVector]:
         for entry in entries:
             name = entry["name"]
             try:
-                keys = np.ascontiguousarray(npz[f"{name}/keys"], dtype=np.float32)
-                values = np.ascontiguousarray(npz[f"{name}/values"], dtype=np.float32)
-            except (KeyError, ValueError, OSError, zipfile.BadZipFile) as err:
+                raw_keys, raw_values = npz[f"{name}/keys"], npz[f"{name}/values"]
+            except (KeyError, ValueError, OSError, EOFError, zipfile.BadZipFile) as err:
+                # a cut-off member reads as EOFError from numpy's header parser
                 raise KVDataError(
                     f"{arrays}: the arrays of vector {name!r} named in {MANIFEST_NAME} cannot be read "
                     f"({type(err).__name__}: {err})"
                 ) from None
+            for label, raw in (("keys", raw_keys), ("values", raw_values)):
+                # the format stores float32; casting anything else would hide a wrong writer
+                if raw.dtype != np.float32:
+                    raise KVDataError(
+                        f"{arrays}: {name}/{label} is {raw.dtype}; the format stores float32 arrays only"
+                    )
+            keys = np.ascontiguousarray(raw_keys)
+            values = np.ascontiguousarray(raw_values)
             # shared between callers: read-only so no adapter can corrupt the data for the next test
             keys.setflags(write=False)
             values.setflags(write=False)

@@ -334,7 +334,8 @@ class FlashCodecCache(Cache):
         the first ``tokens_to_remove`` tokens. Checked before any layer changes: a native layer
         that cannot roll back (past recording off) raises ``KVTrimError`` and nothing is cropped.
         """
-        n = check_int("tokens_to_remove", tokens_to_remove, error=KVTrimError)
+        # named as transformers names crop's argument, which is what callers pass it as
+        n = check_int("max_length", tokens_to_remove, error=KVTrimError)
         if n > 0:  # absolute length -> a count to remove, so native layers get the form they accept
             n = -max(0, self.get_seq_length() - n)
         for i in self.native_layer_indices:

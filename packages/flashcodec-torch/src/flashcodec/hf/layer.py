@@ -174,7 +174,7 @@ class FlashCodecLayer(CacheLayerMixin):
 
     def plan_crop(self, tokens_to_remove: int) -> Callable[[], None]:
         """Check and prepare :meth:`crop` without changing the layer; the returned function applies it."""
-        n = check_int("tokens_to_remove", tokens_to_remove, error=KVTrimError)
+        n = check_int("max_length", tokens_to_remove, error=KVTrimError)
         if n == 0:
             return _nothing
         cc = self.codec_cache

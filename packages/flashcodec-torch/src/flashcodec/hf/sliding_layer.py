@@ -130,7 +130,7 @@ class FlashCodecSlidingLayer(FlashCodecLayer):
     def plan_crop(self, tokens_to_remove: int) -> Callable[[], None]:
         """As :meth:`FlashCodecLayer.plan_crop` (a positive value keeps the first ``n`` tokens
         seen); ``KVTrimError`` when the next query's window would reach tokens already dropped."""
-        n = check_int("tokens_to_remove", tokens_to_remove, error=KVTrimError)
+        n = check_int("max_length", tokens_to_remove, error=KVTrimError)
         seen = self.get_seq_length()
         keep = n if n > 0 else max(0, seen + n)
         if keep < seen and self.dropped and keep - self.sliding_window + 1 < self.dropped:
