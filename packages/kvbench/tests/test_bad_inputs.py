@@ -264,3 +264,44 @@ _FIELDS = tuple(f.name for f in dataclasses.fields(Settings) if f.type == "int")
 def test_invalid_settings_are_always_refused(field, value):
     with pytest.raises(CompareError, match=f"--{field.replace('_', '-')}="):
         Settings(**{field: value})
+
+
+# --------------------------------------------------------------------------- --model names and converted models
+@pytest.mark.parametrize("model", ["", "   ", 5, 1.5, ["tiny-qwen3"], b"tiny-qwen3"])
+def test_resolve_model_refuses_what_is_not_a_model_name(model):
+    from kvbench.models import resolve_model
+
+    with pytest.raises(
+        CompareError, match=r"model must be a named model \(.*tiny-qwen3.*\), a local directory"
+    ):
+        resolve_model(model)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("source", ["wheel", "gguf"]),
+        ("source", "abc"),
+        ("weights_sha256", [1, 2]),
+        ("weights_sha256", {"a": 3}),
+    ],
+)
+def test_a_converted_model_whose_manifest_has_the_wrong_shape_is_named(tmp_path, field, value):
+    from kvbench.model_store import MANIFEST, ModelFetchError, WheelGGUFModel, _check_converted
+
+    spec = WheelGGUFModel(
+        name="fake-model",
+        distribution="fake-dist",
+        version="1.0",
+        wheel_sha256="0" * 64,
+        member="fake_dist/model.gguf",
+        gguf_sha256="1" * 64,
+        description="a fake",
+    )
+    manifest = {"source": {"wheel_sha256": "0" * 64, "gguf_sha256": "1" * 64}, "weights_sha256": {}}
+    manifest[field] = value
+    (tmp_path / MANIFEST).write_text(json.dumps(manifest))
+    before = (tmp_path / MANIFEST).read_text()
+    with pytest.raises(ModelFetchError, match=rf"{MANIFEST}: '{field}' must"):
+        _check_converted(spec, tmp_path)
+    assert (tmp_path / MANIFEST).read_text() == before

@@ -265,6 +265,17 @@ def _check_converted(spec: WheelGGUFModel, target: Path) -> Path:
         raise ModelFetchError(
             f"model {spec.name!r}: {target} is not a converted model ({type(err).__name__}: {err}); {redo}"
         ) from None
+    # the manifest is read back from disk, so its entries are checked before they are used
+    for field, value in (("source", source), ("weights_sha256", weights)):
+        if not isinstance(value, dict):
+            raise ModelFetchError(
+                f"model {spec.name!r}: {manifest_path}: {field!r} must be a JSON object; "
+                f"got {type(value).__name__}; {redo}"
+            )
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in weights.items()):
+        raise ModelFetchError(
+            f"model {spec.name!r}: {manifest_path}: 'weights_sha256' must map file names to hex digests; {redo}"
+        )
     if (source.get("wheel_sha256"), source.get("gguf_sha256")) != (spec.wheel_sha256, spec.gguf_sha256):
         raise ModelFetchError(f"model {spec.name!r}: {target} was converted from another file; {redo}")
     if not (target / "config.json").is_file() or not weights:

