@@ -16,7 +16,7 @@ coded before RoPE, where probing the layers shows the mechanism palu can undo
 :func:`register_with_mlx_lm` has run in the process: every palu-mlx ``state`` carries its
 ``meta_state`` and a checksum (:mod:`palu_mlx.state_checks`), and registering adds the palu-mlx
 cache classes' names to ``mlx_lm.models.cache``, where mlx-lm's loader looks a saved class name
-up. Building palu caches (``for_model``, ``install``) registers them, so a process that made a
+up. Constructing any palu cache registers them, so a process that made a
 cache can load its file; a fresh process that only loads calls it first. Importing palu_mlx
 changes nothing of mlx-lm, and nothing of mlx-lm is ever replaced: only names it lacks are added.
 
@@ -46,7 +46,6 @@ from mlx_lm.models import cache as mlx_cache
 
 from .attention import route_attention, unroute_attention
 from .baseline import NaiveQuantKVCache
-from .batch import BatchedLayerCache
 from .budgets import SensitivityProfile
 from .cache import PaluKVCache
 from .calibrated import CalibratedKVCache, calibrated_caches
@@ -54,6 +53,7 @@ from .calibration.file import Calibration
 from .config import KVCacheConfig
 from .distributed import HeadShard, head_shard
 from .integrity import CHECKSUM_KEY, UnverifiedFileWarning, digest
+from .layer import register_cache_classes
 from .mixed_bit import BitAllocationPolicy, check_policy
 from .models import check_model, default_caches, model_kv_dims, original_make_cache
 from .rope import Rotary, model_rotaries
@@ -89,19 +89,11 @@ def register_with_mlx_lm() -> None:
     ``mlx_lm.models.cache`` (``CacheList`` does the same for its members), so the classes must be
     names of that module. This adds :class:`PaluKVCache`, :class:`CalibratedKVCache`,
     :class:`NaiveQuantKVCache`, :class:`~palu_mlx.rotating.RotatingPaluKVCache` and
-    :class:`~palu_mlx.batch.BatchedLayerCache` there; building
-    palu caches runs it, a process that only loads a file calls it, and it is idempotent. A name
+    :class:`~palu_mlx.batch.BatchedLayerCache` there; constructing any
+    palu cache runs it, a process that only loads a file calls it, and it is idempotent. A name
     mlx-lm already uses for something else is never overwritten (``KVConfigError``).
     """
-    for cls in (*_OUR_CLASSES, BatchedLayerCache):
-        present = getattr(mlx_cache, cls.__name__, None)
-        if present is None:
-            setattr(mlx_cache, cls.__name__, cls)
-        elif present is not cls:
-            raise KVConfigError(
-                f"mlx_lm.models.cache already defines {cls.__name__!r} ({present!r}); palu-mlx cannot "
-                "register its cache class of that name for mlx-lm's load_prompt_cache"
-            )
+    register_cache_classes(strict=True)
 
 
 def _check_config(config: Any) -> None:

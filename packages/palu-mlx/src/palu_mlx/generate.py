@@ -19,7 +19,9 @@ does, with palu's rotating caches (:mod:`palu_mlx.rotating`).
   template renders differently are trimmed and recomputed.
 
 The file is written with mlx-lm's own ``save_prompt_cache`` (the conversation rides in its
-metadata; ``"model"`` is the resolved model path), so mlx-lm's ``load_prompt_cache`` reads it
+metadata; ``"model"`` is the resolved model path, and ``palu_checksum`` is a sha256 over the
+conversation's texts, :mod:`palu_mlx.integrity`, so an edited conversation is refused; each palu
+layer's state carries its own checksum), so mlx-lm's ``load_prompt_cache`` reads it
 in any process that called ``palu_mlx.register_with_mlx_lm()``, and ``mlx_lm.generate
 --prompt-cache-file`` continues it when run as ``python -c "import palu_mlx;
 palu_mlx.register_with_mlx_lm(); from mlx_lm.generate import main; main()" ...``.
@@ -31,13 +33,95 @@ from __future__ import annotations
 import json
 import os
 import sys
+import warnings
 from collections.abc import Sequence
+from typing import Any
 
 __all__ = ["generate_main"]
 
 _PALU_FORMAT = "palu-mlx.prompt-cache.v1"
 # keys of a palu conversation file's metadata besides mlx-lm's "model" and "tokenizer_config"
 _MESSAGES, _TOKENS = "palu_messages", "palu_tokens"
+# the conversation's texts, covered by the checksum written under _CHECKSUM
+_CONVERSATION = ("model", "tokenizer_config", _MESSAGES, _TOKENS)
+_CHECKSUM = "palu_checksum"
+# what loading a file that is not a readable prompt cache raises inside mlx / mlx-lm (a truncated or
+# non-safetensors file is an mlx RuntimeError; other metadata fails mlx-lm's unflattening)
+_LOAD_ERRORS = (ValueError, KeyError, OSError, RuntimeError, TypeError, IndexError, AttributeError)
+
+
+class _BadFile(Exception):
+    """A prompt-cache file's conversation metadata is not what this command writes."""
+
+
+def _conversation_digest(metadata: dict[str, Any]) -> str:
+    from .integrity import digest
+
+    return digest({}, {k: metadata[k] for k in _CONVERSATION if k in metadata})
+
+
+def _json_field(metadata: dict[str, Any], key: str, default: str, kind: type, what: str) -> Any:
+    text = metadata.get(key, default)
+    if not isinstance(text, str):
+        raise _BadFile(f"metadata {key!r} must be a JSON text ({what}); got {type(text).__name__}")
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise _BadFile(f"metadata {key!r} is not valid JSON ({exc}); it must be {what}") from None
+    if not isinstance(value, kind):
+        raise _BadFile(f"metadata {key!r} must be {what}; got {type(value).__name__}")
+    return value
+
+
+def _read_conversation(
+    metadata: dict[str, Any], palu_file: bool, checked: bool, cache: list[Any]
+) -> tuple[dict[str, Any], list[dict[str, str]] | None, list[int]]:
+    """The file's tokenizer config, messages (None when it has none) and tokens, each checked.
+
+    ``checked``: the metadata is already covered by a checksum (palu's own file format); else a
+    conversation this command wrote must carry :data:`_CHECKSUM` over its texts, and one without
+    it (written before the checksum was) loads with an ``UnverifiedFileWarning``.
+    """
+    from .integrity import UnverifiedFileWarning
+
+    if palu_file and not checked:
+        stored = metadata.get(_CHECKSUM)
+        if stored is None:
+            warnings.warn(
+                "the prompt-cache file's conversation has no checksum (written by an older palu-mlx): "
+                "loaded without an integrity check",
+                UnverifiedFileWarning,
+                stacklevel=2,
+            )
+        elif stored != _conversation_digest(metadata):
+            raise _BadFile(
+                f"checksum mismatch: its conversation metadata ({', '.join(_CONVERSATION)}) changed after "
+                "it was written; it cannot be continued"
+            )
+    if "model" in metadata and (not isinstance(metadata["model"], str) or not metadata["model"]):
+        raise _BadFile(f"metadata 'model' must be a model path or name; got {metadata['model']!r:.100}")
+    tokenizer_config = _json_field(metadata, "tokenizer_config", "{}", dict, "a JSON object")
+    if not palu_file:
+        return tokenizer_config, None, []
+    messages = None
+    if _MESSAGES in metadata:
+        messages = _json_field(metadata, _MESSAGES, "[]", list, "a JSON list of messages")
+        for i, m in enumerate(messages):
+            if not (
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            ):
+                raise _BadFile(
+                    f"metadata {_MESSAGES!r} entry {i} must be an object with string 'role' and "
+                    f"'content'; got {m!r:.100}"
+                )
+    tokens = _json_field(metadata, _TOKENS, "[]", list, "a JSON list of token ids")
+    bad = [t for t in tokens if not isinstance(t, int) or isinstance(t, bool) or t < 0]
+    if bad:
+        raise _BadFile(f"metadata {_TOKENS!r} must list token ids (integers >= 0); it holds {bad[0]!r:.100}")
+    held = max((c.size() for c in cache), default=0)
+    if len(tokens) != held:
+        raise _BadFile(f"metadata {_TOKENS!r} lists {len(tokens)} tokens but the cache holds {held}")
+    return tokenizer_config, messages, tokens
 
 
 def _parser():
@@ -93,7 +177,7 @@ def generate_main(argv: Sequence[str]) -> int:
     from mlx_lm.models.cache import save_prompt_cache as mlx_save_prompt_cache
     from mlx_lm.sample_utils import make_sampler
 
-    from .builder import KVCacheBuilder, load_prompt_cache
+    from .builder import KVCacheBuilder, load_prompt_cache, register_with_mlx_lm
     from .serving import ModelNameError, describe, kv_bytes, palu_config, resolve_model_arg
 
     if args.seed is not None:
@@ -104,15 +188,28 @@ def generate_main(argv: Sequence[str]) -> int:
     if cache_file is not None and not cache_file.endswith(".safetensors"):
         cache_file += ".safetensors"  # as mx.save_safetensors names what it writes
     cached, metadata, palu_file = None, {}, True
+    tokenizer_config: dict[str, Any] = {}
+    messages: list[dict[str, str]] | None = None
+    cached_tokens: list[int] = []
     if cache_file is not None and os.path.exists(cache_file):
         try:
-            if _is_palu_file(cache_file):
+            # mlx-lm's loader looks the saved class names up in its own module: palu's must be
+            # there before the file is read, not only once a palu cache has been built
+            register_with_mlx_lm()
+            checked = _is_palu_file(cache_file)
+            if checked:
                 cached, metadata = load_prompt_cache(cache_file, return_metadata=True)
             else:
                 cached, metadata = mlx_load_prompt_cache(cache_file, return_metadata=True)
+                if not isinstance(metadata, dict):
+                    raise _BadFile(f"its metadata is a {type(metadata).__name__}, not a mapping")
                 palu_file = _MESSAGES in metadata  # a conversation this command wrote
-        except (KVSpecError, ValueError, KeyError, OSError) as exc:
-            return _error(f"--prompt-cache-file {cache_file!r} cannot be loaded: {exc}")
+            tokenizer_config, messages, cached_tokens = _read_conversation(
+                metadata, palu_file, checked, cached
+            )
+        except (KVSpecError, _BadFile, *_LOAD_ERRORS) as exc:
+            detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            return _error(f"--prompt-cache-file {cache_file!r} cannot be loaded: {detail}")
     model_arg = args.model
     if cached is not None and "model" in metadata:
         if model_arg is None:
@@ -132,7 +229,6 @@ def generate_main(argv: Sequence[str]) -> int:
         model_path = resolve_model_arg(model_arg)
     except ModelNameError as exc:
         return _error(str(exc))
-    tokenizer_config = json.loads(metadata.get("tokenizer_config", "{}")) if cached is not None else {}
     tokenizer_config["trust_remote_code"] = args.trust_remote_code
     try:
         model, tokenizer = mlx_lm.load(
@@ -162,16 +258,14 @@ def generate_main(argv: Sequence[str]) -> int:
         tokenizer.chat_template = tokenizer.default_chat_template
         use_chat_template = not args.ignore_chat_template
     has_prefill = args.prefill_response is not None
-    messages: list[dict[str, str]] = []
-    if palu_file and _MESSAGES in metadata:
-        messages = json.loads(metadata[_MESSAGES])
-    elif args.system_prompt is not None:
-        messages = [{"role": "system", "content": args.system_prompt}]
+    if messages is None:
+        messages = []
+        if args.system_prompt is not None:
+            messages = [{"role": "system", "content": args.system_prompt}]
     messages.append({"role": "user", "content": prompt})
     if has_prefill:
         messages.append({"role": "assistant", "content": args.prefill_response})
 
-    cached_tokens: list[int] = json.loads(metadata.get(_TOKENS, "[]")) if palu_file else []
     if use_chat_template:
         text = tokenizer.apply_chat_template(
             messages,
@@ -293,6 +387,7 @@ def generate_main(argv: Sequence[str]) -> int:
             _MESSAGES: json.dumps(messages),
             _TOKENS: json.dumps(all_tokens[:n]),
         }
+        meta[_CHECKSUM] = _conversation_digest(meta)
         tmp = f"{cache_file}.{os.getpid()}.tmp.safetensors"
         try:
             mlx_save_prompt_cache(tmp, cache, meta)

@@ -22,11 +22,21 @@ from kvspec import (
     check_kv_pair,
     trim_count,
 )
+from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.cache import create_attention_mask
 
 from .batch import BatchedLayerCache
 
-__all__ = ["CacheLayer", "SUPPORTED_DTYPES", "dtype_name", "dtype_from_name", "write_rows", "detached"]
+__all__ = [
+    "CacheLayer",
+    "SUPPORTED_DTYPES",
+    "dtype_name",
+    "dtype_from_name",
+    "write_rows",
+    "detached",
+    "mlx_lm_loadable",
+    "register_cache_classes",
+]
 
 SUPPORTED_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 
@@ -38,10 +48,43 @@ def dtype_name(dtype: mx.Dtype) -> str:
 
 def dtype_from_name(name: str) -> mx.Dtype:
     """Inverse of :func:`dtype_name` for the supported dtypes; raises ``KVDtypeError`` otherwise."""
-    dtype = getattr(mx, name, None) if isinstance(name, str) else None
-    if dtype not in SUPPORTED_DTYPES:
+    # looked up by name: comparing whatever ``getattr(mx, name)`` returns with an mx.Dtype raises
+    # a TypeError from mlx for most objects, which would escape as a non-kvspec error
+    dtype = {dtype_name(d): d for d in SUPPORTED_DTYPES}.get(name) if isinstance(name, str) else None
+    if dtype is None:
         raise KVDtypeError(f"dtype {name!r} is not one of float16, bfloat16, float32")
     return dtype
+
+
+# --------------------------------------------------------------------------- mlx-lm's class lookup
+#: the cache classes mlx-lm's ``load_prompt_cache`` must find by name (filled by :func:`mlx_lm_loadable`)
+_LOADABLE: dict[str, type] = {"BatchedLayerCache": BatchedLayerCache}
+
+
+def mlx_lm_loadable(cls: type) -> type:
+    """Class decorator: ``cls`` is a cache class mlx-lm's ``load_prompt_cache`` may have to rebuild."""
+    _LOADABLE[cls.__name__] = cls
+    return cls
+
+
+def register_cache_classes(strict: bool = True) -> None:
+    """Add every :func:`mlx_lm_loadable` class (and ``BatchedLayerCache``) to ``mlx_lm.models.cache``.
+
+    mlx-lm rebuilds a saved layer with ``globals()[class_name].from_state(state)`` inside that
+    module, so a palu cache saved with mlx-lm's ``save_prompt_cache`` loads only once its class is
+    a name there. Every palu cache's constructor calls this (``strict=False``), so a process that
+    made a cache can load what it saved. Idempotent; a name mlx-lm already uses for something else
+    is never overwritten: ``KVConfigError`` when ``strict``, else that class is left out.
+    """
+    for name, cls in _LOADABLE.items():
+        present = getattr(mlx_cache, name, None)
+        if present is None:
+            setattr(mlx_cache, name, cls)
+        elif present is not cls and strict:
+            raise KVConfigError(
+                f"mlx_lm.models.cache already defines {name!r} ({present!r}); palu-mlx cannot "
+                "register its cache class of that name for mlx-lm's load_prompt_cache"
+            )
 
 
 def detached(arr: mx.array) -> mx.array:
@@ -81,6 +124,7 @@ class CacheLayer:
     step = 256
 
     def __init__(self) -> None:
+        register_cache_classes(strict=False)
         self.offset = 0
         self._shape: tuple[int, int, int, int] | None = None  # (B, H, D, Dv), fixed by the first call
         self._dtype: mx.Dtype | None = None

@@ -45,7 +45,7 @@ from mlx_lm.models.base import create_causal_mask
 
 from .cache import PaluKVCache
 from .calibrated import CalibratedKVCache
-from .layer import write_rows
+from .layer import mlx_lm_loadable, register_cache_classes, write_rows
 from .rope import Rotary
 from .sinks import ExactPrefix, RecentWindow
 from .state_checks import parse_meta_state, read_field, split_state, with_meta
@@ -107,6 +107,7 @@ def _check_window(max_size: Any, keep: Any, error: type[KVSpecError], where: str
         raise error(f"{where}keep={keep!r} must be an int in [0, max_size={max_size}) (tokens always kept)")
 
 
+@mlx_lm_loadable
 class RotatingPaluKVCache:
     """A palu cache with the interface and attention semantics of mlx-lm's ``RotatingKVCache``.
 
@@ -130,6 +131,7 @@ class RotatingPaluKVCache:
         if not cache.empty():
             raise KVConfigError(f"cache must be empty (a fresh cache); it holds {cache.offset} tokens")
         _check_window(max_size, keep, KVConfigError, "")
+        register_cache_classes(strict=False)  # as every palu cache: its saved file loads in mlx-lm
         self._setup(cache, max_size, keep, 0)
 
     def _setup(self, cache: PaluKVCache, max_size: int, keep: int, offset: int) -> None:

@@ -1,0 +1,190 @@
+"""Bad input to palu-mlx's commands and loaders: a one-line error and a non-zero exit (never a
+traceback), files whose conversation was edited are refused, prompt-cache files load in a fresh
+process, and bad saved states or fit inputs raise kvspec errors that leave the cache unchanged."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+MODEL = os.environ.get("KVBENCH_EMBEDDED_MODEL") or str(
+    TESTS.parents[2] / "benchmarks" / "model" / "tiny-qwen3"
+)
+needs_model = pytest.mark.skipif(not os.path.isdir(MODEL), reason="the embedded model is not checked out")
+
+
+def _python(code: str, *args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=cwd,
+    )
+
+
+def _cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "palu_mlx.cli", *args], capture_output=True, text=True, timeout=300, cwd=cwd
+    )
+
+
+def _one_line_error(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1, proc.stderr
+    return lines[0]
+
+
+# --------------------------------------------------------------------------- registration with mlx-lm
+_ROUND_TRIP = """
+import sys
+sys.path.insert(0, sys.argv[2])
+from mlx_lm.models import cache as mlx_cache
+from cache_snapshots import build, kv, snapshot
+from palu_mlx import KVCacheConfig, PaluKVCache, RotatingPaluKVCache
+
+kind = sys.argv[3]
+if kind == "rotating":
+    cache = RotatingPaluKVCache(PaluKVCache(KVCacheConfig(head_dim=32, palu_min_fit_tokens=8)), max_size=16)
+    cache.update_and_fetch(*kv(12, 1))
+else:
+    cache = build(kind)
+before = snapshot(cache) if kind != "rotating" else None
+mlx_cache.save_prompt_cache(sys.argv[1], [cache])
+loaded = mlx_cache.load_prompt_cache(sys.argv[1])
+assert type(loaded[0]) is type(cache), type(loaded[0])
+assert loaded[0].offset == cache.offset
+if before is not None:
+    assert snapshot(loaded[0]) == before
+print("round trip", type(loaded[0]).__name__)
+"""
+
+
+@pytest.mark.parametrize("kind", ["palu-fixed", "naive", "calibrated", "rotating"])
+def test_a_cache_made_before_any_builder_call_round_trips_through_mlx_lms_files(tmp_path, kind):
+    # a fresh process: nothing registered the classes before the cache was constructed
+    proc = _python(_ROUND_TRIP, str(tmp_path / "cache.safetensors"), str(TESTS), kind)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "round trip" in proc.stdout
+
+
+# --------------------------------------------------------------------------- generate --prompt-cache-file
+def _generate(file: Path, prompt: str) -> subprocess.CompletedProcess:
+    return _cli(
+        "generate", "--model", MODEL, "--max-tokens", "4", "--palu-bits", "2",
+        "--prompt-cache-file", str(file), "--prompt", prompt,
+    )  # fmt: skip
+
+
+@needs_model
+def test_a_conversation_file_continues_in_a_second_process(tmp_path):
+    file = tmp_path / "chat.safetensors"
+    first = _generate(file, "The json module encodes Python objects as")
+    assert first.returncode == 0, first.stderr[-2000:]
+    second = _generate(file, "And one more?")
+    assert second.returncode == 0, second.stderr[-2000:]
+    _, meta = mx.load(str(file), return_metadata=True)
+    messages = json.loads(meta[_key(meta, "palu_messages")])
+    assert [m["role"] for m in messages] == ["user", "assistant", "user", "assistant"]
+    assert messages[2]["content"] == "And one more?"
+
+
+@pytest.fixture(scope="module")
+def conversation(tmp_path_factory):
+    if not os.path.isdir(MODEL):
+        pytest.skip("the embedded model is not checked out")
+    file = tmp_path_factory.mktemp("conversation") / "chat.safetensors"
+    proc = _generate(file, "Say something about lists.")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return file.read_bytes()
+
+
+@pytest.mark.parametrize(
+    "name, content",
+    [
+        ("truncated", lambda good: good[: len(good) // 2]),
+        ("not-safetensors", lambda good: b"this is not a safetensors file\n" * 4),
+        ("empty", lambda good: b""),
+    ],
+)
+def test_an_unreadable_prompt_cache_file_is_one_line_and_left_as_it_was(
+    tmp_path, conversation, name, content
+):
+    file = tmp_path / "chat.safetensors"
+    file.write_bytes(content(conversation))
+    before = file.read_bytes()
+    line = _one_line_error(_generate(file, "Hello?"))
+    assert f"--prompt-cache-file {str(file)!r} cannot be loaded" in line
+    assert file.read_bytes() == before
+
+
+def _key(meta: dict[str, str], name: str) -> str:
+    """The flattened safetensors key mlx-lm's save_prompt_cache gave the user metadata entry ``name``."""
+    (key,) = [k for k in meta if k.partition(".")[2] == name]
+    return key
+
+
+def _edited(tmp_path: Path, good: bytes, key: str, value: str, keep_checksum: bool = True) -> Path:
+    file = tmp_path / "chat.safetensors"
+    file.write_bytes(good)
+    arrays, meta = mx.load(str(file), return_metadata=True)
+    prefix = _key(meta, "palu_messages").partition(".")[0] + "."
+    meta[prefix + key] = value
+    if not keep_checksum:
+        from palu_mlx.generate import _conversation_digest
+
+        texts = {k.removeprefix(prefix): v for k, v in meta.items() if k.startswith(prefix)}
+        meta[prefix + "palu_checksum"] = _conversation_digest(texts)
+    mx.save_safetensors(str(file), arrays, meta)
+    return file
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("palu_tokens", '["a", "b"]'),
+        ("palu_tokens", "not json"),
+        ("palu_messages", "{not json"),
+        ("palu_messages", '[{"role": "user", "content": "edited"}]'),
+        ("tokenizer_config", "[1, 2]"),
+    ],
+)
+def test_an_edited_conversation_fails_its_checksum(tmp_path, conversation, key, value):
+    file = _edited(tmp_path, conversation, key, value)
+    before = file.read_bytes()
+    line = _one_line_error(_generate(file, "Hello?"))
+    assert "checksum mismatch" in line and "cannot be loaded" in line
+    assert file.read_bytes() == before
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("palu_tokens", '["a", "b"]', "'palu_tokens' must list token ids (integers >= 0); it holds 'a'"),
+        ("palu_tokens", "[1, 2]", "'palu_tokens' lists 2 tokens but the cache holds"),
+        ("palu_tokens", "{oops", "'palu_tokens' is not valid JSON"),
+        ("palu_messages", "{oops", "'palu_messages' is not valid JSON"),
+        (
+            "palu_messages",
+            "[3]",
+            "'palu_messages' entry 0 must be an object with string 'role' and 'content'",
+        ),
+        ("tokenizer_config", "[1]", "'tokenizer_config' must be a JSON object; got list"),
+    ],
+)
+def test_conversation_metadata_of_the_wrong_type_is_refused_even_with_a_matching_checksum(
+    tmp_path, conversation, key, value, message
+):
+    file = _edited(tmp_path, conversation, key, value, keep_checksum=False)
+    line = _one_line_error(_generate(file, "Hello?"))
+    assert message in line
