@@ -188,3 +188,59 @@ def test_conversation_metadata_of_the_wrong_type_is_refused_even_with_a_matching
     file = _edited(tmp_path, conversation, key, value, keep_checksum=False)
     line = _one_line_error(_generate(file, "Hello?"))
     assert message in line
+
+
+# --------------------------------------------------------------------------- saved states and fit inputs
+@pytest.mark.parametrize("kind", ["palu-fixed", "naive", "calibrated"])
+@pytest.mark.parametrize("dtype", ["foo", "int8", "", "__name__"])
+def test_from_state_with_an_unknown_dtype_names_it(kind, dtype):
+    from cache_snapshots import build
+    from kvspec import KVDataError
+    from palu_mlx.state_checks import STATE_META
+
+    cache = build(kind)
+    settings_json, runtime_json = cache.meta_state
+    runtime = json.loads(runtime_json)
+    runtime["dtype"] = dtype
+    state = {k: v for k, v in cache.state.items() if k != STATE_META}
+    with pytest.raises(
+        KVDataError, match=rf"meta_state dtype={dtype!r} is not one of float16, bfloat16, float32"
+    ):
+        type(cache).from_state(state, (settings_json, json.dumps(runtime)))
+
+
+def test_dtype_from_name_refuses_names_that_are_not_supported_dtypes():
+    from kvspec import KVDtypeError
+    from palu_mlx.layer import dtype_from_name
+
+    assert dtype_from_name("bfloat16") == mx.bfloat16
+    for name in ("foo", "array", "int8", None, 3):
+        with pytest.raises(KVDtypeError, match="is not one of float16, bfloat16, float32"):
+            dtype_from_name(name)
+
+
+@pytest.mark.parametrize("kind", ["palu-fitted", "palu-fixed", "palu-pre-rope"])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_a_fit_on_values_too_large_for_float32_statistics_is_refused_before_it_runs(kind, dtype):
+    from cache_snapshots import KINDS, kv, snapshot
+    from kvspec import KVValueError
+
+    cache = KINDS[kind][0]()  # empty: the next 12 tokens reach the fit
+    before = snapshot(cache)
+    k, v = kv(12, 4, dtype)
+    with pytest.raises(
+        KVValueError, match=r"too large for the fit's float32 statistics .* allowed max \|x\| <= "
+    ):
+        cache.update_and_fetch(k * 1e30, v)
+    assert snapshot(cache) == before and not cache.fitted
+
+
+def test_fit_group_projection_refuses_values_too_large_for_float32_statistics():
+    from cache_snapshots import kv
+    from kvspec import KVValueError
+    from palu_mlx import fit_group_projection
+
+    k, _ = kv(12, 4)
+    with pytest.raises(KVValueError, match="too large for the fit's float32 statistics"):
+        fit_group_projection(k * 1e30, 1, 4)
+    assert fit_group_projection(k * 1e6, 1, 4) is not None

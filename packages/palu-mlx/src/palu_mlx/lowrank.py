@@ -279,6 +279,28 @@ def _grouped_rows(x: mx.array, n_groups: int) -> mx.array:
     return x.transpose(1, 0, 2, 3, 4).reshape(n_groups, b * per_group * s, d)
 
 
+#: float32's largest finite value: the fit's second moments are float32 sums of products of rows
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def _check_fit_magnitude(rows: mx.array) -> None:
+    """``KVValueError`` when ``rows [G, N, D]`` are too large for float32 fit statistics.
+
+    The Gram matrix sums ``N`` products of centred entries (up to twice the largest magnitude), so
+    past ``sqrt(float32 max / (4 N D))`` its entries or its norm overflow and the eigensolver fails
+    or returns NaN; a further factor of 16 leaves the solver its headroom. Checked before any fit
+    so the cache is left as it was.
+    """
+    _, n, d = rows.shape
+    limit = (_FLOAT32_MAX / (64.0 * n * d)) ** 0.5
+    peak = mx.max(mx.abs(rows)).item()
+    if peak > limit:  # NaN compares False: non-finite input is reported by the finiteness checks
+        raise KVValueError(
+            f"keys/values magnitude {peak:.3g} is too large for the fit's float32 statistics over {n} rows "
+            f"of dim {d}: allowed max |x| <= {limit:.3g}; scale the inputs down"
+        )
+
+
 def group_spectrum(x: mx.array, n_groups: int) -> tuple[mx.array, mx.array, mx.array]:
     """Full spectrum of each head group of ``x [B, H, S, D]``.
 
@@ -287,6 +309,7 @@ def group_spectrum(x: mx.array, n_groups: int) -> tuple[mx.array, mx.array, mx.a
     """
     _check_x(x)
     rows = _grouped_rows(x, n_groups)
+    _check_fit_magnitude(rows)
     mean = mx.mean(rows, axis=1)
     centred = rows - mean[:, None, :]
     gram = centred.transpose(0, 2, 1) @ centred
