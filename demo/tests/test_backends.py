@@ -47,10 +47,12 @@ def test_the_toggle_on_a_peer_is_a_message(flashcodec):
         flashcodec.resolve("hf-fp8", True)
 
 
-def test_palu_tab_offers_every_palu_tier_and_mlx_lm_quantized_cache(palu):
+def test_palu_tab_offers_every_palu_tier_and_every_registered_peer(palu):
+    from palu_mlx.peers import PEERS
     from palu_mlx.tiers import TIERS
 
-    assert palu.chat_choices() == [*TIERS, "mlx-lm-q8", "mlx-lm-q4"]
+    assert palu.chat_choices() == [*TIERS, *PEERS]
+    assert {"mlx-lm-q8", "mlx-lm-q4", "kivi-k4v4"} <= set(PEERS)
     assert not palu.has_materialization_free
     with pytest.raises(DemoError, match="does not apply"):
         palu.resolve("palu-3bit", True)
