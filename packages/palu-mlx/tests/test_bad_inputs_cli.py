@@ -244,3 +244,82 @@ def test_fit_group_projection_refuses_values_too_large_for_float32_statistics():
     with pytest.raises(KVValueError, match="too large for the fit's float32 statistics"):
         fit_group_projection(k * 1e30, 1, 4)
     assert fit_group_projection(k * 1e6, 1, 4) is not None
+
+
+# --------------------------------------------------------------------------- server
+@pytest.mark.parametrize("model", ["{tmp}/no-such-model", "./no/such/model", "{tmp}/config.json"])
+def test_server_with_a_missing_model_directory_is_one_line_before_serving(tmp_path, model):
+    model = model.format(tmp=tmp_path)
+    (tmp_path / "config.json").write_text("{}")
+    line = _one_line_error(_cli("server", "--model", model, "--port", "0", cwd=tmp_path))
+    assert repr(model) in line and ("no such directory" in line or "not a model directory" in line)
+
+
+def test_generate_with_a_missing_model_directory_is_one_line(tmp_path):
+    line = _one_line_error(_cli("generate", "--model", str(tmp_path / "nothing"), "--prompt", "hi"))
+    assert "is no such directory" in line
+
+
+def _provider(*extra: str, name: str | None = None):
+    from palu_mlx.server import PaluModelProvider, server_parser
+
+    args = server_parser().parse_args(["--model", MODEL, "--palu-bits", "2", *extra])
+    return PaluModelProvider(args, model_name=name)
+
+
+@needs_model
+def test_the_servers_own_model_name_and_path_mean_the_loaded_model():
+    provider = _provider(name="tiny-qwen3")
+    provider.load_default()
+    loaded, key = provider.model, provider.model_key
+    for requested in ("tiny-qwen3", MODEL, os.path.abspath(MODEL), "default_model"):
+        model, _ = provider.load(requested, None, "default_model")
+        assert model is loaded and provider.model_key == key, requested
+
+
+@needs_model
+def test_a_reload_frees_the_old_model():
+    import gc
+
+    provider = _provider()
+    model, _ = provider.load("default_model", None, "default_model")
+    gc.collect()
+    mx.clear_cache()
+    one_model = mx.get_active_memory()
+    # another key (the same directory spelled with a trailing slash) loads a second copy; the
+    # caller still holds the old model while it loads, as mlx-lm's generation loop does
+    model, _ = provider.load(MODEL + os.sep, None, "default_model")
+    assert provider.model is model and provider.palu_config is not None
+    held = mx.get_active_memory()
+    assert held < 1.25 * one_model, (one_model, held)
+
+
+@pytest.mark.slow
+@needs_model
+def test_a_request_naming_the_servers_model_is_served_without_a_reload(tmp_path):
+    pytest.importorskip("kvbench")
+    import http.client
+
+    from kvbench.process import free_port, served
+    from palu_mlx.serving import resolve_model_arg
+
+    name = "tiny-qwen3"
+    if not os.path.samefile(resolve_model_arg(name), MODEL):
+        pytest.skip("kvbench's tiny-qwen3 is not the embedded model")
+    port = free_port()
+    log = tmp_path / "server.log"
+    cmd = [sys.executable, "-m", "palu_mlx.cli", "server", "--model", name, "--port", str(port)]
+    cmd += ["--max-tokens", "4", "--palu-bits", "2"]
+    with served(cmd, f"http://127.0.0.1:{port}/health", log, timeout_s=180, poll_s=0.5, stop_timeout_s=20,
+                name="palu-mlx server", log_chars=3000):  # fmt: skip
+        for model in (name, resolve_model_arg(name), "default_model"):
+            body = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+            conn.request(
+                "POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"}
+            )
+            response = conn.getresponse()
+            assert response.status == 200, (model, response.read()[:500])
+            response.read()
+    # one load at start-up, none for the requests
+    assert log.read_text().count("requests are served") == 1, log.read_text()[-3000:]

@@ -10,16 +10,25 @@ one (:mod:`palu_mlx.batch`), so concurrent requests are batched; a draft model o
 
 The prompt cache keeps each conversation's palu caches, compressed, and reuses them for
 follow-ups the way it reuses mlx-lm's own caches (trimmed to the common prefix).
+
+A request's ``"model"`` may also be the name the server was started with (``--model
+tiny-qwen3``) or the path it resolved to: both mean the loaded model, as ``default_model`` does.
+When another model is loaded, the old one's palu install is undone first (its ``make_cache``
+refers back to the model, a cycle reference counting alone never frees) and the garbage
+collector and MLX's buffer cache are run, so its weights are returned.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
+import os
 import sys
 import types
 from collections.abc import Sequence
 
+import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.server import ModelProvider
 
@@ -87,6 +96,32 @@ class PaluModelProvider(ModelProvider):
 
     palu_config: KVCacheConfig | None = None
 
+    def __init__(self, cli_args: argparse.Namespace, model_name: str | None = None):
+        """``model_name``: what ``--model`` said before it was resolved (a named model such as
+        ``tiny-qwen3``); requests naming it, or the resolved path, get the loaded model."""
+        super().__init__(cli_args)
+        if cli_args.model is not None:
+            names = {model_name, cli_args.model}
+            if os.path.isdir(cli_args.model):
+                names.add(os.path.abspath(cli_args.model))
+            for name in names - {None, "default_model"}:
+                # mapped as mlx-lm maps "default_model", so the request's key is the loaded one's
+                self._model_map[name] = cli_args.model
+                self._adapter_map[name] = cli_args.adapter_path
+
+    def reset(self) -> None:
+        """Drop the model (mlx-lm's ``reset``) and return its memory.
+
+        Undoing the palu install breaks the model -> make_cache -> model cycle, so the weights go
+        as soon as the last caller's reference does, without waiting for a garbage collection.
+        """
+        if self.model is not None:
+            KVCacheBuilder.uninstall(self.model)
+        super().reset()
+        self.palu_config = None
+        gc.collect()
+        mx.clear_cache()
+
     def _load(self, model_path, adapter_path=None, draft_model_path=None):
         super()._load(model_path, adapter_path, draft_model_path)
         config = palu_config(self.model, self.cli_args)
@@ -120,6 +155,7 @@ def server_main(argv: Sequence[str]) -> int:
 
     from .serving import ModelNameError, resolve_model_arg
 
+    given = args.model
     if args.model is not None:
         try:
             args.model = resolve_model_arg(args.model)
@@ -131,13 +167,17 @@ def server_main(argv: Sequence[str]) -> int:
         format="%(asctime)s - %(levelname)s - %(message)s",
     )
     _ = maybe_set_recommended_wired_limit()
-    provider = PaluModelProvider(args)
+    provider = PaluModelProvider(args, model_name=given)
     if args.model is not None:
         # load (and install palu) now, so a bad --model or palu option fails before serving
         try:
             provider.load_default()
         except KVSpecError as exc:
             print(f"error: {exc}", file=sys.stderr)
+            return 1
+        except Exception as exc:  # noqa: BLE001 - any loading failure is the user's --model
+            detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            print(f"error: --model {given!r} cannot be loaded: {detail}", file=sys.stderr)
             return 1
     run(args.host, args.port, provider)
     return 0

@@ -36,12 +36,20 @@ def resolve_model_arg(model: str, quiet: bool = False) -> str:
     """What to load for ``--model``: a local directory or hub id as given, a named model's directory.
 
     Named models come from ``kvbench.models.resolve_model`` (imported here, only when needed).
-    Raises :class:`ModelNameError` when the name is none of these or kvbench is not installed.
+    Raises :class:`ModelNameError` when the name is none of these or kvbench is not installed, and
+    when it can only be a local path (absolute, ``./``, ``~``, a file) that is no directory.
     """
     if not isinstance(model, str) or not model:
         raise ModelNameError(f"--model {model!r} must be a local directory, a hub id or a named model")
     if os.path.isdir(model):
         return model
+    if _looks_like_a_path(model):
+        # mlx-lm would take it for a hub id and fail with a hub validation traceback
+        what = "is a file, not a model directory" if os.path.exists(model) else "is no such directory"
+        raise ModelNameError(
+            f"--model {model!r} {what}; give a local model directory (with config.json), a hub id "
+            "(owner/name) or a named model (smollm2-135m, tiny-qwen3)"
+        )
     try:
         from kvbench.models import model_names, resolve_model
     except ImportError:
@@ -57,6 +65,14 @@ def resolve_model_arg(model: str, quiet: bool = False) -> str:
         return resolve_model(model, quiet=quiet)
     except Exception as exc:  # noqa: BLE001 - fetching / converting a named model fails in many ways
         raise ModelNameError(f"--model {model!r}: the named model cannot be made: {exc}") from None
+
+
+def _looks_like_a_path(model: str) -> bool:
+    """A ``--model`` that can only mean a local path: absolute, relative to . / .. / ~, an existing
+    file, or with more separators than a hub id's ``owner/name``."""
+    if os.path.isabs(model) or model.startswith(("./", "../", "~", ".\\", "..\\")) or os.path.exists(model):
+        return True
+    return (os.sep in model or "/" in model) and not _HUB_ID.match(model)
 
 
 def _bits(value: str) -> float:
