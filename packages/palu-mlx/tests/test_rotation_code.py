@@ -6,15 +6,16 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from kvspec import KVConfigError
+from kvspec import KVConfigError, KVShapeError
 from mlx_lm.models.cache import load_prompt_cache as mlx_load_prompt_cache
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.models.cache import save_prompt_cache as mlx_save_prompt_cache
 from palu_helpers import reachable_nbytes
-from palu_mlx import CalibratedKVCache, KVCacheBuilder, KVCacheConfig, PaluKVCache, RotatingPaluKVCache
+from palu_mlx import KVCacheBuilder, KVCacheConfig, PaluKVCache, RotatingPaluKVCache
 from palu_mlx.rotation_code import (
     FIT_WINDOW_PER_DIM,
     ROTATION_BITS,
+    RotationKVCache,
     fits_window,
     orthonormal_rotation,
     rotation_code,
@@ -64,7 +65,7 @@ def test_short_windows_take_the_rotation_code_long_ones_a_fitted_projection():
     model = build_family("gemma3_text", COMMON, GEMMA)
     caches = KVCacheBuilder.for_model(model, KVCacheConfig())
     sliding, full = caches[0], caches[1]
-    assert type(sliding) is RotatingPaluKVCache and type(sliding.cache) is CalibratedKVCache
+    assert type(sliding) is RotatingPaluKVCache and type(sliding.cache) is RotationKVCache
     assert type(full) is PaluKVCache
     # one rotation for every layer and for keys and values: held once
     assert (
@@ -94,3 +95,21 @@ def test_a_short_window_stays_close_to_mlx_lm_and_saves_and_loads(tmp_path):
     loaded = mlx_load_prompt_cache(str(tmp_path / "c.safetensors"))
     nxt = mx.array([[5]])
     assert mx.allclose(model(nxt, cache=loaded), model(nxt, cache=ours), atol=1e-4).item()
+
+
+def test_the_means_are_fitted_on_the_first_update_and_kept_with_the_state():
+    model = build_family("gemma3_text", COMMON, GEMMA)
+    caches = KVCacheBuilder.for_model(model, KVCacheConfig())
+    inner = caches[0].cache
+    shared = rotation_code(*_heads_dim(model)).projection
+    bad = mx.zeros((1, 2, 3, 5))  # a head dim the code cannot take
+    with pytest.raises(KVShapeError):
+        inner.update_and_fetch(bad, bad)
+    assert inner._key_proj is shared and inner.offset == 0  # nothing fitted by a refused update
+    model(mx.array([list(range(3, 40))]), cache=caches)
+    assert inner._key_proj.basis is shared.basis  # the rotation stays the shared one
+    assert float(mx.abs(inner._key_proj.mean.astype(mx.float32)).max().item()) > 0
+    assert inner.nbytes > 0 and any(a is inner._key_proj.mean for a in inner.held_arrays())
+    loaded = RotationKVCache.from_state(inner.state, inner.meta_state)
+    assert mx.array_equal(loaded._key_proj.mean, inner._key_proj.mean).item()
+    assert mx.array_equal(loaded._value_proj.mean, inner._value_proj.mean).item()

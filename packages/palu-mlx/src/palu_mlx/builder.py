@@ -58,7 +58,7 @@ from .mixed_bit import BitAllocationPolicy, check_policy
 from .models import check_model, default_caches, model_kv_dims, original_make_cache
 from .rope import Rotary, model_rotaries
 from .rotating import RotatingPaluKVCache
-from .rotation_code import fits_window, rotation_cache, window_config
+from .rotation_code import RotationKVCache, fits_window, rotation_cache, window_config
 from .state_checks import STATE_META
 
 __all__ = [
@@ -77,6 +77,7 @@ _OURS: dict[str, type] = {
     "NaiveQuantKVCache": NaiveQuantKVCache,
     "CalibratedKVCache": CalibratedKVCache,
     "RotatingPaluKVCache": RotatingPaluKVCache,
+    "RotationKVCache": RotationKVCache,
 }
 _OUR_CLASSES = tuple(_OURS.values())
 _FORMAT = "palu-mlx.prompt-cache.v1"

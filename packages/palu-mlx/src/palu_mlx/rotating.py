@@ -47,13 +47,18 @@ from .cache import PaluKVCache
 from .calibrated import CalibratedKVCache
 from .layer import mlx_lm_loadable, register_cache_classes, write_rows
 from .rope import Rotary
+from .rotation_code import RotationKVCache
 from .sinks import ExactPrefix, RecentWindow
 from .state_checks import parse_meta_state, read_field, split_state, with_meta
 
 __all__ = ["RotatingPaluKVCache", "HeldRotary"]
 
 #: the caches a rotating cache can hold its rows in, by the class name its state records
-_INNER: dict[str, type[PaluKVCache]] = {"PaluKVCache": PaluKVCache, "CalibratedKVCache": CalibratedKVCache}
+_INNER: dict[str, type[PaluKVCache]] = {
+    "PaluKVCache": PaluKVCache,
+    "CalibratedKVCache": CalibratedKVCache,
+    "RotationKVCache": RotationKVCache,
+}
 
 
 def _is_int(value: Any) -> bool:
