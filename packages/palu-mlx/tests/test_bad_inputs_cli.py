@@ -323,3 +323,19 @@ def test_a_request_naming_the_servers_model_is_served_without_a_reload(tmp_path)
             response.read()
     # one load at start-up, none for the requests
     assert log.read_text().count("requests are served") == 1, log.read_text()[-3000:]
+
+
+def test_every_palu_cache_class_the_builder_saves_is_registered_by_constructing_one_cache():
+    code = """
+    from mlx_lm.models import cache as mlx_cache
+    from palu_mlx import KVCacheConfig, PaluKVCache
+    from palu_mlx.builder import _OURS
+
+    assert not any(hasattr(mlx_cache, name) for name in _OURS)  # importing registers nothing
+    PaluKVCache(KVCacheConfig(head_dim=32))
+    missing = [name for name, cls in _OURS.items() if getattr(mlx_cache, name, None) is not cls]
+    print("missing", missing)
+    """
+    proc = _python(code)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "missing []" in proc.stdout

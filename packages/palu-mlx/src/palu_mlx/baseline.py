@@ -18,7 +18,7 @@ import mlx.core as mx
 from kvspec import KVConfigError, KVDataError, KVDtypeError, KVShapeError
 
 from .config import PACKABLE_BITS
-from .layer import SUPPORTED_DTYPES, CacheLayer, detached, mlx_lm_loadable, write_rows
+from .layer import SUPPORTED_DTYPES, CacheLayer, detached, write_rows
 from .state_checks import StateArrays, parse_meta_state, read_runtime, split_state, with_meta
 
 __all__ = ["NaiveQuantKVCache", "naive_roundtrip"]
@@ -56,7 +56,6 @@ def naive_roundtrip(x: mx.array, bits: int = 2, group_size: int = 64) -> tuple[m
     return x_hat, codes.nbytes + scales.nbytes + biases.nbytes
 
 
-@mlx_lm_loadable
 class NaiveQuantKVCache(CacheLayer):
     """mlx-lm cache layer holding ``mx.quantize``-coded K/V ``[B, H, S, ·]`` (the baseline).
 

@@ -94,7 +94,8 @@ def register_with_mlx_lm() -> None:
     palu cache runs it, a process that only loads a file calls it, and it is idempotent. A name
     mlx-lm already uses for something else is never overwritten (``KVConfigError``).
     """
-    register_cache_classes(strict=True)
+    # the classes the builder saves and builds, too, whether or not their module marks them
+    register_cache_classes(strict=True, extra=_OUR_CLASSES)
 
 
 def _check_config(config: Any) -> None:

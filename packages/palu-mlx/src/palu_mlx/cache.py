@@ -50,7 +50,7 @@ from .coders.base import Fitted, LatentCoder
 from .coders.fixed import FixedQuantCoder
 from .config import KVCacheConfig
 from .distributed import HeadShard
-from .layer import CacheLayer, detached, mlx_lm_loadable, write_rows
+from .layer import CacheLayer, detached, write_rows
 from .lowrank import GroupProjection, PackedProjection, as_projection, project, reconstruct
 from .mixed_bit import BitAllocationPolicy
 from .projection_source import CODED_WITH, FitAtPrefill, ProjectionSource, SavedState
@@ -63,7 +63,6 @@ __all__ = ["PaluKVCache", "CODED_WITH"]
 PREFIXES = ("key", "value")
 
 
-@mlx_lm_loadable
 class PaluKVCache(CacheLayer):
     """One attention layer's palu cache (mlx-lm cache interface and :class:`kvspec.KVCacheLayer`).
 

@@ -33,7 +33,6 @@ from .cache import PaluKVCache
 from .calibration.file import Calibration, TensorCalibration
 from .coders.fixed import GAUSSIAN_STEP, TOKEN_SCALE_BYTES, FixedQuantCoder, token_scales
 from .config import DEFAULT_PALU_BITS, KVCacheConfig
-from .layer import mlx_lm_loadable
 from .lowrank import GroupProjection
 from .mixed_bit import water_fill
 from .projection_source import CalibratedTensor, FromCalibration
@@ -73,7 +72,6 @@ def allocate_widths(calibration: Calibration, bits: float) -> list[tuple[np.ndar
     return [None if k is None else (next(widths), next(widths)) for k in calibration.keys]
 
 
-@mlx_lm_loadable
 class CalibratedKVCache(PaluKVCache):
     """One layer's palu cache from a calibration: fixed per-head projections and quantizers.
 

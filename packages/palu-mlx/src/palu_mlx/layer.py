@@ -62,21 +62,24 @@ _LOADABLE: dict[str, type] = {"BatchedLayerCache": BatchedLayerCache}
 
 
 def mlx_lm_loadable(cls: type) -> type:
-    """Class decorator: ``cls`` is a cache class mlx-lm's ``load_prompt_cache`` may have to rebuild."""
+    """Class decorator: ``cls`` is a cache class mlx-lm's ``load_prompt_cache`` may have to rebuild
+    (every subclass of :class:`CacheLayer` in palu_mlx is one without it)."""
     _LOADABLE[cls.__name__] = cls
     return cls
 
 
-def register_cache_classes(strict: bool = True) -> None:
+def register_cache_classes(strict: bool = True, extra: tuple[type, ...] = ()) -> None:
     """Add every :func:`mlx_lm_loadable` class (and ``BatchedLayerCache``) to ``mlx_lm.models.cache``.
 
     mlx-lm rebuilds a saved layer with ``globals()[class_name].from_state(state)`` inside that
     module, so a palu cache saved with mlx-lm's ``save_prompt_cache`` loads only once its class is
     a name there. Every palu cache's constructor calls this (``strict=False``), so a process that
     made a cache can load what it saved. Idempotent; a name mlx-lm already uses for something else
-    is never overwritten: ``KVConfigError`` when ``strict``, else that class is left out.
+    is never overwritten: ``KVConfigError`` when ``strict``, else that class is left out. ``extra``:
+    further classes to add the same way.
     """
-    for name, cls in _LOADABLE.items():
+    for cls in (*_LOADABLE.values(), *extra):
+        name = cls.__name__
         present = getattr(mlx_cache, name, None)
         if present is None:
             setattr(mlx_cache, name, cls)
@@ -122,6 +125,13 @@ class CacheLayer:
 
     #: buffers grow by this many tokens at a time (as mlx-lm's ``KVCache``)
     step = 256
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # every palu-mlx cache class is one mlx-lm may have to rebuild from a saved file; a user's
+        # own subclass is not added to mlx-lm's names
+        if cls.__module__.startswith("palu_mlx."):
+            mlx_lm_loadable(cls)
 
     def __init__(self) -> None:
         register_cache_classes(strict=False)
