@@ -30,7 +30,7 @@ PACKAGES = [
         "palu-mlx",
         "palu-mlx",
         "palu_mlx",
-        {"cpu", "cuda", "compare"},
+        {"cpu", "cuda", "compare", "peers"},
         "[cpu,compare]" if sys.platform == "linux" else "[compare]",
     ),
     ("flashcodec-torch", "flashcodec-kv", "flashcodec", {"hf", "triton", "compare"}, "[compare]"),
