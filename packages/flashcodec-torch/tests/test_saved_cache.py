@@ -66,3 +66,64 @@ def test_bad_caches_and_bytes_are_rejected():
         cache_from_bytes(b"something else")
     with pytest.raises(KVDtypeError):
         cache_from_bytes("text")
+
+
+def _two_layer_bytes() -> bytes:
+    cache = DynamicCache()
+    g = torch.Generator().manual_seed(3)
+    for layer in range(2):
+        k, v = (torch.randn(1, 2, 70, 16, generator=g).to(torch.bfloat16) for _ in range(2))
+        cache.update(k, v, layer)
+    return cache_to_bytes(cache)
+
+
+def _resealed(body: bytes) -> bytes:
+    import hashlib
+
+    return body + hashlib.sha256(body).digest()
+
+
+def test_one_flipped_byte_anywhere_or_a_cut_file_is_refused():
+    data = _two_layer_bytes()
+    header_end = 6 + 8 + int.from_bytes(data[6:14], "little")
+    # a byte in the header, in the first coded tensor (its sign/mantissa bits), in the last, in the digest
+    for at in (header_end - 3, header_end + 100, len(data) - 40, len(data) - 1):
+        bad = bytearray(data)
+        bad[at] ^= 0x01
+        with pytest.raises(KVDataError, match="SHA-256"):
+            cache_from_bytes(bytes(bad))
+    with pytest.raises(KVDataError, match="SHA-256"):
+        cache_from_bytes(data[:-50])
+
+
+def test_a_header_that_does_not_describe_the_bytes_is_refused_even_with_a_matching_digest():
+    import json
+
+    data = _two_layer_bytes()[:-32]
+    n = int.from_bytes(data[6:14], "little")
+    header, blobs = json.loads(data[14 : 14 + n]), data[14 + n :]
+
+    def rebuilt(h) -> bytes:
+        text = json.dumps(h).encode()
+        return _resealed(data[:6] + len(text).to_bytes(8, "little") + text + blobs)
+
+    dropped = {"layers": header["layers"][:1]}  # one layer entry removed: its bytes are left over
+    with pytest.raises(KVDataError, match="describes"):
+        cache_from_bytes(rebuilt(dropped))
+    for bad, match in (
+        ({"layers": {"0": 1}}, "must be a list"),
+        ({"layers": [{"empty": False}]}, "sizes"),
+        ({"layers": [{"empty": "no", "sizes": []}]}, "boolean 'empty'"),
+        ({"layers": [{"empty": False, "sizes": [[[1, 2], "int8", 5], [[1], "bfloat16", 0]]}]}, "size entry"),
+    ):
+        with pytest.raises(KVDataError, match=match):
+            cache_from_bytes(rebuilt(bad))
+    wrong_shape = json.loads(json.dumps(header))
+    wrong_shape["layers"][0]["sizes"][0][0] = [1, 2, 71, 16]
+    with pytest.raises(KVDataError, match="decodes to"):
+        cache_from_bytes(rebuilt(wrong_shape))
+
+
+def test_a_file_of_another_format_says_so():
+    with pytest.raises(KVDataError, match="another format"):
+        cache_from_bytes(b"FCKV1\n" + bytes(60))

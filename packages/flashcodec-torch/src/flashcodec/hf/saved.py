@@ -13,10 +13,16 @@ model); fp16 K/V shrink less, having three more mantissa bits, which are close t
 
 Layers saved: every layer with ``keys`` / ``values`` tensors (``DynamicLayer``, sliding-window
 layers); a layer holding anything else (linear-attention state) is refused with ``KVConfigError``.
+
+The file: a magic line, the header's length and the header (JSON: per layer, each tensor's shape,
+dtype and byte count), the coded tensors, and a SHA-256 of everything before it. Loading checks the
+digest first, then that the header describes exactly the bytes that follow, so a flipped byte, a
+cut file or an edited header is a ``KVDataError``, never a different cache.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from typing import Any
@@ -28,7 +34,9 @@ from ..codecs.lossless import FORMATS, ExponentCoder, ExponentPacked
 
 __all__ = ["save_cache", "load_cache", "cache_to_bytes", "cache_from_bytes"]
 
-_MAGIC = b"FCKV1\n"
+_MAGIC = b"FCKV2\n"
+#: bytes of the SHA-256 that ends the file
+_DIGEST = 32
 
 
 def cache_to_bytes(cache: Any, *, group: int = 64, level: int = 6) -> bytes:
@@ -63,7 +71,8 @@ def cache_to_bytes(cache: Any, *, group: int = 64, level: int = 6) -> bytes:
             blobs.append(blob)
         meta.append(entry)
     header = json.dumps({"layers": meta}).encode()
-    return b"".join([_MAGIC, len(header).to_bytes(8, "little"), header, *blobs])
+    body = b"".join([_MAGIC, len(header).to_bytes(8, "little"), header, *blobs])
+    return body + hashlib.sha256(body).digest()
 
 
 def cache_from_bytes(data: bytes, *, config: Any = None, device: torch.device | str = "cpu") -> Any:
@@ -74,29 +83,86 @@ def cache_from_bytes(data: bytes, *, config: Any = None, device: torch.device | 
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise KVDtypeError(f"data must be bytes; got {type(data).__name__}")
     data = bytes(data)
+    if data.startswith(b"FCKV") and not data.startswith(_MAGIC):
+        raise KVDataError(
+            f"data is a saved flashcodec cache of another format ({data[:5]!r}); this one reads {_MAGIC[:5]!r}"
+        )
     if not data.startswith(_MAGIC):
         raise KVDataError("data is not a saved flashcodec cache (bad magic)")
+    body, digest = data[:-_DIGEST], data[-_DIGEST:]
+    if len(data) < len(_MAGIC) + 8 + _DIGEST or hashlib.sha256(body).digest() != digest:
+        raise KVDataError(
+            "data is a damaged saved flashcodec cache: its SHA-256 does not match (cut or changed)"
+        )
     try:
-        n = int.from_bytes(data[len(_MAGIC) : len(_MAGIC) + 8], "little")
+        n = int.from_bytes(body[len(_MAGIC) : len(_MAGIC) + 8], "little")
         at = len(_MAGIC) + 8
-        meta = json.loads(data[at : at + n])["layers"]
+        meta = json.loads(body[at : at + n])["layers"]
         at += n
     except (ValueError, KeyError, TypeError) as err:
         raise KVDataError(f"data is a damaged saved flashcodec cache: {err}") from None
+    sizes = _check_layers(meta)
+    if at + sum(size for *_, size in sizes) != len(body):
+        raise KVDataError(
+            f"data is a damaged saved flashcodec cache: its header describes {sum(s for *_, s in sizes)} bytes "
+            f"of tensors, {len(body) - at} follow it"
+        )
     cache = DynamicCache(config=config) if config is not None else DynamicCache()
     for i, entry in enumerate(meta):
-        if entry.get("empty"):
+        if entry["empty"]:
             continue
         tensors = []
         for shape, dtype, size in entry["sizes"]:
             if size == 0:
                 tensors.append(torch.empty(shape, dtype=getattr(torch, dtype)))
                 continue
-            packed = ExponentPacked.from_bytes(data[at : at + size])
+            packed = ExponentPacked.from_bytes(body[at : at + size])
             at += size
-            tensors.append(ExponentCoder.decode(packed))
+            tensor = ExponentCoder.decode(packed)
+            if list(tensor.shape) != shape or str(tensor.dtype).removeprefix("torch.") != dtype:
+                raise KVDataError(
+                    f"data is a damaged saved flashcodec cache: layer {i} decodes to {tuple(tensor.shape)} "
+                    f"{tensor.dtype}, its header says {tuple(shape)} {dtype}"
+                )
+            tensors.append(tensor)
         cache.update(tensors[0].to(device), tensors[1].to(device), i)
     return cache
+
+
+_DTYPES = {str(d).removeprefix("torch.") for d in FORMATS}
+
+
+def _check_layers(meta: Any) -> list[tuple[list[int], str, int]]:
+    """Every ``(shape, dtype, size)`` the header ``meta`` lists, after checking its layout:
+    KVDataError naming what is wrong."""
+    where = "data is a damaged saved flashcodec cache:"
+    if not isinstance(meta, list):
+        raise KVDataError(f"{where} 'layers' must be a list; got {type(meta).__name__}")
+    out = []
+    for i, entry in enumerate(meta):
+        if not isinstance(entry, dict) or not isinstance(entry.get("empty"), bool):
+            raise KVDataError(
+                f"{where} layer {i} must be an object with a boolean 'empty'; got {entry!r:.80}"
+            )
+        if entry["empty"]:
+            continue
+        sizes = entry.get("sizes")
+        if not isinstance(sizes, list) or len(sizes) != 2:
+            raise KVDataError(
+                f"{where} layer {i} must list 'sizes' of its keys and values; got {sizes!r:.80}"
+            )
+        for item in sizes:
+            ok = isinstance(item, list) and len(item) == 3
+            shape, dtype, size = item if ok else (None, None, None)
+            ok = ok and isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)
+            ok = ok and dtype in _DTYPES and type(size) is int and size >= 0
+            if not ok:
+                raise KVDataError(
+                    f"{where} layer {i} has a size entry {item!r:.80}; allowed: [shape (list of ints), one of "
+                    f"{sorted(_DTYPES)}, byte count >= 0]"
+                )
+            out.append((shape, dtype, size))
+    return out
 
 
 def save_cache(cache: Any, path: str | os.PathLike, *, group: int = 64, level: int = 6) -> int:
