@@ -11,8 +11,10 @@ window of the real model would be too few tokens to score, so the code runs here
 palu's zero-argument default, under kvbench's protocol (``kvbench.protocol.measure``: KL and top-1
 agreement with the uncompressed model, bytes averaged over the decode positions), computed in
 float32 with keys and values rounded to bfloat16 (``palu-mlx compare --compute-dtype float32``).
-The rotation code runs twice: with a 32-token exact recent window and 4 exact first tokens (the
-default's), and with only the first token exact.
+The rotation code (:class:`~palu_mlx.rotation_code.RotationKVCache`, each head's mean key and
+value taken over the prefill) runs with a 32-token exact recent window and 4 exact first tokens
+(the default's) and with only the first token exact; and, to show what the means buy, without
+them (a plain ``CalibratedKVCache`` on the same code) with only the first token exact.
 """
 
 from __future__ import annotations
@@ -30,21 +32,23 @@ from palu_mlx import CalibratedKVCache, KVCacheBuilder, KVCacheConfig
 from palu_mlx.compare import MLXRunner, load_model
 from palu_mlx.models import model_kv_dims
 from palu_mlx.rope import model_rotaries
-from palu_mlx.rotation_code import ROTATION_BITS, rotation_code
+from palu_mlx.rotation_code import ROTATION_BITS, RotationKVCache, rotation_code
 
 OUT = results_path("palu_rotation_code.json")
 
 
-def rotation_caches(model: Any, recent: int, sinks: int) -> list[Any]:
-    """The rotation code on every full-attention layer, keys before RoPE where palu probes them."""
+def rotation_caches(model: Any, recent: int, sinks: int, means: bool = True) -> list[Any]:
+    """The rotation code on every full-attention layer, keys before RoPE where palu probes them;
+    ``means``: each head's mean subtracted (RotationKVCache), else not (CalibratedKVCache)."""
     head_dim, heads = model_kv_dims(model)
     config = dataclasses.replace(
         KVCacheConfig().for_head_dim(head_dim), palu_recent_tokens=recent, palu_sink_tokens=sinks
     )
     rotaries = model_rotaries(model, head_dim) or [None] * len(model.layers)
     code = rotation_code(heads, head_dim)
+    cls = RotationKVCache if means else CalibratedKVCache
     return [
-        CalibratedKVCache(config, code, code, rotaries[i]) if type(c) is KVCache else c
+        cls(config, code, code, rotaries[i]) if type(c) is KVCache else c
         for i, c in enumerate(make_prompt_cache(model))
     ]
 
@@ -97,6 +101,12 @@ def main(argv: list[str] | None = None) -> int:
             f"rotation code, {ROTATION_BITS} bits, the first token exact",
             lambda: rotation_caches(model, recent=0, sinks=1),
         ),
+        Candidate(
+            "rotation-code-r0-no-means",
+            "tier",
+            f"rotation code without the means, {ROTATION_BITS} bits, the first token exact",
+            lambda: rotation_caches(model, recent=0, sinks=1, means=False),
+        ),
     ]
     rows = measure(runner=MLXRunner(model, tokenizer), candidates=candidates, windows=windows,
                    prompts=[windows[0][: settings.context_tokens]], settings=settings)  # fmt: skip
@@ -104,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
             "kl_p99", "top1_agreement", "positions_scored")  # fmt: skip
     result = {
         **environment_stamp(["mlx", "mlx-lm", "palu-mlx", "kvbench"]),
+        "command": "LD_PRELOAD=<OpenBLAS> hatch run bench:python benchmarks/palu/rotation_code.py "
+        + " ".join(argv if argv is not None else sys.argv[1:]),
         "tool": "benchmarks/palu/rotation_code.py",
         "model": info,
         "settings": settings.as_dict(),
@@ -111,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     write_json(args.out, result)
     for row in result["rows"]:
-        print(f"{row['name']:18s} bytes x {row['resident_ratio_decode_mean']:.3f}  KL {row['kl_mean']:.4g}  "
+        print(f"{row['name']:26s} bytes x {row['resident_ratio_decode_mean']:.3f}  KL {row['kl_mean']:.4g}  "
               f"top-1 {row['top1_agreement']:.3f}")  # fmt: skip
     print(f"wrote {args.out}")
     return 0
