@@ -74,7 +74,7 @@ def _code(cache) -> str:
     inner = getattr(cache, "cache", None)
     if inner is None:
         return "fitted projection" if type(cache).__name__ == "PaluKVCache" else type(cache).__name__
-    kind = "rotation code" if type(inner).__name__ == "CalibratedKVCache" else "fitted projection"
+    kind = "rotation code" if type(inner).__name__ == "RotationKVCache" else "fitted projection"
     return f"{kind}, window {cache.max_size}"
 
 
