@@ -364,15 +364,10 @@ def render_doc(results: dict[str, dict[str, Any]], long_run: list[str] | None = 
         "",
         _cell(LEGEND),
         "",
-        "| field | meaning |",
-        "|---|---|",
+        "Each results file defines every field it records under `measures`; docs/kvbench.md describes the "
+        "protocol.",
+        "",
     ]
-    first = next(iter(results.values()), None)
-    if first is not None:
-        for key, meaning in first["measures"].items():
-            if key != "peak_label":
-                lines.append(f"| `{key}` | {_cell(meaning)} |")
-    lines.append("")
     for stem, title, peers in SECTIONS:
         if stem in results:
             lines += _section(stem, title, peers, results[stem])
