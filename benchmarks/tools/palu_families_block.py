@@ -1,5 +1,5 @@
 """The families block of docs/palu-mlx.md, from ``benchmarks/results/palu_families.json``
-(written by ``benchmarks/palu/families.py``, which runs the byte test of every family).
+(written by ``benchmarks/tools/families.py palu``, which runs the byte test of every family).
 
 ``make_docs.py`` puts what :func:`render_palu_families_block` returns between the
 ``<!-- palu-families:start -->`` and ``<!-- palu-families:end -->`` markers of docs/palu-mlx.md.

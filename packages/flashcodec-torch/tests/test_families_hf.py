@@ -29,7 +29,7 @@ from flashcodec.tiers import default_codec  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache  # noqa: E402
 
 PROMPT, NEW = 400, 16
-#: a file to append each family's measurement to (benchmarks/flashcodec/families.py sets it)
+#: a file to append each family's measurement to (benchmarks/tools/families.py sets it)
 RECORD = os.environ.get("FLASHCODEC_FAMILIES_RECORD")
 #: the most the default may hold, as a fraction of DynamicCache's bytes
 TARGET = 0.40

@@ -22,7 +22,7 @@ from palu_helpers import reachable_nbytes
 from palu_mlx import KVCacheBuilder, KVCacheConfig, PreRopeFallbackWarning
 from test_pre_rope_families import COMMON, FAMILIES, FLOAT32_ONLY, build_family
 
-#: a file to append each family's measurement to (benchmarks/palu/families.py sets it)
+#: a file to append each family's measurement to (benchmarks/tools/families.py sets it)
 RECORD = os.environ.get("PALU_FAMILIES_RECORD")
 PROMPT, NEW = 400, 16
 #: the most the default may hold, as a fraction of mlx-lm's caches' bytes
