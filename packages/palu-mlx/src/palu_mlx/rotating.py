@@ -117,8 +117,9 @@ class RotatingPaluKVCache:
     """A palu cache with the interface and attention semantics of mlx-lm's ``RotatingKVCache``.
 
     Args:
-        cache: a fresh (empty) :class:`~palu_mlx.cache.PaluKVCache` or
-            :class:`~palu_mlx.calibrated.CalibratedKVCache` that codes the rows; this cache owns it
+        cache: a fresh (empty) :class:`~palu_mlx.cache.PaluKVCache`,
+            :class:`~palu_mlx.calibrated.CalibratedKVCache` or
+            :class:`~palu_mlx.rotation_code.RotationKVCache` that codes the rows; this cache owns it
             from now on (its RoPE is replaced by a :class:`HeldRotary`).
         max_size: tokens a query sees at most (mlx-lm's ``max_size``: the sliding window).
         keep: the first tokens kept whatever the window (mlx-lm's ``keep``), ``< max_size``.
@@ -130,9 +131,7 @@ class RotatingPaluKVCache:
 
     def __init__(self, cache: PaluKVCache, max_size: int, keep: int = 0):
         if type(cache) not in _INNER.values():
-            raise KVConfigError(
-                f"cache must be a PaluKVCache or CalibratedKVCache; got {type(cache).__name__}"
-            )
+            raise KVConfigError(f"cache must be one of {', '.join(_INNER)}; got {type(cache).__name__}")
         if not cache.empty():
             raise KVConfigError(f"cache must be empty (a fresh cache); it holds {cache.offset} tokens")
         _check_window(max_size, keep, KVConfigError, "")
