@@ -448,4 +448,4 @@ def test_a_served_model_with_sliding_layers_answers_two_turns(tmp_path):
                 {"role": "assistant", "content": reply.choices[0].message.content},
                 {"role": "user", "content": "And a short example?"},
             ]
-    assert "one request at a time" in log.read_text()
+    assert "one request at a time (RotatingPaluKVCache cannot be batched)" in log.read_text()

@@ -128,13 +128,16 @@ class PaluModelProvider(ModelProvider):
         KVCacheBuilder.install(self.model, config)
         self.palu_config = config
         # mlx-lm's rule, on the caches the model now makes
-        self.is_batchable = self.draft_model is None and all(
-            hasattr(c, "merge") for c in make_prompt_cache(self.model)
+        unmerged = sorted(
+            {type(c).__name__ for c in make_prompt_cache(self.model) if not hasattr(c, "merge")}
         )
+        self.is_batchable = self.draft_model is None and not unmerged
         if self.is_batchable:
             path = "batched (palu caches merge into palu_mlx.batch.BatchedLayerCache)"
-        else:
+        elif self.draft_model is not None:
             path = "one request at a time (a draft model is loaded)"
+        else:
+            path = f"one request at a time ({', '.join(unmerged)} cannot be batched)"
         _log.info("%s: %s; requests are served %s", model_path, describe(config), path)
 
 
