@@ -119,6 +119,11 @@ class KVCacheBuilder:
         check_policy(allocation_policy)
         if config.method == "naive":
             return NaiveQuantKVCache(config.naive_bits, config.naive_group_size, config.palu_check_finite)
+        if config.method == "rotation":
+            raise KVConfigError(
+                "method='rotation' caches are built per model (its head count sets the rotation): use "
+                "KVCacheBuilder.for_model or install, or palu_mlx.rotation_code.rotation_cache"
+            )
         return PaluKVCache(config, allocation_policy, rotary, shard)
 
     @staticmethod
@@ -167,9 +172,9 @@ class KVCacheBuilder:
                 f"max_kv_size={max_kv_size!r} must be None or an int above {_MAX_KV_KEEP} (the first "
                 f"{_MAX_KV_KEEP} tokens are always kept, as mlx-lm keeps them)"
             )
-        if max_kv_size is not None and config.method != "palu":
+        if max_kv_size is not None and config.method == "naive":
             raise KVConfigError(
-                f"max_kv_size needs method='palu'; the {config.method!r} cache does not rotate"
+                "max_kv_size needs method='palu' or 'rotation'; the 'naive' cache does not rotate"
             )
         register_with_mlx_lm()  # so mlx-lm's load_prompt_cache can rebuild what this process saves
         head_dim, n_kv = model_kv_dims(model)
@@ -191,7 +196,19 @@ class KVCacheBuilder:
             rotaries = _rotaries(model, config, head_dim)
         defaults = default_caches(model)
         replaceable = (mlx_cache.KVCache, *_OUR_CLASSES)
-        if config.method == "palu" and config.palu_calibration is not None:
+        if config.method == "rotation":
+            if n_kv is None or head_dim is None:
+                raise KVConfigError(
+                    "method='rotation' needs the model's KV head count and head dim, which its args do not "
+                    "give; allowed here: method='palu'"
+                )
+            made = [
+                rotation_cache(config, n_kv, head_dim, head_dim, _at(rotaries, i))
+                if type(c) in replaceable or type(c) is mlx_cache.RotatingKVCache
+                else None
+                for i, c in enumerate(defaults)
+            ]
+        elif config.method == "palu" and config.palu_calibration is not None:
             calibration = load_calibration(config.palu_calibration)
             _check_calibration(calibration, model, shard)
             heads = None if shard is None else shard.head_slice
@@ -334,7 +351,7 @@ def _rotaries(model: nn.Module, config: KVCacheConfig, head_dim: int | None) -> 
     # install's first call: its model and config are checked here, before anything is built
     check_model(model)
     _check_config(config)
-    if config.method != "palu" or not config.palu_pre_rope:
+    if config.method not in ("palu", "rotation") or not config.palu_pre_rope:
         return _NO_ROTARIES
     return model_rotaries(model, head_dim) or _NO_ROTARIES
 
@@ -342,13 +359,14 @@ def _rotaries(model: nn.Module, config: KVCacheConfig, head_dim: int | None) -> 
 def _short_window_code(
     config: KVCacheConfig, heads: int | None, head_dim: int | None
 ) -> Callable[[Rotary | None, int, int], Any] | None:
-    """``(rotary, window, keep) -> cache`` for the windows too short to pay for a fitted projection
-    (None when that code cannot be built: the naive method, unknown head counts or dims)."""
-    if config.method != "palu" or heads is None or head_dim is None:
+    """``(rotary, window, keep) -> cache`` for the windows too short to pay for a fitted projection,
+    and every window of a ``method="rotation"`` config (None when that code cannot be built: the
+    naive method, unknown head counts or dims)."""
+    if config.method not in ("palu", "rotation") or heads is None or head_dim is None:
         return None
 
     def make(rotary: Rotary | None, window: int, keep: int) -> Any:
-        if fits_window(window, head_dim):
+        if config.method == "palu" and fits_window(window, head_dim):
             return None
         return rotation_cache(window_config(config, window, keep), heads, head_dim, head_dim, rotary)
 

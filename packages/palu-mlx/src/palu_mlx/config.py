@@ -31,8 +31,11 @@ __all__ = [
     "DEFAULT_RECENT_TOKENS",
 ]
 
-#: ``"palu"`` is the low-rank latent cache; ``"naive"`` the uniform group-quant baseline.
-METHODS: tuple[str, ...] = ("palu", "naive")
+#: ``"palu"`` is the low-rank latent cache; ``"rotation"`` the code with nothing fitted but
+#: means (:mod:`palu_mlx.rotation_code`); ``"naive"`` the uniform group-quant baseline.
+METHODS: tuple[str, ...] = ("palu", "rotation", "naive")
+#: code bits per rotated channel a ``method="rotation"`` config may ask for
+ROTATION_BITS_ALLOWED: tuple[int, ...] = (2, 3, 4, 5, 6, 7, 8)
 #: tokens at the start of a sequence a config holds exactly unless it says otherwise
 #: (``palu_sink_tokens``): real models' attention sinks sit on the first token or few
 DEFAULT_SINK_TOKENS = 4
@@ -62,8 +65,11 @@ class KVCacheConfig:
     """Configuration of a palu (or naive baseline) KV cache.
 
     Attributes:
-        method: ``"palu"`` (low-rank latent cache) or ``"naive"`` (uniform group
-            quantization of the full K/V, the comparison baseline).
+        method: ``"palu"`` (low-rank latent cache), ``"rotation"`` (nothing fitted but each
+            head's mean: a fixed rotation of each head's channels and ``palu_bits`` bits, 4 by
+            default, per rotated channel under a per-token scale, :mod:`palu_mlx.rotation_code`;
+            built by :meth:`KVCacheBuilder.for_model`, which knows the head counts) or ``"naive"``
+            (uniform group quantization of the full K/V, the comparison baseline).
         head_dim: the model's key head dimension ``D``; checked against the model
             and against every ``update_and_fetch``. ``None`` accepts the ``D`` of the
             first update (a cache not tied to one model, e.g. in conformance tests).
@@ -309,6 +315,8 @@ class KVCacheConfig:
                 f"palu_calibration={self.palu_calibration!r}: the compact basis and scales are for caches "
                 "fitted at the prefill; allowed: 16 and 16"
             )
+        if self.method == "rotation":
+            self._check_rotation()
         if not _is_int(self.naive_bits) or self.naive_bits not in PACKABLE_BITS:
             raise KVConfigError(
                 f"naive_bits={self.naive_bits!r} cannot be packed; allowed: {', '.join(map(str, PACKABLE_BITS))}"
@@ -328,6 +336,24 @@ class KVCacheConfig:
             raise KVConfigError(
                 f"palu_sensitivity={self.palu_sensitivity!r} and palu_calibration={self.palu_calibration!r}: "
                 "the sensitivity budgets are for caches fitted at the prefill; allowed: one of them"
+            )
+
+    def _check_rotation(self) -> None:
+        """``method="rotation"``: a whole number of bits per rotated channel, and none of the fields
+        of a fitted or calibrated projection."""
+        bits = self.palu_bits
+        if bits is not None and (float(bits) != int(bits) or int(bits) not in ROTATION_BITS_ALLOWED):
+            raise KVConfigError(
+                f"palu_bits={bits!r} with method='rotation' must be None (4) or one of "
+                f"{', '.join(map(str, ROTATION_BITS_ALLOWED))} (bits per rotated channel)"
+            )
+        fitted = ("palu_rank", "palu_energy_threshold", "palu_hi_bit", "palu_lo_bit", "palu_hi_fraction",
+                  "palu_calibration", "palu_sensitivity", "palu_n_head_groups")  # fmt: skip
+        given = [name for name in fitted if getattr(self, name) is not None]
+        if given:
+            raise KVConfigError(
+                f"{', '.join(given)} with method='rotation': the rotation code fits no projection; "
+                "allowed: leave them unset (or use method='palu')"
             )
 
     def _take_coder(self, coder: Any) -> None:

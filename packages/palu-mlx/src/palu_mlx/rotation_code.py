@@ -45,6 +45,7 @@ __all__ = [
     "rotation_code",
     "rotation_cache",
     "RotationKVCache",
+    "rotation_bits",
 ]
 
 #: bits per rotated channel: on SmolLM2 (every layer, 1,024 + 128 tokens) 4 bits keep 0.24x the
@@ -89,10 +90,14 @@ def orthonormal_rotation(dim: int) -> np.ndarray:
     return (q * np.sign(np.diag(r))).astype(np.float32)
 
 
-@lru_cache(maxsize=16)
 def rotation_code(heads: int, dim: int, bits: int = ROTATION_BITS) -> CalibratedTensor:
     """The code of one ``[B, heads, S, dim]`` tensor: the rotation for every head, no mean, and
     ``bits`` per channel under a per-token scale. One object per (heads, dim, bits), shared."""
+    return _rotation_code(heads, dim, bits)
+
+
+@lru_cache(maxsize=16)
+def _rotation_code(heads: int, dim: int, bits: int) -> CalibratedTensor:
     if bits not in GAUSSIAN_STEP:
         raise KVConfigError(f"bits={bits!r} must be one of {sorted(GAUSSIAN_STEP)}")
     rotation = mx.array(np.broadcast_to(orthonormal_rotation(dim), (heads, dim, dim)).copy())
@@ -108,7 +113,15 @@ def rotation_code(heads: int, dim: int, bits: int = ROTATION_BITS) -> Calibrated
 class RotationKVCache(CalibratedKVCache):
     """A :class:`~palu_mlx.calibrated.CalibratedKVCache` on :func:`rotation_code` whose projections
     subtract each head's mean key and value over the first update, fitted then (a state already
-    holding tokens keeps its own)."""
+    holding tokens keeps its own). Its config's ``method`` is ``"palu"`` (a short window of a palu
+    config) or ``"rotation"``."""
+
+    @staticmethod
+    def _check_config(config: KVCacheConfig) -> None:
+        if not isinstance(config, KVCacheConfig):
+            raise KVConfigError(f"config must be a KVCacheConfig; got {type(config).__name__}")
+        if config.method not in ("palu", "rotation"):
+            raise KVConfigError(f"RotationKVCache needs method 'palu' or 'rotation'; got {config.method!r}")
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         if self.offset == 0:
@@ -136,10 +149,21 @@ def _centred(projection: GroupProjection, x: mx.array) -> GroupProjection:
     return GroupProjection(basis=projection.basis, mean=mean, singular_values=projection.singular_values)
 
 
+def rotation_bits(config: KVCacheConfig) -> int:
+    """Bits per rotated channel: ``palu_bits`` of a ``method="rotation"`` config, else
+    :data:`ROTATION_BITS` (a palu config's bit budget is spent on fitted channels, not these)."""
+    if config.method == "rotation" and config.palu_bits is not None:
+        return int(config.palu_bits)
+    return ROTATION_BITS
+
+
 def rotation_cache(
     config: KVCacheConfig, heads: int, key_dim: int, value_dim: int, rotary: Rotary | None
 ) -> RotationKVCache:
-    """A layer cache coding with :func:`rotation_code`: ``config`` with its per-token scale on (the
-    steps are relative to it) and its exact tokens as given."""
+    """A layer cache coding with :func:`rotation_code` at :func:`rotation_bits`: ``config`` with its
+    per-token scale on (the steps are relative to it) and its exact tokens as given."""
+    bits = rotation_bits(config)
     config = dataclasses.replace(config, palu_token_scale=True, palu_calibration=None)
-    return RotationKVCache(config, rotation_code(heads, key_dim), rotation_code(heads, value_dim), rotary)
+    return RotationKVCache(
+        config, rotation_code(heads, key_dim, bits), rotation_code(heads, value_dim, bits), rotary
+    )
