@@ -155,3 +155,15 @@ def test_method_rotation_codes_every_layer_of_a_model(bits, tmp_path):
     assert type(loaded[0]) is RotationKVCache and loaded[0].offset == ours[0].offset
     nxt = mx.array([[7]])
     assert mx.allclose(model(nxt, cache=loaded), model(nxt, cache=ours), atol=1e-4).item()
+
+
+def test_method_rotation_bounds_every_layer_under_max_kv_size():
+    from mlx_lm.generate import generate_step
+    from palu_helpers import make_tiny_qwen3
+
+    model = make_tiny_qwen3()
+    caches = KVCacheBuilder.for_model(model, KVCacheConfig(method="rotation"), max_kv_size=64)
+    assert all(type(c) is RotatingPaluKVCache and type(c.cache) is RotationKVCache for c in caches)
+    for _ in generate_step(mx.array(list(range(3, 200))), model, max_tokens=50, prompt_cache=caches):
+        pass
+    assert caches[0].offset == 247 and caches[0].cache.offset <= 64 - 1 + caches[0].slack
