@@ -4,7 +4,7 @@ A fitted projection costs ``H x D x r`` numbers per tensor and layer, whatever t
 against a sliding-window layer's ``W`` rows of ``H x D`` that is ``r / W`` of its 16-bit bytes at
 16 bits a number, half of them for a window of 128 and heads of 64. Such a layer would keep more
 than mlx-lm's 16-bit ``RotatingKVCache``. This code keeps nothing per sequence or layer but its
-codes: each head's keys and values are rotated by one orthonormal matrix (a Hadamard matrix for a
+codes and each head's mean (below): each head's keys and values are rotated by one orthonormal matrix (a Hadamard matrix for a
 power-of-two head dim, which spreads an outlier channel over every channel, so that one scale per
 token and head fits them all), then every rotated channel is quantized in :data:`ROTATION_BITS`
 bits under a per-token scale (:class:`~palu_mlx.coders.fixed.FixedQuantCoder`). The rotation and
@@ -14,7 +14,7 @@ values, so they are held once, in bfloat16.
 Pre-RoPE keys keep a per-channel offset that a rotation spreads into every rotated channel, where
 a per-token scale must cover it: :class:`RotationKVCache` subtracts each head's mean key and value,
 taken over the first update (the prefill), before rotating, its one per-sequence number per head
-and channel. On SmolLM2 that mean cuts the code's KL by half at the same bytes
+and channel. On SmolLM2 that mean cuts the code's KL to about a third at the same bytes
 (``benchmarks/results/palu_rotation_code.json``). It codes as a
 :class:`~palu_mlx.calibrated.CalibratedKVCache` does (a fixed code from the first token), so its
 states save and load as calibrated ones do, the means among their arrays.
@@ -48,8 +48,8 @@ __all__ = [
     "rotation_bits",
 ]
 
-#: bits per rotated channel: on SmolLM2 (every layer, 1,024 + 128 tokens) 4 bits keep 0.24x the
-#: KL of mlx-lm's 4-bit cache at 1.04x its bytes, where 3 bits have 1.5x its KL
+#: bits per rotated channel: on SmolLM2 (every layer, 1,024 + 128 tokens) 4 bits keep 0.087x the
+#: KL of mlx-lm's 4-bit cache at 1.05x its bytes (``benchmarks/results/palu_rotation_code.json``)
 ROTATION_BITS = 4
 #: a window of at least this many tokens per head dim pays for a fitted projection: one of full
 #: rank is then at most a sixteenth of the window's 16-bit rows
