@@ -141,12 +141,15 @@ def test_method_rotation_codes_every_layer_of_a_model(bits, tmp_path):
     assert all(type(c) is RotationKVCache for c in ours)
     assert ours[0].rotary is not None  # keys coded before RoPE, as palu's
     theirs = make_prompt_cache(model)
-    a = model(prompt[None], cache=ours)[0, -1].astype(mx.float32)
-    b = model(prompt[None], cache=theirs)[0, -1].astype(mx.float32)
-    kl = float((mx.softmax(b) * ((b - mx.logsumexp(b)) - (a - mx.logsumexp(a)))).sum().item())
-    assert kl < (0.01 if bits == 4 else 1e-4)  # measured 2.3e-3 and 6.8e-6
-    held = reachable_nbytes(ours) / reachable_nbytes(theirs)
+    model(prompt[None], cache=ours)
+    model(prompt[None], cache=theirs)
+    # the first layer sees the same keys and values in both runs: what its codes give back
+    got_k, got_v = ours[0]._fetch()
+    for got, want in ((got_k, theirs[0].keys[..., :297, :]), (got_v, theirs[0].values[..., :297, :])):
+        rel = float((mx.linalg.norm(got - want) / mx.linalg.norm(want)).item())
+        assert rel < (0.12 if bits == 4 else 0.01), rel
     # codes, scales, means and the exact tokens over a float32 cache: measured 0.22 and 0.35
+    held = reachable_nbytes(ours) / reachable_nbytes(theirs)
     assert held < (0.25 if bits == 4 else 0.4), held
     for _ in generate_step(mx.array([5, 6]), model, max_tokens=3, prompt_cache=ours):
         pass
