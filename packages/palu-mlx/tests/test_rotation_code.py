@@ -143,11 +143,6 @@ def test_method_rotation_codes_every_layer_of_a_model(bits, tmp_path):
     theirs = make_prompt_cache(model)
     model(prompt[None], cache=ours)
     model(prompt[None], cache=theirs)
-    # the first layer sees the same keys and values in both runs: what its codes give back
-    got_k, got_v = ours[0]._fetch()
-    for got, want in ((got_k, theirs[0].keys[..., :297, :]), (got_v, theirs[0].values[..., :297, :])):
-        rel = float((mx.linalg.norm(got - want) / mx.linalg.norm(want)).item())
-        assert rel < (0.12 if bits == 4 else 0.01), rel
     # codes, scales, means and the exact tokens over a float32 cache: measured 0.22 and 0.35
     held = reachable_nbytes(ours) / reachable_nbytes(theirs)
     assert held < (0.25 if bits == 4 else 0.4), held
@@ -170,3 +165,17 @@ def test_method_rotation_bounds_every_layer_under_max_kv_size():
     for _ in generate_step(mx.array(list(range(3, 200))), model, max_tokens=50, prompt_cache=caches):
         pass
     assert caches[0].offset == 247 and caches[0].cache.offset <= 64 - 1 + caches[0].slack
+
+
+@pytest.mark.parametrize(("bits", "bound"), [(4, 0.1), (8, 0.01)])
+def test_a_rotation_cache_gives_back_its_rows_within_its_bits(bits, bound):
+    from palu_mlx.rotation_code import rotation_cache
+
+    config = KVCacheConfig(method="rotation", palu_bits=bits, palu_sink_tokens=0, palu_recent_tokens=0)
+    cache = rotation_cache(config, 2, 32, 32, None)
+    g = mx.random.normal((1, 2, 120, 32), key=mx.random.key(3)) + mx.linspace(-3, 3, 32)  # channel offsets
+    v = mx.random.normal((1, 2, 120, 32), key=mx.random.key(4))
+    cache.update_and_fetch(g[..., :100, :], v[..., :100, :])  # the means come from this prefill
+    keys, values = cache.update_and_fetch(g[..., 100:, :], v[..., 100:, :])
+    for got, want in ((keys, g), (values, v)):
+        assert float((mx.linalg.norm(got - want) / mx.linalg.norm(want)).item()) < bound
