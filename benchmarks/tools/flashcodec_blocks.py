@@ -17,6 +17,7 @@ __all__ = [
     "render_e2e",
     "render_lossless",
     "render_families",
+    "render_reference_peer",
 ]
 
 _MIB = 1024 * 1024
@@ -149,6 +150,72 @@ def render_lossless(result: dict[str, Any]) -> list[str]:
     ]
 
 
+def render_reference_peer(result: dict[str, Any]) -> list[str]:
+    """The released reference library (PyPI ``flashcodec-kv`` 1.0.0, its own venv) beside our default,
+    transformers' 4-bit caches and the uncompressed cache: per row its resident bytes while decoding,
+    the library's own byte count, KL and top-1; a refused setting with its error."""
+    settings = result["settings"]
+    agree = result["baselines_agree"]
+
+    def ratio(value: float | None) -> str:
+        return "—" if value is None else f"{value:.3f}"
+
+    def row(r: dict[str, Any]) -> str:
+        if r["status"] != "measured":
+            return f"| `{r['name']}` | {r['side']} | {_cell(r['status'])} | | | | |"
+        return (
+            f"| `{r['name']}` | {r['side']} | {ratio(r['resident_ratio_decode_mean'])} | "
+            f"{ratio(r['resident_ratio'])} | {ratio(r['library_ratio'])} | {r['kl_mean']:.2e} | "
+            f"{100 * r['top1_agreement']:.1f}% |"
+        )
+
+    return [
+        _from("flashcodec_reference_peer.json", result["stamp"]["date"]),
+        f"`{result['model']['name']}` in {result['model']['dtype']}, {settings['windows']} windows of "
+        f"{settings['context_tokens']} context + {settings['scored_tokens']} scored tokens; the two "
+        f"processes' uncompressed runs give the same NLL: {'yes' if agree['same_nll'] else 'no'}.",
+        "",
+        *_table(
+            "| cache | side | resident x raw, decoding | resident x raw, after the window | library's own count x raw "
+            "| KL | top-1 |",
+            "llrrrrr",
+            (row(r) for r in result["summary"]),
+        ),
+        "",
+        *_reference_reading(result["summary"]),
+    ]
+
+
+def _reference_reading(summary: list[dict[str, Any]]) -> list[str]:
+    """How the reference's own byte count compares with what its cache objects keep, and what it refused."""
+    ref = [
+        r for r in summary if r["side"] == "reference" and r["kind"] == "tier" and r["status"] == "measured"
+    ]
+    refused = [r for r in summary if r["status"] != "measured"]
+    out = []
+    if ref:
+        # the description after the version prefix is the keyword form and the codec it built
+        forms = "; ".join(f"`{r['name']}`: `{r['description'].split(': ', 1)[-1]}`" for r in ref)
+        out.append(f"- The reference's settings: {forms}.")
+        own = [r["library_ratio"] for r in ref]
+        kept = [r["resident_ratio_decode_mean"] for r in ref]
+        out.append(
+            f"- The reference library's settings count {min(own):.3f}x to {max(own):.3f}x the uncompressed "
+            f"cache's bytes by its own `storage_bytes()`; their cache objects keep {min(kept):.3f}x to "
+            f"{max(kept):.3f}x while decoding (spare archive capacity, the decoded view and the view each "
+            "layer hands to attention are outside its count)."
+        )
+    out.append(
+        "- Refused: "
+        + ("; ".join(f"`{r['name']}` ({_cell(r['status'])})" for r in refused) if refused else "none.")
+    )
+    return out
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
 class Block(NamedTuple):
     """One generated block of docs/flashcodec.md: its markers, its results file and its renderer."""
 
@@ -177,4 +244,5 @@ BLOCKS: tuple[Block, ...] = (
     _block("e2e", render_e2e),
     _block("families", render_families),
     _block("lossless", render_lossless),
+    _block("reference_peer", render_reference_peer),
 )
