@@ -112,7 +112,8 @@ def render_families(result: dict[str, Any]) -> list[str]:
 
 def render_lossless(result: dict[str, Any]) -> list[str]:
     """The exponent coder on the real model's K/V per dtype (group 64), then per group size:
-    bytes over the uncompressed cache's, exceptions, exactness, speed."""
+    bytes over the uncompressed cache's, exceptions, exactness, speed; then both saved coders
+    side by side, and the entropies the context coder's model was chosen from."""
     labels = {"bfloat16": "bf16 (the model's)", "float16": "fp16 (the model run in fp16)"}
 
     def by_dtype(dtype: str, r: dict[str, Any]) -> str:
@@ -130,8 +131,30 @@ def render_lossless(result: dict[str, Any]) -> list[str]:
             f"{r['zlib6_raw_bytes']['encode_seconds']:.1f} |"
         )
 
+    def side_by_side(dtype: str, row: dict[str, Any]) -> str:
+        return (
+            f"| {dtype} | {row['coder']} | {row['ratio']:.3f} | {row['encode_mb_per_s']:.1f} | "
+            f"{row['decode_mb_per_s']:.1f} | {'yes' if row['bit_exact'] else 'no'} |"
+        )
+
+    entropy_rows = (
+        ("exponent", "exponent, given nothing"),
+        ("exponent_given_channel", "exponent, given its channel"),
+        ("exponent_given_previous_token", "exponent, given the previous token's"),
+        ("exponent_given_previous_token_and_channel", "exponent, given the previous token's and the channel"),
+        ("exponent_given_neighbour_channel", "exponent, given the neighbouring channel's"),
+        ("sign_top2_mantissa_given_exponent", "sign + top 2 mantissa bits, given the exponent"),
+        ("sign_top2_mantissa_given_exponent_and_channel", "the same, given the exponent and the channel"),
+        ("sign_given_exponent_and_channel", "sign, given the exponent and the channel"),
+        ("sign_given_exponent_channel_and_previous_sign", "sign, given those and the previous token's sign"),
+        ("other_mantissa_bits_given_exponent", "other 5 mantissa bits, given the exponent"),
+    )
+
+    def by_entropy(key: str, label: str, h: dict[str, Any]) -> str:
+        return f"| {label} | {h['keys'][key]:.3f} | {h['values'][key]:.3f} |"
+
     runs = result["results"].items()
-    return [
+    lines = [
         _from("flashcodec_lossless.json", result["environment"]["date"]),
         "",
         *_table(
@@ -148,6 +171,48 @@ def render_lossless(result: dict[str, Any]) -> list[str]:
             (by_group(dtype, g, c, r) for dtype, r in runs for g, c in r["exponent_coder"].items()),
         ),
     ]
+    compared = [(dtype, row) for dtype, r in runs for row in r.get("side_by_side", [])]
+    if compared:
+        lines += [
+            "",
+            "Saved forms side by side (`save_cache(coder=...)`; MB of the uncompressed cache a second):",
+            "",
+            *_table(
+                "| K/V dtype | coder | saved / uncompressed | encode (MB/s) | decode (MB/s) | bit-exact |",
+                "llrrrl",
+                (side_by_side(dtype, row) for dtype, row in compared),
+            ),
+        ]
+        spent = [(dtype, r["context_coder"]["bits_per_element"]) for dtype, r in runs if "context_coder" in r]
+        lines += [
+            "",
+            "What the context coder's range coder spent, bits an element of keys and values together:",
+            "",
+            *_table(
+                "| K/V dtype | exponent codes | sign + top 2 mantissa bits | other mantissa bits (raw) "
+                "| escaped exponents | channel maxima |",
+                "lrrrrr",
+                (
+                    f"| {dtype} | {b['exponent_words']:.3f} | {b['sign_words']:.3f} | {b['mantissa']:.0f} | "
+                    f"{b['escapes']:.4f} | {b['top']:.4f} |"
+                    for dtype, b in spent
+                ),
+            ),
+        ]
+    h = result["results"].get("bfloat16", {}).get("entropy")
+    if h:
+        lines += [
+            "",
+            "Empirical entropies of the bf16 cache's fields (bits an element, plug-in estimates: those "
+            "given the channel are optimistic, each channel holding only the cache's tokens):",
+            "",
+            *_table(
+                "| field | keys | values |",
+                "lrr",
+                (by_entropy(key, label, h) for key, label in entropy_rows),
+            ),
+        ]
+    return lines
 
 
 def render_reference_peer(result: dict[str, Any]) -> list[str]:

@@ -33,7 +33,7 @@ PACKAGES = [
         {"cpu", "cuda", "compare", "peers"},
         "[cpu,compare]" if sys.platform == "linux" else "[compare]",
     ),
-    ("flashcodec-torch", "flashcodec-kv", "flashcodec", {"hf", "triton", "compare"}, "[compare]"),
+    ("flashcodec-torch", "flashcodec-kv", "flashcodec", {"hf", "triton", "compare", "lossless"}, "[compare]"),
 ]
 #: console script of each package with a compare extra (installed with it, so ``--list`` must work)
 COMMANDS = {"palu-mlx": "palu-mlx", "flashcodec-kv": "flashcodec"}

@@ -5,19 +5,33 @@
     cache = load_cache("prompt.fckv", config=model.config)
     model.generate(ids, cache=cache, ...)             # the same tokens as with the original cache
 
-Every layer's keys and values go through :class:`flashcodec.codecs.lossless.ExponentCoder`
-(exponent codes against a per-(group, channel) maximum, zlib-compressed; sign and mantissa bits
-as they are), so the loaded tensors equal the saved ones bit for bit. The file is smaller than the
-cache's raw bytes for bf16 K/V (see ``docs/flashcodec.md`` for the ratio measured on the real
+Two coders, chosen with ``coder=`` and recorded in the file (the loader reads either):
+
+* ``"exponent"`` (the default): every layer's keys and values go through
+  :class:`flashcodec.codecs.lossless.ExponentCoder` (exponent codes against a per-(group, channel)
+  maximum, zlib-compressed; sign and mantissa bits as they are). Fast (hundreds of MB/s).
+* ``"context"``: :class:`flashcodec.codecs.lossless_context.ContextCoder` (adaptive context models
+  of each channel's exponent and sign / top mantissa bits, range-coded; needs the ``lossless``
+  extra, ``constriction``). About 8% fewer bytes than ``"exponent"`` on the real model's bf16
+  cache, but tens of times slower (a few MB/s), so it is for caches written once and kept. All
+  tensors of one length and dtype (every layer's keys and values, usually) are coded together,
+  as one model over all their channels.
+
+Either way the loaded tensors equal the saved ones bit for bit. The file is smaller than the
+cache's raw bytes for bf16 K/V (see ``docs/flashcodec.md`` for the ratios measured on the real
 model); fp16 K/V shrink less, having three more mantissa bits, which are close to random.
 
 Layers saved: every layer with ``keys`` / ``values`` tensors (``DynamicLayer``, sliding-window
 layers); a layer holding anything else (linear-attention state) is refused with ``KVConfigError``.
 
-The file: a magic line, the header's length and the header (JSON: per layer, each tensor's shape,
-dtype and byte count), the coded tensors, and a SHA-256 of everything before it. Loading checks the
-digest first, then that the header describes exactly the bytes that follow, so a flipped byte, a
-cut file or an edited header is a ``KVDataError``, never a different cache.
+The file: a magic line, the header's length and the header (JSON: the coder, and per layer each
+tensor's shape, dtype and byte count, or for ``"context"`` the coded block holding it and the
+blocks' byte counts), the coded tensors, and a SHA-256 of everything before it. ``"exponent"``
+files start ``FCKV2`` (as before the coder was recorded: files without the field are read as
+``"exponent"``), ``"context"`` files ``FCKV3``, so a reader that predates the context coder says
+the file is of another format instead of misreading it. Loading checks the digest first, then the
+coder, then that the header describes exactly the bytes that follow, so a flipped byte, a cut file
+or an edited header is a ``KVDataError``, never a different cache.
 """
 
 from __future__ import annotations
@@ -31,22 +45,40 @@ import torch
 from kvspec import KVConfigError, KVDataError, KVDtypeError
 
 from ..codecs.lossless import FORMATS, ExponentCoder, ExponentPacked
+from ..codecs.lossless_context import ContextCoder
 
-__all__ = ["save_cache", "load_cache", "cache_to_bytes", "cache_from_bytes"]
+__all__ = ["save_cache", "load_cache", "cache_to_bytes", "cache_from_bytes", "CODERS"]
 
 _MAGIC = b"FCKV2\n"
+#: the magic of a file whose tensors are coded by :class:`ContextCoder`
+_MAGIC_CONTEXT = b"FCKV3\n"
+#: the coders a file can be written with, each with its magic line
+CODERS = {"exponent": _MAGIC, "context": _MAGIC_CONTEXT}
 #: bytes of the SHA-256 that ends the file
 _DIGEST = 32
 
 
-def cache_to_bytes(cache: Any, *, group: int = 64, level: int = 6) -> bytes:
+def cache_to_bytes(
+    cache: Any, *, coder: str = "exponent", group: int | None = None, level: int | None = None
+) -> bytes:
     """The bytes :func:`save_cache` writes: ``cache``'s layers (transformers ``Cache`` with
-    ``layers`` whose ``keys`` / ``values`` are bf16 or fp16 ``[B, H, S, D]``), each coded losslessly."""
+    ``layers`` whose ``keys`` / ``values`` are bf16 or fp16 ``[B, H, S, D]``), each coded losslessly.
+
+    Args:
+        coder: ``"exponent"`` (default) or ``"context"`` (see the module docstring).
+        group, level: the exponent coder's tokens per group (default 64) and zlib level (0-9,
+            default 6); ``coder="context"`` takes neither.
+    """
+    if coder not in CODERS:
+        raise KVConfigError(f"coder must be one of {sorted(CODERS)}; got {coder!r}")
+    if coder == "context" and (group is not None or level is not None):
+        raise KVConfigError(
+            "group and level set the exponent coder; coder='context' takes neither (leave them unset)"
+        )
     layers = getattr(cache, "layers", None)
     if not isinstance(layers, (list, tuple)):
         raise KVConfigError(f"cache must be a transformers Cache with .layers; got {type(cache).__name__}")
-    coder = ExponentCoder(group)
-    blobs: list[bytes] = []
+    tensors: list[torch.Tensor] = []  # the non-empty ones, in file order
     meta: list[dict[str, Any]] = []
     for i, layer in enumerate(layers):
         keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
@@ -63,70 +95,166 @@ def cache_to_bytes(cache: Any, *, group: int = 64, level: int = 6) -> bytes:
                 raise KVDtypeError(
                     f"layer {i}: K/V must be bfloat16 or float16 to save losslessly; got {t.dtype}"
                 )
-            if t.numel() == 0:
-                entry["sizes"].append([list(t.shape), str(t.dtype).removeprefix("torch."), 0])
-                continue
-            blob = coder.encode(t.detach().cpu()).to_bytes(level)
-            entry["sizes"].append([list(t.shape), str(t.dtype).removeprefix("torch."), len(blob)])
-            blobs.append(blob)
+            # the third field, the byte count (exponent) or block (context), is filled in below
+            entry["sizes"].append([list(t.shape), str(t.dtype).removeprefix("torch."), 0])
+            if t.numel():
+                tensors.append(t.detach().cpu())
         meta.append(entry)
-    header = json.dumps({"layers": meta}).encode()
-    body = b"".join([_MAGIC, len(header).to_bytes(8, "little"), header, *blobs])
+    items = [item for entry in meta if not entry["empty"] for item in entry["sizes"] if _numel(item[0])]
+    if coder == "exponent":
+        exponent = ExponentCoder(64 if group is None else group)
+        blobs = [exponent.encode(t).to_bytes(6 if level is None else level) for t in tensors]
+        for item, blob in zip(items, blobs, strict=True):
+            item[2] = len(blob)
+        header = {"coder": coder, "layers": meta}
+    else:
+        blocks = _context_blocks(items)
+        blobs = [ContextCoder().encode_many([tensors[j] for j in members]) for members in blocks]
+        for b, members in enumerate(blocks):
+            for j in members:
+                items[j][2] = b
+        header = {"coder": coder, "layers": meta, "blocks": [len(blob) for blob in blobs]}
+    text = json.dumps(header).encode()
+    body = b"".join([CODERS[coder], len(text).to_bytes(8, "little"), text, *blobs])
     return body + hashlib.sha256(body).digest()
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _context_blocks(items: list[list[Any]]) -> list[list[int]]:
+    """Which non-empty tensors (indices into ``items``, ``[shape, dtype, _]`` in file order) the
+    context coder codes together: one block per (length, dtype), in order of first appearance,
+    so that a model step covers as many channels as it can. The loader recomputes it."""
+    blocks: dict[tuple[int, str], list[int]] = {}
+    for j, (shape, dtype, _) in enumerate(items):
+        blocks.setdefault((shape[-2], dtype), []).append(j)
+    return list(blocks.values())
 
 
 def cache_from_bytes(data: bytes, *, config: Any = None, device: torch.device | str = "cpu") -> Any:
     """A transformers ``DynamicCache`` (laid out from ``config`` when given) holding exactly the
-    keys and values in ``data`` (from :func:`cache_to_bytes`), on ``device``."""
+    keys and values in ``data`` (from :func:`cache_to_bytes`, either coder), on ``device``."""
     from transformers import DynamicCache
 
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise KVDtypeError(f"data must be bytes; got {type(data).__name__}")
     data = bytes(data)
-    if data.startswith(b"FCKV") and not data.startswith(_MAGIC):
+    magic = data[: len(_MAGIC)]
+    coder = {m: name for name, m in CODERS.items()}.get(magic)
+    if coder is None and data.startswith(b"FCKV"):
         raise KVDataError(
-            f"data is a saved flashcodec cache of another format ({data[:5]!r}); this one reads {_MAGIC[:5]!r}"
+            f"data is a saved flashcodec cache of another format ({data[:5]!r}); this one reads "
+            f"{sorted(m[:5] for m in CODERS.values())}"
         )
-    if not data.startswith(_MAGIC):
+    if coder is None:
         raise KVDataError("data is not a saved flashcodec cache (bad magic)")
     body, digest = data[:-_DIGEST], data[-_DIGEST:]
-    if len(data) < len(_MAGIC) + 8 + _DIGEST or hashlib.sha256(body).digest() != digest:
+    if len(data) < len(magic) + 8 + _DIGEST or hashlib.sha256(body).digest() != digest:
         raise KVDataError(
             "data is a damaged saved flashcodec cache: its SHA-256 does not match (cut or changed)"
         )
     try:
-        n = int.from_bytes(body[len(_MAGIC) : len(_MAGIC) + 8], "little")
-        at = len(_MAGIC) + 8
-        meta = json.loads(body[at : at + n])["layers"]
+        n = int.from_bytes(body[len(magic) : len(magic) + 8], "little")
+        at = len(magic) + 8
+        header = json.loads(body[at : at + n])
+        meta = header["layers"]
         at += n
     except (ValueError, KeyError, TypeError) as err:
         raise KVDataError(f"data is a damaged saved flashcodec cache: {err}") from None
-    sizes = _check_layers(meta)
-    if at + sum(size for *_, size in sizes) != len(body):
+    # files written before the coder was recorded are all exponent-coded FCKV2
+    written_by = header.get("coder", "exponent" if coder == "exponent" else None)
+    if written_by != coder:
         raise KVDataError(
-            f"data is a damaged saved flashcodec cache: its header describes {sum(s for *_, s in sizes)} bytes "
-            f"of tensors, {len(body) - at} follow it"
+            f"data is a damaged saved flashcodec cache: its magic {magic[:5]!r} is written by coder "
+            f"{coder!r}, its header names coder {written_by!r} (allowed: {sorted(CODERS)})"
         )
+    items = _check_layers(meta)
+    if coder == "exponent":
+        tensors = _exponent_tensors(items, body, at)
+    else:
+        tensors = _context_tensors(items, header.get("blocks"), body, at)
     cache = DynamicCache(config=config) if config is not None else DynamicCache()
+    j = 0
     for i, entry in enumerate(meta):
         if entry["empty"]:
             continue
-        tensors = []
-        for shape, dtype, size in entry["sizes"]:
-            if size == 0:
-                tensors.append(torch.empty(shape, dtype=getattr(torch, dtype)))
-                continue
-            packed = ExponentPacked.from_bytes(body[at : at + size])
-            at += size
-            tensor = ExponentCoder.decode(packed)
+        pair = []
+        for shape, dtype, _ in entry["sizes"]:
+            tensor = tensors[j]
+            j += 1
             if list(tensor.shape) != shape or str(tensor.dtype).removeprefix("torch.") != dtype:
                 raise KVDataError(
                     f"data is a damaged saved flashcodec cache: layer {i} decodes to {tuple(tensor.shape)} "
                     f"{tensor.dtype}, its header says {tuple(shape)} {dtype}"
                 )
-            tensors.append(tensor)
-        cache.update(tensors[0].to(device), tensors[1].to(device), i)
+            pair.append(tensor)
+        cache.update(pair[0].to(device), pair[1].to(device), i)
     return cache
+
+
+def _exponent_tensors(items: list[tuple[list[int], str, int]], body: bytes, at: int) -> list[torch.Tensor]:
+    """Every tensor ``items`` lists, from the exponent-coded bytes ``body[at:]``."""
+    where = "data is a damaged saved flashcodec cache:"
+    for shape, _, size in items:
+        if (size == 0) != (_numel(shape) == 0):
+            raise KVDataError(f"{where} a tensor of shape {shape} is listed with {size} bytes")
+    if at + sum(size for *_, size in items) != len(body):
+        raise KVDataError(
+            f"{where} its header describes {sum(s for *_, s in items)} bytes of tensors, {len(body) - at} follow it"
+        )
+    out = []
+    for shape, dtype, size in items:
+        if size == 0:
+            out.append(torch.empty(shape, dtype=getattr(torch, dtype)))
+            continue
+        out.append(ExponentCoder.decode(ExponentPacked.from_bytes(body[at : at + size])))
+        at += size
+    return out
+
+
+def _context_tensors(
+    items: list[tuple[list[int], str, int]], blocks: Any, body: bytes, at: int
+) -> list[torch.Tensor]:
+    """Every tensor ``items`` lists, from the context-coded blocks ``body[at:]`` of byte counts ``blocks``."""
+    where = "data is a damaged saved flashcodec cache:"
+    full = [j for j, (shape, _, _) in enumerate(items) if _numel(shape)]
+    for j in full:
+        if len(items[j][0]) < 2:
+            raise KVDataError(f"{where} a tensor of shape {items[j][0]} is not [..., S, D]")
+    members = _context_blocks([list(items[j]) for j in full])
+    if not (isinstance(blocks, list) and all(type(b) is int and b >= 0 for b in blocks)):
+        raise KVDataError(f"{where} 'blocks' must list byte counts (ints >= 0); got {blocks!r:.80}")
+    if len(blocks) != len(members):
+        raise KVDataError(
+            f"{where} its tensors make {len(members)} blocks (one per length and dtype), 'blocks' lists {len(blocks)}"
+        )
+    for b, group in enumerate(members):
+        for m in group:
+            if items[full[m]][2] != b:
+                raise KVDataError(f"{where} a tensor of block {b} is listed in block {items[full[m]][2]}")
+    if at + sum(blocks) != len(body):
+        raise KVDataError(
+            f"{where} its header describes {sum(blocks)} bytes of tensors, {len(body) - at} follow it"
+        )
+    out: list[torch.Tensor | None] = [
+        None if _numel(shape) else torch.empty(shape, dtype=getattr(torch, dtype))
+        for shape, dtype, _ in items
+    ]
+    for size, group in zip(blocks, members, strict=True):
+        decoded = ContextCoder.decode_many(body[at : at + size])
+        at += size
+        if len(decoded) != len(group):
+            raise KVDataError(
+                f"{where} a block decodes to {len(decoded)} tensors, its header lists {len(group)}"
+            )
+        for m, tensor in zip(group, decoded, strict=True):
+            out[full[m]] = tensor
+    return out
 
 
 _DTYPES = {str(d).removeprefix("torch.") for d in FORMATS}
@@ -159,15 +287,23 @@ def _check_layers(meta: Any) -> list[tuple[list[int], str, int]]:
             if not ok:
                 raise KVDataError(
                     f"{where} layer {i} has a size entry {item!r:.80}; allowed: [shape (list of ints), one of "
-                    f"{sorted(_DTYPES)}, byte count >= 0]"
+                    f"{sorted(_DTYPES)}, byte count (exponent) or block (context) >= 0]"
                 )
             out.append((shape, dtype, size))
     return out
 
 
-def save_cache(cache: Any, path: str | os.PathLike, *, group: int = 64, level: int = 6) -> int:
-    """Write ``cache`` losslessly to ``path`` (:func:`cache_to_bytes`); returns the bytes written."""
-    data = cache_to_bytes(cache, group=group, level=level)
+def save_cache(
+    cache: Any,
+    path: str | os.PathLike,
+    *,
+    coder: str = "exponent",
+    group: int | None = None,
+    level: int | None = None,
+) -> int:
+    """Write ``cache`` losslessly to ``path`` (:func:`cache_to_bytes`: ``coder`` is ``"exponent"``
+    or ``"context"``); returns the bytes written."""
+    data = cache_to_bytes(cache, coder=coder, group=group, level=level)
     with open(path, "wb") as f:
         f.write(data)
     return len(data)
