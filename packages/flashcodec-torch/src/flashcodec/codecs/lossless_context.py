@@ -252,24 +252,25 @@ class ContextCoder:
         )
         lanes = bits.shape[1]
         k = self.codes
-        exponent = ((bits >> m_bits) & ((1 << e_bits) - 1)).astype(np.int64)
+        # narrow types for the whole-tensor arrays (memory traffic); intp rows only inside a step
+        exponent = ((bits >> m_bits) & ((1 << e_bits) - 1)).astype(np.uint8)
         top = exponent.max(axis=0)
-        code = top[None, :] - exponent
-        escape = (code >= k - 1) | (exponent == 0)
-        code[escape] = k - 1
-        sign_symbol = ((bits >> 13) & 4 | (bits >> (m_bits - 2)) & 3).astype(np.int64)
+        offset = top[None, :].astype(np.int16) - exponent
+        escape = (offset >= k - 1) | (exponent == 0)
+        code = np.where(escape, k - 1, offset).astype(np.int32)  # constriction takes int32 symbols
+        sign_symbol = (((bits >> 13) & 4) | ((bits >> (m_bits - 2)) & 3)).astype(np.int32)
         low = bits & ((1 << (m_bits - 2)) - 1)
 
         models = _Models(lanes, k, self.lane_weight, self.shared_weight, self.shared_mass)
         family = constriction.stream.model.Categorical(perfect=False)
         e_coder = constriction.stream.queue.RangeEncoder()
         s_coder = constriction.stream.queue.RangeEncoder()
-        code32, sign32 = code.astype(np.int32), sign_symbol.astype(np.int32)  # what constriction takes
         for t in range(steps):
-            c, s = code[t], sign_symbol[t]
-            e_coder.encode(code32[t], family, models.exponent_rows())
-            s_coder.encode(sign32[t], family, models.sign_rows(c))
-            models.update(c, s)
+            c32, s32 = code[t], sign_symbol[t]
+            c = c32.astype(np.intp)
+            e_coder.encode(c32, family, models.exponent_rows())
+            s_coder.encode(s32, family, models.sign_rows(c))
+            models.update(c, s32.astype(np.intp))
         e_words = e_coder.get_compressed().astype("<u4").tobytes()
         s_words = s_coder.get_compressed().astype("<u4").tobytes()
         parts = {
@@ -324,11 +325,11 @@ class ContextCoder:
         n = steps * lanes
         if len(parts["top"]) != lanes:
             raise KVDataError(f"data is damaged: {len(parts['top'])} lane maxima for {lanes} lanes")
-        top = np.frombuffer(parts["top"], np.uint8).astype(np.int64)
+        top = np.frombuffer(parts["top"], np.uint8)
         try:
             e_words = np.frombuffer(parts["exponent_words"], "<u4").astype(np.uint32)
             s_words = np.frombuffer(parts["sign_words"], "<u4").astype(np.uint32)
-            escaped = np.frombuffer(zlib.decompress(parts["escapes"]), np.uint8).astype(np.int64)
+            escaped = np.frombuffer(zlib.decompress(parts["escapes"]), np.uint8)
         except (ValueError, zlib.error) as err:
             raise KVDataError(f"data is damaged: {err}") from None
         low = _unpack_bits(parts["mantissa"], m_bits - 2, n).reshape(steps, lanes)
@@ -337,26 +338,31 @@ class ContextCoder:
         family = constriction.stream.model.Categorical(perfect=False)
         e_coder = constriction.stream.queue.RangeDecoder(e_words)
         s_coder = constriction.stream.queue.RangeDecoder(s_words)
-        code = np.empty((steps, lanes), np.int64)
-        sign_symbol = np.empty((steps, lanes), np.int64)
+        code = np.empty((steps, lanes), np.uint8)
+        sign_symbol = np.empty((steps, lanes), np.uint8)
         try:
             for t in range(steps):
-                c = e_coder.decode(family, models.exponent_rows()).astype(np.int64)
-                s = s_coder.decode(family, models.sign_rows(c)).astype(np.int64)
+                c = e_coder.decode(family, models.exponent_rows()).astype(np.intp)
+                s = s_coder.decode(family, models.sign_rows(c)).astype(np.intp)
                 models.update(c, s)
                 code[t], sign_symbol[t] = c, s
         except (ValueError, RuntimeError, OverflowError) as err:
             raise KVDataError(f"data is damaged: the range decoder failed ({err})") from None
-        exponent = top[None, :] - code
+        # an escape's slot may go below 0 here: it is overwritten with the listed exponent next
+        exponent = top[None, :].astype(np.int16) - code
         escape = code == k - 1
         if int(escape.sum()) != escaped.size or escaped.size != meta["escapes"]:
             raise KVDataError(
                 f"data is damaged: {int(escape.sum())} escaped exponents decoded, {escaped.size} listed"
             )
         exponent[escape] = escaped
+        u16 = np.uint16
         bits = (
-            (sign_symbol >> 2) << 15 | exponent << m_bits | (sign_symbol & 3) << (m_bits - 2) | low
-        ).astype(np.uint16)
+            ((sign_symbol >> 2).astype(u16) << u16(15))
+            | (exponent.astype(u16) << u16(m_bits))
+            | ((sign_symbol & 3).astype(u16) << u16(m_bits - 2))
+            | low
+        )
         if zlib.crc32(bits.astype("<u2").tobytes()) != meta["crc32"]:
             raise KVDataError(
                 "data is damaged or was coded by another constriction: the decoded bits fail their CRC-32 "
