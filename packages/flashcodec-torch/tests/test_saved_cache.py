@@ -18,8 +18,11 @@ def tiny(dtype):
     return tiny_qwen3(dtype=dtype)
 
 
+@pytest.mark.parametrize("coder", ["exponent", "context"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_saved_cache_round_trips_and_generation_continues_identically(dtype, tmp_path):
+def test_saved_cache_round_trips_and_generation_continues_identically(dtype, coder, tmp_path):
+    if coder == "context":
+        pytest.importorskip("constriction")
     model = tiny(dtype)
     ids = torch.randint(3, 128, (1, 150), generator=torch.Generator().manual_seed(1))
     greedy = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False)
@@ -28,7 +31,7 @@ def test_saved_cache_round_trips_and_generation_continues_identically(dtype, tmp
         cache = DynamicCache(config=model.config)
         model(ids[:, :-1], cache=cache)
     path = tmp_path / "prompt.fckv"
-    written = save_cache(cache, path)
+    written = save_cache(cache, path, coder=coder)
     raw = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
     assert written == path.stat().st_size
     if dtype == torch.bfloat16:  # fp16's three extra mantissa bits are close to random
