@@ -66,7 +66,9 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache
 from palu_mlx import KVCacheBuilder, KVCacheConfig
 from palu_mlx.builder import model_kv_dims
 from palu_mlx.compare import load_model, noise_floor_candidate, tier_config
+from palu_mlx.peers import PEERS as PALU_PEERS
 from palu_mlx.tiers import SENSITIVITY_TIERS
+from palu_mlx.tiers import TIERS as REGISTRY
 
 OUT = results_path("palu_real_model.json")
 #: palu tiers run by default, and the tiers also run calibrated when --calibration is given
@@ -106,6 +108,11 @@ COMPACT_PARTS = {
     "palu-1.75bit-compact-fill+sens": ("palu-1.75bit-compact+sens", dict(palu_fill_rows=True)),
 }
 PEERS = {"mlx-lm-q8": 8, "mlx-lm-q4": 4}
+#: per-channel KIVI written in plain MLX (``palu_mlx.peers.kivi``): keys quantized per channel,
+#: values per token, groups of 32, a 16-bit window of the newest tokens; it holds its codes
+KIVI = ("kivi-k4v4", "kivi-k2v2")
+#: the registry's rotation-code tiers (nothing fitted but each head's mean)
+ROTATION = tuple(name for name, entry in REGISTRY.items() if entry.config.method == "rotation")
 #: the noise floor: the uncompressed cache holding the model's float32 keys and values, which every
 #: other candidate gets rounded to bfloat16 (KL this small or smaller is rounding, not the cache)
 FLOOR = "float32-kv"
@@ -128,7 +135,12 @@ def candidates(
             lambda bits=bits: [QuantizedKVCache(group_size=64, bits=bits) for _ in model.layers],
             {"class": "mlx_lm QuantizedKVCache", "bits": bits, "group_size": 64},
         )
-    for tier in TIERS:
+    for name in KIVI:
+        out[name] = (
+            lambda name=name: PALU_PEERS[name].factory(model),
+            {"peer": name, **PALU_PEERS[name].record},
+        )
+    for tier in (*TIERS, *ROTATION):
         config = tier_config(tier, head_dim, n_kv)
         out[tier] = (
             lambda config=config: KVCacheBuilder.for_model(model, config),

@@ -18,6 +18,7 @@ from palu_mlx.rotation_code import (
     RotationKVCache,
     fits_window,
     orthonormal_rotation,
+    rotation_bits,
     rotation_code,
     window_config,
 )
@@ -118,8 +119,11 @@ def test_the_means_are_fitted_on_the_first_update_and_kept_with_the_state():
 def test_method_rotation_is_checked_where_it_is_given():
     assert KVCacheConfig(method="rotation").method == "rotation"
     assert KVCacheConfig(method="rotation", palu_bits=3).palu_bits == 3
+    assert rotation_bits(KVCacheConfig(method="rotation", palu_bits=3.5)) == (4, 3)  # keys the bit above
     for bad, match in (
-        (dict(palu_bits=4.5), "palu_bits"),
+        (dict(palu_bits=4.25), "palu_bits"),
+        (dict(palu_bits=8.5), "palu_bits"),
+        (dict(palu_token_scale=False), "palu_token_scale"),
         (dict(palu_bits=1), "palu_bits"),
         (dict(palu_rank=8), "palu_rank"),
         (dict(palu_calibration="cal.safetensors"), "palu_calibration"),

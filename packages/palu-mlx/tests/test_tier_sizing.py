@@ -11,6 +11,7 @@ import pytest
 from kvspec import KVConfigError
 from palu_mlx import KVCacheBuilder, PaluKVCache
 from palu_mlx.compare import tier_config
+from palu_mlx.rotation_code import RotationKVCache
 from palu_mlx.serving import palu_config
 from palu_mlx.tiers import CALIBRATED_TIERS, SENSITIVITY_TIERS, TIERS, tier
 
@@ -41,8 +42,10 @@ def test_compare_and_serving_run_the_registry_s_config_with_one_projection_per_k
     # the caches compare builds hold that config and fit one projection per KV head
     caches = KVCacheBuilder.for_model(tiny_model, compared)
     tiny_model(mx.arange(3, 3 + 2 * HEAD_DIM)[None], cache=caches)
+    # the rotation tiers' code is built for the model's heads (RotationKVCache), nothing fitted
+    expected = RotationKVCache if compared.method == "rotation" else PaluKVCache
     for cache in caches:
-        assert type(cache) is PaluKVCache and cache.config == compared and cache.fitted
+        assert type(cache) is expected and cache.config == compared and cache.fitted
         assert cache._key_proj.n_groups == cache._value_proj.n_groups == N_KV
 
 

@@ -21,6 +21,9 @@ def test_registry_is_keyed_by_tier_name_in_display_order():
         "r16-fp16",
         "reference-default",
         "r8-4bit",
+        "rotation-4bit",
+        "rotation-3.5bit",
+        "rotation-3bit",
         "palu-3bit-scaled",
         "palu-2.5bit-scaled",
         "palu-2bit-scaled",
@@ -40,7 +43,7 @@ def test_registry_is_keyed_by_tier_name_in_display_order():
     for name, entry in TIERS.items():
         assert isinstance(entry, Tier) and entry.name == name and tier(name) is entry
         assert entry.description.strip() and "\n" not in entry.description
-        assert entry.config.method == "palu" and entry.config.head_dim is None
+        assert entry.config.method in ("palu", "rotation") and entry.config.head_dim is None
 
 
 def test_reference_default_is_the_config_defaults_after_rope():
@@ -108,7 +111,7 @@ def test_every_tier_caches_and_errors_grow_down_the_list():
     x = planted_lowrank((1, 4, 80, 64), 12, seed=3, noise=0.05, dtype=mx.float16)
     errors = {}
     for name, entry in TIERS.items():
-        cache = PaluKVCache(entry.config)
+        cache = PaluAdapter().make(entry.config)
         keys, values = cache.update_and_fetch(x, x)
         assert cache.fitted and keys.shape == values.shape == x.shape and keys.dtype == mx.float16
         errors[name] = rel_err(keys, x)
@@ -116,6 +119,7 @@ def test_every_tier_caches_and_errors_grow_down_the_list():
     for family in (
         ["full-rank-fp16", "r16-fp16", "reference-default", "r8-4bit"],
         ["palu-3bit", "palu-2bit", "palu-1.5bit", "palu-1.25bit", "palu-1bit"],
+        ["rotation-4bit", "rotation-3bit"],
     ):
         assert [errors[n] for n in family] == sorted(errors[n] for n in family)
     assert errors["full-rank-fp16"] < 1e-2
@@ -125,7 +129,8 @@ def test_calibrated_tiers_are_the_bit_budget_tiers_twins_in_their_order():
     budget = [
         name
         for name, t in TIERS.items()
-        if t.config.palu_bits is not None
+        if t.config.method == "palu"
+        and t.config.palu_bits is not None
         and not t.config.palu_relative_error
         and (t.config.palu_basis_bits, t.config.palu_scale_bits)
         == (16, 16)  # a calibration's are the model's

@@ -34,8 +34,9 @@ __all__ = [
 #: ``"palu"`` is the low-rank latent cache; ``"rotation"`` the code with nothing fitted but
 #: means (:mod:`palu_mlx.rotation_code`); ``"naive"`` the uniform group-quant baseline.
 METHODS: tuple[str, ...] = ("palu", "rotation", "naive")
-#: code bits per rotated channel a ``method="rotation"`` config may ask for
-ROTATION_BITS_ALLOWED: tuple[int, ...] = (2, 3, 4, 5, 6, 7, 8)
+#: code bits per rotated channel a ``method="rotation"`` config may ask for; a half (3.5) codes keys
+#: with the bit above and values with the bit below
+ROTATION_BITS_ALLOWED: tuple[float, ...] = tuple(b / 2 for b in range(4, 17))
 #: tokens at the start of a sequence a config holds exactly unless it says otherwise
 #: (``palu_sink_tokens``): real models' attention sinks sit on the first token or few
 DEFAULT_SINK_TOKENS = 4
@@ -342,13 +343,19 @@ class KVCacheConfig:
         """``method="rotation"``: a whole number of bits per rotated channel, and none of the fields
         of a fitted or calibrated projection."""
         bits = self.palu_bits
-        if bits is not None and (float(bits) != int(bits) or int(bits) not in ROTATION_BITS_ALLOWED):
+        if bits is not None and float(bits) not in ROTATION_BITS_ALLOWED:
             raise KVConfigError(
                 f"palu_bits={bits!r} with method='rotation' must be None (4) or one of "
-                f"{', '.join(map(str, ROTATION_BITS_ALLOWED))} (bits per rotated channel)"
+                f"{', '.join(f'{b:g}' for b in ROTATION_BITS_ALLOWED)} (bits per rotated channel; a half "
+                "gives keys the bit above and values the bit below)"
             )
         fitted = ("palu_rank", "palu_energy_threshold", "palu_hi_bit", "palu_lo_bit", "palu_hi_fraction",
                   "palu_calibration", "palu_sensitivity", "palu_n_head_groups")  # fmt: skip
+        if not self.palu_token_scale:
+            raise KVConfigError(
+                "palu_token_scale=False with method='rotation': the rotation code's steps are relative to "
+                "a per-token scale; allowed: True (the default)"
+            )
         given = [name for name in fitted if getattr(self, name) is not None]
         if given:
             raise KVConfigError(
@@ -405,7 +412,9 @@ class KVCacheConfig:
         """Whether the water-filling level weighs relative error (:attr:`coder_choice`'s
         :attr:`~palu_mlx.coders.WaterFilling.relative_error`): ``palu_relative_error``, or when it is
         None True for the water-filling coder fitted at the prefill with no ``palu_calibration``, no
-        ``palu_sensitivity`` and both weights 1; False for the hi/lo split."""
+        ``palu_sensitivity`` and both weights 1; False for the hi/lo split and the rotation code."""
+        if self.method == "rotation":
+            return False
         coder = self.coder_choice
         return isinstance(coder, WaterFilling) and coder.relative_error
 

@@ -272,7 +272,7 @@ class FitAtPrefill:
             name: read_field(runtime, name, owner)
             for name in ("rope", "key_segments", "value_segments", "key_fixed_widths", "value_fixed_widths")
         }
-        rotary = _read_rotary(arrays, layout["rope"], shape[2] if shape else config.head_dim, owner)
+        rotary = read_rotary(arrays, layout["rope"], shape[2] if shape else config.head_dim, owner)
         try:
             source = cls(config, allocation_policy)
         except KVConfigError as exc:
@@ -434,7 +434,7 @@ class FromCalibration:
             raise KVDataError(
                 f"{owner}: key.basis has {key_heads} heads but value.basis {value_heads}; they must agree"
             )
-        rotary = _read_rotary(arrays, read_field(runtime, "rope", owner), taken["key"][1].shape[1], owner)
+        rotary = read_rotary(arrays, read_field(runtime, "rope", owner), taken["key"][1].shape[1], owner)
         codes = {}
         for prefix, (widths, basis, mean, steps, decoder) in taken.items():
             steps = detached(steps)
@@ -449,7 +449,7 @@ class FromCalibration:
         return StateRead(source, rotary, source.initial())
 
 
-def _read_rotary(arrays: StateArrays, rope_meta: object, head_dim: int | None, owner: str) -> Rotary | None:
+def read_rotary(arrays: StateArrays, rope_meta: object, head_dim: int | None, owner: str) -> Rotary | None:
     rope = read_rope(rope_meta, head_dim, owner)
     if rope is None:
         return None

@@ -23,18 +23,22 @@ states save and load as calibrated ones do, the means among their arrays.
 from __future__ import annotations
 
 import dataclasses
+import math
 from functools import lru_cache
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from kvspec import KVConfigError
+from kvspec import KVConfigError, KVDataError
 
 from .calibrated import CalibratedKVCache
 from .coders.fixed import GAUSSIAN_STEP, FixedQuantCoder
 from .config import KVCacheConfig
 from .lowrank import GroupProjection
-from .projection_source import CalibratedTensor
+from .mixed_bit import BitAllocationPolicy
+from .projection_source import CalibratedTensor, FromCalibration, SavedState, StateRead, read_rotary
 from .rope import Rotary
+from .state_checks import read_field
 
 __all__ = [
     "ROTATION_BITS",
@@ -45,6 +49,7 @@ __all__ = [
     "rotation_code",
     "rotation_cache",
     "RotationKVCache",
+    "RotationSource",
     "rotation_bits",
 ]
 
@@ -110,11 +115,92 @@ def _rotation_code(heads: int, dim: int, bits: int) -> CalibratedTensor:
     return CalibratedTensor(projection, FixedQuantCoder((bits,) * dim, steps, token_scale=True))
 
 
+class RotationSource(FromCalibration):
+    """:class:`~palu_mlx.projection_source.FromCalibration` on rotation codes, which it builds from
+    the first keys' shape when not given them: a cache made before the model's head count is
+    known (a tier from the registry, the conformance suite) codes as one made for the model."""
+
+    def __init__(
+        self,
+        key: CalibratedTensor | None = None,
+        value: CalibratedTensor | None = None,
+        bits: tuple[int, int] = (ROTATION_BITS, ROTATION_BITS),
+    ):
+        if key is None and value is None:
+            self.key = self.value = None
+        else:
+            super().__init__(key, value)
+        self.bits = bits
+
+    def built(self, heads: int, key_dim: int, value_dim: int) -> RotationSource:
+        """This source with its codes (itself once it has them)."""
+        if self.key is not None:
+            return self
+        return RotationSource(
+            rotation_code(heads, key_dim, self.bits[0]),
+            rotation_code(heads, value_dim, self.bits[1]),
+            self.bits,
+        )
+
+    def initial(self):
+        return None if self.key is None else super().initial()
+
+    def check_dims(self, h: int, d: int, dv: int, rotary: Rotary | None) -> None:
+        if self.key is not None:
+            super().check_dims(h, d, dv, rotary)
+
+    def saved_arrays(self, projection, coder) -> dict[str, mx.array]:
+        return {} if projection is None else super().saved_arrays(projection, coder)
+
+    def meta(self, key_coder, value_coder) -> dict[str, Any]:
+        if key_coder is None:  # nothing held yet: the bits say what the codes will be
+            return {"key_widths": None, "value_widths": None, "rotation_bits": list(self.bits)}
+        return super().meta(key_coder, value_coder)
+
+    @classmethod
+    def read_state(cls, saved: SavedState, allocation_policy: BitAllocationPolicy | None = None) -> StateRead:
+        config, runtime, arrays, shape, _, owner = saved
+        if shape is not None or read_field(runtime, "key_widths", owner) is not None:
+            return super().read_state(saved, allocation_policy)
+        bits = read_field(runtime, "rotation_bits", owner)
+        if (
+            not isinstance(bits, list)
+            or len(bits) != 2
+            or any(isinstance(b, bool) or b not in GAUSSIAN_STEP for b in bits)
+        ):
+            raise KVDataError(f"{owner}: meta_state rotation_bits={bits!r} must be two ints in 1..8")
+        rotary = read_rotary(arrays, read_field(runtime, "rope", owner), None, owner)
+        return StateRead(cls(bits=(bits[0], bits[1])), rotary, None)
+
+
 class RotationKVCache(CalibratedKVCache):
     """A :class:`~palu_mlx.calibrated.CalibratedKVCache` on :func:`rotation_code` whose projections
     subtract each head's mean key and value over the first update, fitted then (a state already
     holding tokens keeps its own). Its config's ``method`` is ``"palu"`` (a short window of a palu
-    config) or ``"rotation"``."""
+    config) or ``"rotation"``.
+
+    Args:
+        config: the config (exact tokens, per-token scale; :func:`rotation_bits` when no codes given).
+        key, value: the layer's rotation codes (:func:`rotation_code`); None: built at the first
+            update from its head count and dims, at :func:`rotation_bits` of ``config``.
+        rotary: the layer's RoPE, for keys before it.
+    """
+
+    _source_type = RotationSource
+
+    def __init__(
+        self,
+        config: KVCacheConfig,
+        key: CalibratedTensor | None = None,
+        value: CalibratedTensor | None = None,
+        rotary: Rotary | None = None,
+    ):
+        self._check_config(config)
+        if (key is None) != (value is None):
+            raise KVConfigError(
+                "key and value must both be rotation codes or both be None (built at the first update)"
+            )
+        self._setup(config, RotationSource(key, value, rotation_bits(config)), rotary)
 
     @staticmethod
     def _check_config(config: KVCacheConfig) -> None:
@@ -125,14 +211,16 @@ class RotationKVCache(CalibratedKVCache):
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         if self.offset == 0:
-            self._validate(keys, values, self.config.palu_check_finite)  # before anything is fitted
-            saved = (self._key_proj, self._value_proj)
-            self._key_proj = _centred(self._key_proj, self._pre_rope(keys, 0))
-            self._value_proj = _centred(self._value_proj, values)
+            _, h, _, d, dv = self._validate(keys, values, self.config.palu_check_finite)  # before any fit
+            saved = (self.source, self._key_proj, self._key_coder, self._value_proj, self._value_coder)
+            self.source = self.source.built(h, d, dv)
+            (key_proj, self._key_coder), (value_proj, self._value_coder) = self.source.initial()
+            self._key_proj = _centred(key_proj, self._pre_rope(keys, 0))
+            self._value_proj = _centred(value_proj, values)
             try:
                 return super().update_and_fetch(keys, values)
             except Exception:
-                self._key_proj, self._value_proj = saved
+                self.source, self._key_proj, self._key_coder, self._value_proj, self._value_coder = saved
                 raise
         return super().update_and_fetch(keys, values)
 
@@ -149,12 +237,14 @@ def _centred(projection: GroupProjection, x: mx.array) -> GroupProjection:
     return GroupProjection(basis=projection.basis, mean=mean, singular_values=projection.singular_values)
 
 
-def rotation_bits(config: KVCacheConfig) -> int:
-    """Bits per rotated channel: ``palu_bits`` of a ``method="rotation"`` config, else
-    :data:`ROTATION_BITS` (a palu config's bit budget is spent on fitted channels, not these)."""
+def rotation_bits(config: KVCacheConfig) -> tuple[int, int]:
+    """Bits per rotated channel of keys and of values: ``palu_bits`` of a ``method="rotation"``
+    config (a half, 3.5, gives keys 4 and values 3), else :data:`ROTATION_BITS` for both (a palu
+    config's bit budget is spent on fitted channels, not these)."""
     if config.method == "rotation" and config.palu_bits is not None:
-        return int(config.palu_bits)
-    return ROTATION_BITS
+        bits = float(config.palu_bits)
+        return math.ceil(bits), math.floor(bits)
+    return ROTATION_BITS, ROTATION_BITS
 
 
 def rotation_cache(
@@ -162,8 +252,8 @@ def rotation_cache(
 ) -> RotationKVCache:
     """A layer cache coding with :func:`rotation_code` at :func:`rotation_bits`: ``config`` with its
     per-token scale on (the steps are relative to it) and its exact tokens as given."""
-    bits = rotation_bits(config)
+    key_bits, value_bits = rotation_bits(config)
     config = dataclasses.replace(config, palu_token_scale=True, palu_calibration=None)
     return RotationKVCache(
-        config, rotation_code(heads, key_dim, bits), rotation_code(heads, value_dim, bits), rotary
+        config, rotation_code(heads, key_dim, key_bits), rotation_code(heads, value_dim, value_bits), rotary
     )

@@ -23,6 +23,7 @@ file records under a tier's name is this registry's.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,12 +41,15 @@ __all__ = [
     "SENSITIVITY_TIERS",
     "SENSITIVITY_SUFFIX",
     "CALIBRATIONS",
+    "TIER_METHODS",
     "tier",
 ]
 
 #: what a tier may need: ``"model"``, a ``palu-mlx calibrate`` file made for the model it runs on;
 #: ``"sensitivity"``, a sensitivity profile of that model (:mod:`palu_mlx.budgets`)
 CALIBRATIONS: tuple[str, ...] = ("model", "sensitivity")
+#: the methods a tier may have: the fitted latent cache and the rotation code (nothing fitted)
+TIER_METHODS: tuple[str, ...] = ("palu", "rotation")
 #: the end of a calibrated twin's name (``palu-2.5bit-scaled+cal``)
 CALIBRATED_SUFFIX = "+cal"
 #: the end of a sensitivity-budget twin's name (``palu-2.5bit-scaled+sens``)
@@ -59,7 +63,7 @@ class Tier:
     Attributes:
         name: the tier's one name everywhere (results files, command lines, test ids).
         description: one line saying what the tier is (rank or energy, bits).
-        config: the :class:`KVCacheConfig` (``method="palu"``).
+        config: the :class:`KVCacheConfig` (``method`` one of :data:`TIER_METHODS`).
         calibration: None (the tier fits its projections at the prefill), or one of
             :data:`CALIBRATIONS`: the calibration the tier needs, given a file by
             :meth:`with_calibration` (its ``config.palu_calibration`` is None until then).
@@ -78,8 +82,10 @@ class Tier:
             raise KVConfigError(f"name={self.name!r} must be a non-empty string without outer spaces")
         if not isinstance(self.description, str) or not self.description.strip() or "\n" in self.description:
             raise KVConfigError(f"description={self.description!r} must be one non-empty line")
-        if not isinstance(self.config, KVCacheConfig) or self.config.method != "palu":
-            raise KVConfigError(f"config={self.config!r} must be a KVCacheConfig with method='palu'")
+        if not isinstance(self.config, KVCacheConfig) or self.config.method not in TIER_METHODS:
+            raise KVConfigError(
+                f"config={self.config!r} must be a KVCacheConfig with method in {', '.join(map(repr, TIER_METHODS))}"
+            )
         if self.calibration is not None and self.calibration not in CALIBRATIONS:
             raise KVConfigError(
                 f"calibration={self.calibration!r} must be None or one of {', '.join(map(repr, CALIBRATIONS))}"
@@ -219,6 +225,20 @@ def _fixed_tier(bits: float) -> Tier:
     return Tier(f"palu-{bits:g}bit", description, _palu(palu_bits=float(bits)))
 
 
+def _rotation_tier(bits: float) -> Tier:
+    if bits == int(bits):
+        spent = f"{bits:g} bits per rotated channel"
+    else:
+        spent = f"{math.ceil(bits)} bits per rotated key channel and {math.floor(bits)} per value channel"
+    description = (
+        "nothing fitted but each head's mean: keys before RoPE where supported, a fixed Hadamard rotation "
+        f"per head, {spent} under a per-token scale, the first {SINK_TOKENS} and the newest "
+        f"{RECENT_TOKENS} tokens exact"
+    )
+    config = KVCacheConfig(method="rotation", palu_bits=float(bits), palu_relative_error=False)
+    return Tier(f"rotation-{bits:g}bit", description, config)
+
+
 _UNQUANTIZED = dict(palu_hi_bit=UNQUANTIZED_BITS, palu_lo_bit=UNQUANTIZED_BITS)
 
 #: name -> :class:`Tier`, easiest (closest to lossless) first
@@ -247,6 +267,7 @@ TIERS: dict[str, Tier] = {
             "rank 8, every latent channel at 4 bits",
             _palu(palu_rank=8, palu_hi_bit=4, palu_lo_bit=4),
         ),
+        *(_rotation_tier(bits) for bits in (4, 3.5, 3)),
         *(_scaled_tier(bits) for bits in (3, 2.5, 2)),
         _compact_tier(1.75),
         _compact_tier(1.7, fill=True),
@@ -268,11 +289,15 @@ def _calibrated_twin(base: Tier) -> Tier:
 
 
 def _twins(make, keep) -> dict[str, Tier]:
-    """name -> ``make(base)`` for every tier of :data:`TIERS` with a bit budget whose config ``keep``
-    accepts, in its order."""
+    """name -> ``make(base)`` for every palu tier of :data:`TIERS` with a bit budget whose config
+    ``keep`` accepts, in its order (the rotation code fits nothing a file could fix)."""
     return {
         t.name: t
-        for t in (make(b) for b in TIERS.values() if b.config.coder_bits is not None and keep(b.config))
+        for t in (
+            make(b)
+            for b in TIERS.values()
+            if b.config.method == "palu" and b.config.coder_bits is not None and keep(b.config)
+        )
     }
 
 
