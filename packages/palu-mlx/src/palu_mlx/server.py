@@ -9,7 +9,9 @@ one (:mod:`palu_mlx.batch`), so concurrent requests are batched; a draft model o
 (which palu refuses) would send requests to mlx-lm's one-at-a-time path, and the log says which.
 
 The prompt cache keeps each conversation's palu caches, compressed, and reuses them for
-follow-ups the way it reuses mlx-lm's own caches (trimmed to the common prefix).
+follow-ups the way it reuses mlx-lm's own caches (trimmed to the common prefix). With
+``--prompt-cache-dir DIR`` it also writes them to DIR and loads them back after a restart
+(:mod:`palu_mlx.prompt_store`).
 
 A request's ``"model"`` may also be the name the server was started with (``--model
 tiny-qwen3``) or the path it resolved to: both mean the loaded model, as ``default_model`` does.
@@ -78,12 +80,14 @@ def _mlx_server_parser() -> argparse.ArgumentParser:
 
 def server_parser() -> argparse.ArgumentParser:
     """mlx-lm's server parser with palu's options added (``palu-mlx server --help``)."""
+    from .prompt_store import add_store_arguments
     from .serving import add_palu_arguments
 
     parser = _mlx_server_parser()
     parser.prog = "palu-mlx server"
     parser.description = "mlx-lm's OpenAI-compatible HTTP server with palu's compressed KV cache"
     add_palu_arguments(parser)
+    add_store_arguments(parser)
     return parser
 
 
@@ -156,6 +160,7 @@ def server_main(argv: Sequence[str]) -> int:
     from mlx_lm.server import run
     from mlx_lm.utils import maybe_set_recommended_wired_limit
 
+    from .prompt_store import PromptStoreError, open_store, serve
     from .serving import ModelNameError, resolve_model_arg
 
     given = args.model
@@ -169,6 +174,11 @@ def server_main(argv: Sequence[str]) -> int:
         level=getattr(logging, args.log_level.upper(), None),
         format="%(asctime)s - %(levelname)s - %(message)s",
     )
+    try:
+        store = open_store(args)
+    except PromptStoreError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     _ = maybe_set_recommended_wired_limit()
     provider = PaluModelProvider(args, model_name=given)
     if args.model is not None:
@@ -182,5 +192,8 @@ def server_main(argv: Sequence[str]) -> int:
             detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             print(f"error: --model {given!r} cannot be loaded: {detail}", file=sys.stderr)
             return 1
-    run(args.host, args.port, provider)
+    if store is None:
+        run(args.host, args.port, provider)
+    else:
+        serve(args.host, args.port, provider, store)
     return 0
