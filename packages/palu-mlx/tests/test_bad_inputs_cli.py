@@ -167,6 +167,18 @@ def test_an_edited_conversation_fails_its_checksum(tmp_path, conversation, key, 
     assert file.read_bytes() == before
 
 
+def test_a_conversation_without_its_checksum_is_refused(tmp_path, conversation):
+    file = tmp_path / "chat.safetensors"
+    file.write_bytes(conversation)
+    arrays, meta = mx.load(str(file), return_metadata=True)
+    del meta[_key(meta, "palu_checksum")]
+    mx.save_safetensors(str(file), arrays, meta)
+    before = file.read_bytes()
+    line = _one_line_error(_generate(file, "Hello?"))
+    assert "cannot be loaded" in line and "has no 'palu_checksum' entry" in line
+    assert file.read_bytes() == before
+
+
 @pytest.mark.parametrize(
     "key, value, message",
     [

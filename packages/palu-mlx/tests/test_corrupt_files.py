@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from kvspec import KVConfigError, KVDataError, KVSpecError
 from mlx_lm.models.cache import KVCache
 from palu_mlx import load_prompt_cache, save_prompt_cache
-from palu_mlx.builder import UnverifiedPromptCacheWarning
-from palu_mlx.calibration import Calibration, UnverifiedCalibrationWarning
+from palu_mlx.calibration import Calibration
+from palu_mlx.integrity import digest
 
 
 def caches() -> list:
@@ -68,27 +68,35 @@ def test_flipped_data_byte_is_refused_naming_the_file(saved, where):
         load_prompt_cache(path)
 
 
-def test_file_without_checksum_loads_with_a_warning(saved, tmp_path):
-    # what palu-mlx wrote before it added the checksum: the same file minus that metadata entry
-    path, originals = saved
+def test_file_without_checksum_is_refused_naming_the_file(saved, tmp_path):
+    path, _ = saved
     arrays, meta = mx.load(path, return_metadata=True)
     del meta["checksum"]
-    old = str(tmp_path / "old.safetensors")
-    mx.save_safetensors(old, arrays, meta)
-    with pytest.warns(UnverifiedPromptCacheWarning, match="old.safetensors has no checksum"):
-        loaded = load_prompt_cache(old)
-    assert snapshot(loaded[0])[:3] == snapshot(originals[0])[:3]
+    unchecked = str(tmp_path / "unchecked.safetensors")
+    mx.save_safetensors(unchecked, arrays, meta)
+    with pytest.raises(KVDataError, match=r"unchecked\.safetensors: the metadata has no 'checksum' entry"):
+        load_prompt_cache(unchecked)
 
 
-def rewrite(path, out, change_meta=None, change_arrays=None) -> str:
-    """The file written to ``out`` with its metadata / arrays changed and no checksum (as a file from
-    an older palu-mlx); returns ``out``."""
+def prompt_cache_checksum(arrays, meta) -> str:
+    return digest(arrays, {k: meta[k] for k in ("layers", "metadata") if k in meta})
+
+
+def calibration_checksum(arrays, meta) -> str:
+    return digest(arrays, meta)
+
+
+def rewrite(path, out, change_meta=None, change_arrays=None, checksum=prompt_cache_checksum) -> str:
+    """The file written to ``out`` with its metadata / arrays changed and its checksum recomputed
+    over the changed content (``checksum(arrays, meta)``), so that the checks behind the checksum
+    see the change; returns ``out``."""
     arrays, meta = mx.load(path, return_metadata=True)
     meta.pop("checksum")
     if change_meta:
         change_meta(meta)
     if change_arrays:
         change_arrays(arrays)
+    meta["checksum"] = checksum(arrays, meta)
     mx.save_safetensors(str(out), arrays, meta)
     return str(out)
 
@@ -120,7 +128,7 @@ def _meta_state(layer: int, part: int, edit):
     return change
 
 
-CORRUPT_OLD_FILES = {
+CORRUPT_FILES = {
     "layers not JSON": (lambda m: _set(m, "layers", "[{"), None, "metadata 'layers' is not valid JSON"),
     "layers not a list": (lambda m: _set(m, "layers", "{}"), None, "'layers' must be a JSON list"),
     "metadata not JSON": (lambda m: _set(m, "metadata", "{"), None, "metadata 'metadata' is not valid JSON"),
@@ -161,21 +169,19 @@ CORRUPT_OLD_FILES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(CORRUPT_OLD_FILES))
+@pytest.mark.parametrize("case", sorted(CORRUPT_FILES))
 def test_corrupt_content_is_a_data_error_naming_the_file(saved, tmp_path, case):
     path, _ = saved
-    change_meta, change_arrays, message = CORRUPT_OLD_FILES[case]
+    change_meta, change_arrays, message = CORRUPT_FILES[case]
     bad = rewrite(path, tmp_path / "bad.safetensors", change_meta, change_arrays)
-    assert_refused(load_prompt_cache, bad, UnverifiedPromptCacheWarning, "bad.safetensors", message)
+    assert_refused(load_prompt_cache, bad, "bad.safetensors", message)
 
 
-def assert_refused(load, path: str, unverified: type[Warning], names_file: str, message: str) -> None:
-    """``load(path)`` of a file rewritten without its checksum raises a KVDataError naming the file
-    (``names_file``) and saying ``message``."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", unverified)
-        with pytest.raises(KVDataError, match=names_file) as info:
-            load(path)
+def assert_refused(load, path: str, names_file: str, message: str) -> None:
+    """``load(path)`` of a file rewritten with a matching checksum raises a KVDataError naming the
+    file (``names_file``) and saying ``message``."""
+    with pytest.raises(KVDataError, match=names_file) as info:
+        load(path)
     assert info.match(message)
 
 
@@ -277,11 +283,10 @@ CORRUPT_CALIBRATIONS = {
 @pytest.mark.parametrize("case", sorted(CORRUPT_CALIBRATIONS))
 def test_corrupt_calibration_is_a_data_error_naming_the_file(calibration_path, case):
     change_meta, change_arrays, message = CORRUPT_CALIBRATIONS[case]
-    rewrite(calibration_path, calibration_path, change_meta, change_arrays)
+    rewrite(calibration_path, calibration_path, change_meta, change_arrays, calibration_checksum)
     assert_refused(
         Calibration.load,
         calibration_path,
-        UnverifiedCalibrationWarning,
         "palu_calibration='.*calib.safetensors' is corrupt",
         message,
     )
@@ -294,11 +299,12 @@ def test_calibration_with_a_flipped_data_byte_is_refused(calibration_path):
         Calibration.load(calibration_path)
 
 
-def test_calibration_without_checksum_loads_with_a_warning(calibration_path):
-    rewrite(calibration_path, calibration_path)
-    with pytest.warns(UnverifiedCalibrationWarning, match="has no checksum"):
-        loaded = Calibration.load(calibration_path)
-    assert loaded.model["n_layers"] == 2
+def test_calibration_without_checksum_is_refused(calibration_path):
+    arrays, meta = mx.load(calibration_path, return_metadata=True)
+    del meta["checksum"]
+    mx.save_safetensors(calibration_path, arrays, meta)
+    with pytest.raises(KVDataError, match="calib.safetensors' has no 'checksum' entry"):
+        Calibration.load(calibration_path)
 
 
 # ----------------------------------------------------------------------------- any flipped byte
@@ -323,10 +329,8 @@ def test_any_flipped_byte_is_refused_or_harmless(tmp_path_factory, position, mas
     damaged[int(position * len(raw))] ^= mask
     path = str(tmp_path_factory.mktemp("flip") / "c.safetensors")
     open(path, "wb").write(bytes(damaged))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UnverifiedPromptCacheWarning)
-        try:
-            loaded = load_prompt_cache(path)
-        except KVSpecError:
-            return
+    try:
+        loaded = load_prompt_cache(path)
+    except KVSpecError:
+        return
     assert [snapshot(c)[:3] for c in loaded] == want

@@ -16,7 +16,6 @@ from .attention import latent_attention
 from .baseline import NaiveQuantKVCache, naive_roundtrip
 from .builder import (
     KVCacheBuilder,
-    UnverifiedPromptCacheWarning,
     load_prompt_cache,
     model_kv_dims,
     register_with_mlx_lm,
@@ -27,7 +26,6 @@ from .calibrated import CalibratedKVCache, FixedQuantCoder
 from .calibration import (
     Calibration,
     TensorCalibration,
-    UnverifiedCalibrationWarning,
     calibrate,
     default_calibration_text,
 )
@@ -90,6 +88,4 @@ __all__ = [
     "PRE_ROPE_ARCHITECTURES",
     "model_rotaries",
     "latent_attention",
-    "UnverifiedPromptCacheWarning",
-    "UnverifiedCalibrationWarning",
 ]

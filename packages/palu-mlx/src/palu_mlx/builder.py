@@ -33,7 +33,6 @@ import dataclasses
 import functools
 import json
 import os
-import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -52,7 +51,7 @@ from .calibrated import CalibratedKVCache, calibrated_caches
 from .calibration.file import Calibration
 from .config import KVCacheConfig
 from .distributed import HeadShard, head_shard
-from .integrity import CHECKSUM_KEY, UnverifiedFileWarning, digest
+from .integrity import CHECKSUM_KEY, digest
 from .layer import register_cache_classes
 from .mixed_bit import BitAllocationPolicy, check_policy
 from .models import check_model, default_caches, model_kv_dims, original_make_cache
@@ -66,7 +65,6 @@ __all__ = [
     "model_kv_dims",
     "save_prompt_cache",
     "load_prompt_cache",
-    "UnverifiedPromptCacheWarning",
     "register_with_mlx_lm",
 ]
 
@@ -405,10 +403,6 @@ def _at(rotaries: list[Rotary | None], i: int) -> Rotary | None:
 
 
 # --------------------------------------------------------------------------- persistence
-class UnverifiedPromptCacheWarning(UnverifiedFileWarning):
-    """A prompt-cache file without a checksum (written before palu-mlx checked them) was loaded unverified."""
-
-
 def _check_file_name(file_name: Any) -> str:
     if isinstance(file_name, os.PathLike):
         file_name = os.fspath(file_name)
@@ -494,10 +488,9 @@ def load_prompt_cache(file_name: str, return_metadata: bool = False) -> Any:
     (``.safetensors`` appended to a name without it, as on saving).
 
     Returns the list of layer caches, or ``(caches, metadata)`` when ``return_metadata``.
-    Raises ``KVDataError`` naming the file when it cannot be read, its checksum does not match
-    (corrupt bytes) or a layer's state does not match its metadata; ``KVConfigError`` when it
-    is not a palu-mlx prompt cache. A file without a checksum (written by palu-mlx before it
-    wrote one) loads with an :class:`UnverifiedPromptCacheWarning`.
+    Raises ``KVDataError`` naming the file when it cannot be read, has no checksum or its
+    checksum does not match (corrupt bytes), or a layer's state does not match its metadata;
+    ``KVConfigError`` when it is not a palu-mlx prompt cache.
     """
     file_name = _cache_file(file_name)
     if not isinstance(return_metadata, bool):
@@ -520,15 +513,12 @@ def load_prompt_cache(file_name: str, return_metadata: bool = False) -> Any:
             raise KVDataError(
                 f"{file_name}: the metadata has no {field!r} entry; the file is truncated or corrupt"
             )
-    stored = meta.get(CHECKSUM_KEY)
-    if stored is None:
-        warnings.warn(
-            f"{file_name} has no checksum (written by an older palu-mlx): loaded without an integrity check; "
-            "save it again to add one",
-            UnverifiedPromptCacheWarning,
-            stacklevel=2,
+    if not isinstance(meta.get(CHECKSUM_KEY), str):
+        raise KVDataError(
+            f"{file_name}: the metadata has no {CHECKSUM_KEY!r} entry (save_prompt_cache writes one); "
+            "the file cannot be verified, so it is not loaded"
         )
-    elif stored != digest(arrays, {"layers": meta["layers"], "metadata": meta["metadata"]}):
+    if meta[CHECKSUM_KEY] != digest(arrays, {"layers": meta["layers"], "metadata": meta["metadata"]}):
         raise KVDataError(
             f"{file_name}: checksum mismatch: the file's arrays or metadata changed after it was written "
             "(corrupt bytes); it cannot be loaded"

@@ -33,7 +33,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -79,21 +78,17 @@ def _read_conversation(
     """The file's tokenizer config, messages (None when it has none) and tokens, each checked.
 
     ``checked``: the metadata is already covered by a checksum (palu's own file format); else a
-    conversation this command wrote must carry :data:`_CHECKSUM` over its texts, and one without
-    it (written before the checksum was) loads with an ``UnverifiedFileWarning``.
+    conversation this command wrote must carry :data:`_CHECKSUM` over its texts (one without it
+    is refused: it cannot be verified).
     """
-    from .integrity import UnverifiedFileWarning
-
     if palu_file and not checked:
         stored = metadata.get(_CHECKSUM)
         if stored is None:
-            warnings.warn(
-                "the prompt-cache file's conversation has no checksum (written by an older palu-mlx): "
-                "loaded without an integrity check",
-                UnverifiedFileWarning,
-                stacklevel=2,
+            raise _BadFile(
+                f"its conversation metadata has no {_CHECKSUM!r} entry (this command writes one); it cannot "
+                "be verified, so it is not continued"
             )
-        elif stored != _conversation_digest(metadata):
+        if stored != _conversation_digest(metadata):
             raise _BadFile(
                 f"checksum mismatch: its conversation metadata ({', '.join(_CONVERSATION)}) changed after "
                 "it was written; it cannot be continued"

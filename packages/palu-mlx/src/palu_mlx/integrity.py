@@ -2,7 +2,7 @@
 
 Safetensors has no integrity check of its own: a flipped byte in an array's data loads as a
 different number. ``save_prompt_cache`` and ``Calibration.save`` write this digest into the
-file's metadata and the loaders recompute it, so corruption on disk or in transit is reported
+file's metadata and the loaders require it and recompute it, so corruption on disk or in transit is reported
 with the file's name instead of becoming wrong attention outputs. It guards against accidents,
 not against someone who rewrites the digest too.
 """
@@ -14,14 +14,10 @@ from collections.abc import Mapping
 
 import mlx.core as mx
 
-__all__ = ["CHECKSUM_KEY", "UnverifiedFileWarning", "digest"]
+__all__ = ["CHECKSUM_KEY", "digest"]
 
 #: metadata key of the digest, ``"sha256:<hex>"``
 CHECKSUM_KEY = "checksum"
-
-
-class UnverifiedFileWarning(UserWarning):
-    """A file without a checksum (written by an older palu-mlx) was loaded without an integrity check."""
 
 
 def digest(arrays: Mapping[str, mx.array], texts: Mapping[str, str]) -> str:

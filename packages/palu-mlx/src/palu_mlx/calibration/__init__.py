@@ -14,7 +14,6 @@ from .file import (
     WEIGHTINGS,
     Calibration,
     TensorCalibration,
-    UnverifiedCalibrationWarning,
     kv_weights_digest,
     kv_weights_fingerprint,
     model_identity,
@@ -33,5 +32,4 @@ __all__ = [
     "WEIGHTINGS",
     "COMPUTE_DTYPES",
     "DEFAULT_MAX_TOKENS",
-    "UnverifiedCalibrationWarning",
 ]

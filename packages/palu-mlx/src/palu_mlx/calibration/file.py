@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ import numpy as np
 from kvspec import KVConfigError, KVDataError, KVSpecError
 from mlx.utils import tree_flatten
 
-from ..integrity import CHECKSUM_KEY, UnverifiedFileWarning, digest
+from ..integrity import CHECKSUM_KEY, digest
 from ..lowrank import check_projection_arrays
 from ..models import check_model, model_kv_dims
 
@@ -36,17 +35,12 @@ __all__ = [
     "model_identity",
     "CALIBRATION_FORMAT",
     "WEIGHTINGS",
-    "UnverifiedCalibrationWarning",
 ]
 
 CALIBRATION_FORMAT = "palu-mlx.calibration.v1"
 #: how calibration weighs coding errors: "none" (plain squared error of keys and values) or
 #: "attention" (key errors as the queries see them, value errors as ``o_proj`` does)
 WEIGHTINGS: tuple[str, ...] = ("none", "attention")
-
-
-class UnverifiedCalibrationWarning(UnverifiedFileWarning):
-    """A calibration file without a checksum (written before palu-mlx wrote one) was loaded unverified."""
 
 
 def _kv_parameters(model: Any) -> list[tuple[str, mx.array]]:
@@ -247,8 +241,8 @@ class Calibration:
         """Read a file written by :meth:`save`.
 
         ``KVConfigError`` when the file cannot be read or is not a calibration file;
-        ``KVDataError`` naming the file and the entry when its content is corrupt or does
-        not match its own header (layer count, head count, head dims, finite values).
+        ``KVDataError`` naming the file when it has no checksum or its checksum does not match, and
+        naming the entry when its content is corrupt or does not match its own header (layer count, head count, head dims, finite values).
         """
         where = f"palu_calibration={str(path)!r}"
         try:
@@ -262,13 +256,11 @@ class Calibration:
             )
         stored = meta.pop(CHECKSUM_KEY, None)
         if stored is None:
-            warnings.warn(
-                f"{where} has no checksum (written by an older palu-mlx): loaded without an integrity check; "
-                "run palu-mlx calibrate again to write one",
-                UnverifiedCalibrationWarning,
-                stacklevel=2,
+            raise KVDataError(
+                f"{where} has no {CHECKSUM_KEY!r} entry (Calibration.save writes one): it cannot be "
+                "verified, so it is not loaded"
             )
-        elif stored != digest(arrays, meta):
+        if stored != digest(arrays, meta):
             raise KVDataError(
                 f"{where} is corrupt: checksum mismatch (its arrays or header changed after it was written)"
             )
