@@ -167,17 +167,17 @@ def test_a_compact_state_missing_or_misshaping_a_part_is_refused(name, change, m
         PaluKVCache.from_state(state, meta)
 
 
-def test_a_state_coded_before_the_compact_fields_existed_loads_as_16_bit():
+@pytest.mark.parametrize("field", sorted(COMPACT))
+def test_a_state_whose_coded_with_lacks_a_compact_field_is_refused(field):
     cache = filled()
     settings, runtime = cache.meta_state
-    config = {k: v for k, v in json.loads(settings).items() if k not in COMPACT}
     meta = json.loads(runtime)
-    meta["coded_with"] = {k: v for k, v in meta["coded_with"].items() if k not in COMPACT}
+    del meta["coded_with"][field]
     state = {k: v for k, v in cache.state.items() if k != "meta_state"}
-    restored = PaluKVCache.from_state(state, (json.dumps(config), json.dumps(meta)))
-    assert all(getattr(restored.config, k) == 16 for k in COMPACT)
-    for a, b in zip(cache._fetch(), restored._fetch(), strict=True):
-        assert mx.array_equal(a, b).item()
+    with pytest.raises(
+        KVDataError, match=rf"coded_with=.*must be an object of the fields .*\(it lacks \['{field}'\]\)"
+    ):
+        PaluKVCache.from_state(state, (settings, json.dumps(meta)))
 
 
 @pytest.mark.parametrize("field", sorted(COMPACT))

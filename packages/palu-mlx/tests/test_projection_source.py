@@ -1,6 +1,5 @@
 """One palu cache, two projection sources: a calibrated cache is a PaluKVCache on a calibration's
-projections, its states keep their own layout, and states saved before later config fields
-existed still load."""
+projections, its states keep their own layout, and a state's config must name every field."""
 
 from __future__ import annotations
 
@@ -12,7 +11,6 @@ from cache_snapshots import D, array_bytes, build, kv, snapshot
 from kvspec import KVConfigError, KVDataError, KVShapeError
 from palu_mlx import CalibratedKVCache, KVCacheConfig, PaluKVCache
 from palu_mlx.projection_source import FitAtPrefill, FromCalibration
-from palu_mlx.state_checks import LATER_CONFIG_FIELDS
 
 
 def state_bytes(cache) -> dict:
@@ -65,64 +63,16 @@ def test_the_calibration_source_checks_its_dims_and_arguments():
         CalibratedKVCache.from_state(cache.state, allocation_policy=object())
 
 
+CONFIG_FIELDS = sorted(f.name for f in dataclasses.fields(KVCacheConfig))
+
+
 @pytest.mark.parametrize("kind", ["palu-fixed", "palu-exact", "calibrated"])
-@pytest.mark.parametrize("dropped", [tuple(LATER_CONFIG_FIELDS), ("palu_relative_error",)])
-def test_a_state_saved_before_later_config_fields_loads_with_their_defaults(kind, dropped):
+@pytest.mark.parametrize("dropped", CONFIG_FIELDS)
+def test_a_state_whose_config_lacks_a_field_is_refused_naming_it(kind, dropped):
     cache = build(kind)
     settings, runtime = cache.meta_state
-    # the state as a version before those fields coded it: with the values they read as (the
-    # weighing's default, automatic now, was squared error then)
-    as_then = {**json.loads(settings), **{k: LATER_CONFIG_FIELDS[k] for k in dropped}}
-    cache = type(cache).from_state(cache.state, (json.dumps(as_then), runtime))
-    settings, runtime = cache.meta_state
-    earlier = {k: v for k, v in json.loads(settings).items() if k not in dropped}
-    restored = type(cache).from_state(cache.state, (json.dumps(earlier), runtime))
-    assert restored.config == cache.config
-    assert state_bytes(restored) == state_bytes(cache)
-    # a field that was always saved is still required
-    del earlier["palu_sink_tokens"]
-    with pytest.raises(KVDataError, match=r"lacks the fields \['palu_sink_tokens'\]"):
-        type(cache).from_state(cache.state, (json.dumps(earlier), runtime))
-
-
-#: the KVCacheConfig fields every saved state has named since states were first saved
-FIRST_SAVED_FIELDS = frozenset(
-    {
-        "method",
-        "head_dim",
-        "palu_rank",
-        "palu_energy_threshold",
-        "palu_n_head_groups",
-        "palu_hi_bit",
-        "palu_lo_bit",
-        "palu_hi_fraction",
-        "palu_group_size",
-        "palu_quantize_values",
-        "palu_bits",
-        "palu_calibration",
-        "palu_min_fit_tokens",
-        "palu_check_finite",
-        "palu_pre_rope",
-        "palu_token_scale",
-        "palu_sink_tokens",
-        "palu_recent_tokens",
-        "naive_bits",
-        "naive_group_size",
-    }
-)
-
-
-def test_every_config_field_added_later_has_the_value_earlier_states_read():
-    """A KVCacheConfig field added after states were first saved needs an entry in
-    state_checks.LATER_CONFIG_FIELDS (the value that codes as before), or earlier states stop loading."""
-    later = {f.name for f in dataclasses.fields(KVCacheConfig)} - FIRST_SAVED_FIELDS
-    assert later == set(LATER_CONFIG_FIELDS)
-    defaults = KVCacheConfig()
-    # the weighing's default became automatic (relative error at the prefill) after states saved
-    # without the field were coded by squared error: those read it as False, not as the default
-    assert LATER_CONFIG_FIELDS["palu_relative_error"] is False and defaults.palu_relative_error is None
-    assert all(
-        getattr(defaults, name) == value
-        for name, value in LATER_CONFIG_FIELDS.items()
-        if name != "palu_relative_error"
-    )
+    config = json.loads(settings)
+    assert set(config) == set(CONFIG_FIELDS)  # meta_state names every field
+    del config[dropped]
+    with pytest.raises(KVDataError, match=rf"meta_state config lacks the fields \['{dropped}'\]"):
+        type(cache).from_state(cache.state, (json.dumps(config), runtime))

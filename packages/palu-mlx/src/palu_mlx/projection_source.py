@@ -33,7 +33,7 @@ from .layer import SUPPORTED_DTYPES, detached
 from .lowrank import GroupProjection, PackedProjection
 from .mixed_bit import BitAllocationPolicy, MixedBitCoder, check_policy
 from .rope import Rotary
-from .state_checks import LATER_CONFIG_FIELDS, StateArrays, read_field, read_rope, read_segments, read_widths
+from .state_checks import StateArrays, read_field, read_rope, read_segments, read_widths
 
 __all__ = [
     "ProjectionSource",
@@ -129,11 +129,6 @@ CODED_WITH: tuple[str, ...] = (
     "palu_scale_bits",
     "palu_recent_bits",
 )
-#: fields of :data:`CODED_WITH` added after states were first saved, with the value a state saved
-#: without them was coded with
-LATER_CODED_WITH: dict[str, Any] = {
-    name: LATER_CONFIG_FIELDS[name] for name in ("palu_basis_bits", "palu_scale_bits", "palu_recent_bits")
-}
 
 
 def compact_side(fitted: Fitted, config: KVCacheConfig) -> Fitted:
@@ -464,11 +459,12 @@ def _check_coded_with(coded: object, config: KVCacheConfig, fitted: bool, owner:
         if coded is not None:
             raise KVDataError(f"{owner}: meta_state coded_with={coded!r} must be null before the fit")
         return
-    if isinstance(coded, dict):
-        coded = {**{k: v for k, v in LATER_CODED_WITH.items() if k not in coded}, **coded}
     if not isinstance(coded, dict) or set(coded) != set(CODED_WITH):
+        missing = sorted(set(CODED_WITH) - set(coded)) if isinstance(coded, dict) else []
+        lacks = f" (it lacks {missing})" if missing else ""
         raise KVDataError(
-            f"{owner}: meta_state coded_with={coded!r:.200} must be an object of the fields {list(CODED_WITH)}"
+            f"{owner}: meta_state coded_with={coded!r:.200} must be an object of the fields "
+            f"{list(CODED_WITH)}{lacks}"
         )
     for name in CODED_WITH:
         if coded[name] != getattr(config, name):

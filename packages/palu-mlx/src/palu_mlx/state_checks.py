@@ -155,28 +155,10 @@ def parse_meta_state(meta_state: Any, owner: str) -> tuple[dict[str, Any], dict[
     return out[0], out[1]
 
 
-#: KVCacheConfig fields added after states were first saved, each with the value that codes as a
-#: state saved without it was coded: a state that lacks some of them reads them as these (each
-#: only shapes a fit or a model's per-layer configs; what decodes a fitted state's codes is recorded)
-LATER_CONFIG_FIELDS: dict[str, Any] = {
-    "palu_sensitivity": None,
-    "palu_key_weight": 1.0,
-    "palu_value_weight": 1.0,
-    "palu_relative_error": False,
-    "palu_basis_bits": 16,
-    "palu_scale_bits": 16,
-    "palu_recent_bits": 16,
-    "palu_fill_rows": False,
-}
-
-
 def read_config(settings: dict[str, Any], owner: str) -> KVCacheConfig:
     """The :class:`KVCacheConfig` saved in meta_state; it must name every field (a state written by
-    :attr:`meta_state` does), so a field dropped from it cannot silently take its default. Fields
-    added since states were first saved (:data:`LATER_CONFIG_FIELDS`) may be absent: an earlier
-    state was coded as their values there say."""
+    :attr:`meta_state` does), so a field dropped from it cannot silently take its default."""
     if isinstance(settings, dict):
-        settings = {**{k: v for k, v in LATER_CONFIG_FIELDS.items() if k not in settings}, **settings}
         missing = sorted({f.name for f in fields(KVCacheConfig)} - set(settings))
         if missing:
             raise KVDataError(
