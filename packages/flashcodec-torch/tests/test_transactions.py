@@ -204,6 +204,15 @@ def test_only_the_current_meta_state_format_loads(version, dropped):
         CodecKVCache.from_state(cache.state, old)
 
 
+@pytest.mark.parametrize("entry", ["offset", "dtype"])
+def test_a_meta_state_without_its_offset_or_dtype_is_refused_naming_it(entry):
+    # every meta_state records both (dtype=None for an empty cache): no state is read without them
+    cache = _cache("jpeg-k2-int8")
+    partial = tuple(m for m in cache.meta_state if not m.startswith(f"{entry}="))
+    with pytest.raises(KVConfigError, match=f"meta_state is missing the entry '{entry}'"):
+        CodecKVCache.from_state(cache.state, partial)
+
+
 def test_calibration_files_round_trip_and_files_without_the_format_are_refused(tmp_path):
     pytest.importorskip("transformers")
     import json

@@ -466,10 +466,9 @@ def _check_stored(name: str, codec: BlockCodec, parts: tuple[torch.Tensor, ...],
             )
 
 
-def _parse_meta(meta_state: Sequence[str]) -> tuple[dict, int | None, torch.dtype | None]:
+def _parse_meta(meta_state: Sequence[str]) -> tuple[dict, int, torch.dtype | None]:
     """:attr:`CodecKVCache.meta_state` -> (the constructor's ``codec``, ``check_finite`` and
-    ``initial_blocks``; the recorded offset, None in the format without one; the recorded dtype,
-    None for an empty cache and in the formats without one)."""
+    ``initial_blocks``; the recorded offset; the recorded dtype, None for an empty cache)."""
     if isinstance(meta_state, (str, bytes)) or not isinstance(meta_state, Sequence):
         raise KVConfigError(f"meta_state must be a sequence of 'key=value' strings; got {meta_state!r:.200}")
     try:

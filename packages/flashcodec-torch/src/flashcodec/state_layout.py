@@ -25,13 +25,13 @@ def check_state_layout(
     arrays: tuple[object, ...],
     *,
     supported_dtypes: tuple[torch.dtype, ...],
-    offset: int | None,
+    offset: int,
     check_finite: bool,
     dtype: torch.dtype | None = None,
 ) -> None:
     """Raise ``KVDataError`` naming the array and what is wrong unless ``arrays`` is a state of
-    ``codec`` holding ``offset`` tokens (``offset=None``: not recorded, any length) in ``dtype``
-    (``None``: not recorded, then the raw tail's dtype; a coded tail needs it recorded)."""
+    ``codec`` holding ``offset`` tokens in ``dtype`` (``None``, as an empty cache's meta_state
+    records: the raw tail's dtype; a coded tail needs it recorded)."""
     n_tail = len(codec.tail_coder.part_specs(1))
     n_parts = len(codec.stream_state_specs(1))
     value_codec = codec.value_codec  # the codec itself but for codecs that code values apart (kivi)
@@ -70,7 +70,7 @@ def check_state_layout(
             f"and {v_tail.dtype} on {v_tail.device}"
         )
     tokens = k_blocks * codec.block_size + k_tail.shape[2]
-    if offset is not None and tokens != offset:
+    if tokens != offset:
         raise KVDataError(
             f"state holds {k_blocks} blocks of block_size={codec.block_size} + {k_tail.shape[2]} tail tokens "
             f"= {tokens} tokens, but meta_state records offset={offset} (a meta_state of another cache, "
