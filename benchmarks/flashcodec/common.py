@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -212,11 +213,16 @@ def score_replaced_kv(model, windows: list[tuple], context: int, replace) -> tup
     return float(torch.cat(kls).mean()), float(torch.cat(agree).mean())
 
 
-def compare_result(cli: list[str], compare_json: Path | None = None) -> dict:
+def compare_result(
+    cli: list[str], compare_json: Path | None = None, main: Callable[[list[str]], int] | None = None
+) -> dict:
     """The result dict of ``flashcodec compare <cli>``, run in this process into a temporary JSON
-    file, or read from ``compare_json`` (a run saved earlier); ``SystemExit`` when compare fails."""
+    file, or read from ``compare_json`` (a run saved earlier); ``SystemExit`` when compare fails.
+    ``main``: the command to run instead of :func:`flashcodec.compare.main` (a harness of the
+    caller's own, e.g. one with tiers outside the registry)."""
     if compare_json is None:
-        from flashcodec.compare import main
+        if main is None:
+            from flashcodec.compare import main
 
         compare_json = Path(tempfile.mkdtemp()) / "compare.json"
         code = main([*cli, "--json", str(compare_json)])

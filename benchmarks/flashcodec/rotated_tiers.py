@@ -4,8 +4,10 @@ Candidates are :class:`flashcodec.codecs.RotatedKIVICodec` configurations (``kiv
 values rotated; ``kivi64rk-*``: keys only; ``kivi64rg-*``: rotated, levels fitted to a Gaussian
 instead of min-max; ``rkg``: both; ``u``: no rotation, for 2 and 3 bits without one), each named like the kivi tiers (``kivi<block>...-k<key
 bits>v<value bits>-w<window>i8``: ``kivi64r-k3v2-w64i8`` has 64-token blocks and the newest 64-127
-tokens int8; the first key exact). They are added to the tier registry of this
-process only (:func:`register`), beside the registered ``kivi64-*`` tiers they would replace.
+tokens int8; the first key exact). A candidate the registry already holds runs as that tier;
+the others are this script's own tiers (:func:`candidate_tiers`), run beside the registered
+``kivi64-*`` tiers they would replace through a compare harness that knows them
+(:func:`make_harness`); the registry itself is left as it is.
 
 Two protocols:
 
@@ -28,6 +30,8 @@ import argparse
 import re
 import sys
 import time
+import warnings
+from collections.abc import Iterable
 from pathlib import Path
 
 import flashcodec.tiers as tiers_module
@@ -81,22 +85,59 @@ def _describe(name: str, codec: BlockCodec) -> str:
     )
 
 
-def register(name: str) -> None:
-    """Add candidate ``name`` (and its materialization-free form) to this process's tier registry."""
-    if name in tiers_module.TIERS:
-        return
-    codec = _codec(name)
-    Tier = tiers_module.Tier
-    if hasattr(tiers_module, "MF_SUFFIX"):  # "-mf" is an attention axis over the storage tiers
-        tiers_module.TIERS[name] = Tier(name, _describe(name, codec), codec, offer_mf=True)
-    else:
-        tiers_module.TIERS[name] = Tier(name, _describe(name, codec), codec)
-        tiers_module.TIERS[name + "-mf"] = Tier(
-            name + "-mf",
-            _describe(name, codec) + "; attention on the codes",
-            codec,
-            materialization_free=True,
-        )
+def candidate_tiers(names: Iterable[str]) -> dict[str, tiers_module.Tier]:
+    """The candidates of ``names`` (each with or without ``-mf``) that the registry does not hold,
+    as storage tiers by name (each offering its ``-mf`` form, as the registry's do)."""
+    out: dict[str, tiers_module.Tier] = {}
+    for name in names:
+        base = name.removesuffix(tiers_module.MF_SUFFIX)
+        if base not in tiers_module.TIERS and base not in out:
+            codec = _codec(base)
+            out[base] = tiers_module.Tier(base, _describe(base, codec), codec, offer_mf=True)
+    return out
+
+
+def tier_of(name: str, extra: dict[str, tiers_module.Tier]) -> tiers_module.Tier:
+    """The tier ``name`` stands for: one of ``extra`` (``-mf``: with materialization-free attention),
+    else the registry's (:func:`flashcodec.tiers.tier`)."""
+    base = name.removesuffix(tiers_module.MF_SUFFIX)
+    if base in extra:
+        return extra[base] if base == name else extra[base].with_materialization_free()
+    return tiers_module.tier(name)
+
+
+def make_harness(extra: dict[str, tiers_module.Tier]):
+    """``flashcodec compare``'s harness with the tiers of ``extra`` (and their ``-mf`` forms) listed
+    after the registry's and built as candidates like them."""
+    from flashcodec.compare import FlashCodecHarness, build_candidates, on_attention_axis
+
+    class RotatedHarness(FlashCodecHarness):
+        def tiers(self):
+            names = [n for base in extra for n in (base, base + tiers_module.MF_SUFFIX)]
+            return {**super().tiers(), **{n: tier_of(n, extra).description for n in names}}
+
+        def candidates(self, loaded, tiers, peers):
+            return build_candidates(
+                loaded.handle,
+                on_attention_axis(tiers, self.attention),
+                peers,
+                tier_of=lambda name: tier_of(name, extra),
+            )
+
+    return RotatedHarness()
+
+
+def compare_main(extra: dict[str, tiers_module.Tier]):
+    """``flashcodec compare``'s entry point (:func:`flashcodec.compare.main`) on :func:`make_harness`."""
+    from kvbench.cli import run_cli, run_compare
+
+    def run(argv):
+        with warnings.catch_warnings():
+            # transformers' deprecation notes on cache kwargs would interleave with the progress bar
+            warnings.simplefilter("ignore", FutureWarning)
+            return run_compare(make_harness(extra), argv)
+
+    return lambda argv: run_cli(run, argv)
 
 
 #: the kvbench run: the registered references, then rotated 4- and 8-bit candidates, then the
@@ -145,11 +186,10 @@ QUICK_TIERS = ",".join(
 
 
 def run_compare(names: list[str], out: Path, model: str | None, long_windows: int = 1) -> None:
-    for name in names:
-        register(name.removesuffix("-mf"))
+    extra = candidate_tiers(names)
     cli = compare_cli(names, model, long_windows)
     t0 = time.perf_counter()
-    result = compare_result(cli)
+    result = compare_result(cli, main=compare_main(extra))
     result["command"] = (
         f"python benchmarks/flashcodec/rotated_tiers.py --tiers {','.join(names)} --long-windows {long_windows}"
     )

@@ -474,3 +474,25 @@ def test_the_compare_harness_refuses_a_model_with_no_layer_to_code():
     model.config.layer_types, model.config.attention_chunk_size = ["chunked_attention"] * 4, 4
     with pytest.raises(CompareError, match="cannot serve this model .* no attention layer to code"):
         build_candidates(model, ["png-keep1"], [])
+
+
+def test_the_compare_harness_builds_tiers_given_outside_the_registry():
+    from flashcodec.codecs import KIVICodec
+    from flashcodec.compare import build_candidates
+    from flashcodec.tiers import TIERS, Tier, tier
+
+    own = Tier("own-kivi", "a tier of the caller's", KIVICodec(32, key_bits=4, value_bits=8), offer_mf=True)
+    registry = dict(TIERS)
+
+    def tier_of(name: str) -> Tier:
+        if name.removesuffix("-mf") == own.name:
+            return own if name == own.name else own.with_materialization_free()
+        return tier(name)
+
+    built, absent = build_candidates(
+        tiny_qwen3(), ["own-kivi", "own-kivi-mf", "png-keep1"], [], tier_of=tier_of
+    )
+    assert [c.name for c in built] == ["baseline", "own-kivi", "own-kivi-mf", "png-keep1"] and absent == []
+    assert built[1].description == "a tier of the caller's" and built[1].config["codec"] == repr(own.codec)
+    assert built[2].config["materialization_free"] and built[2].context is not None
+    assert TIERS == registry and "own-kivi" not in TIERS

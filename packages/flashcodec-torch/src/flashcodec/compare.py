@@ -34,7 +34,7 @@ import inspect
 import re
 import sys
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +47,7 @@ from kvbench.results import CompareError, weights_digest
 from kvspec import KVSpecError
 
 from .codecs import BlockCodec, TurboQuantCodec
-from .tiers import MF_SUFFIX, tier_names
+from .tiers import MF_SUFFIX, Tier, tier_names
 from .tiers import tier as tier_named
 
 __all__ = [
@@ -313,11 +313,17 @@ def _peer_factory(model: Any, backend: str, nbits: int | None) -> Any:
 
 
 def build_candidates(
-    model: Any, tiers: Sequence[str], peers: Sequence[str]
+    model: Any,
+    tiers: Sequence[str],
+    peers: Sequence[str],
+    *,
+    tier_of: Callable[[str], Tier] = tier_named,
 ) -> tuple[list[Candidate], list[dict]]:
     """Baseline, the chosen tiers and the chosen peers that work here; and the peers that do not.
 
-    Raises CompareError (one line) when flashcodec cannot serve the model.
+    ``tier_of`` gives the :class:`~flashcodec.tiers.Tier` each name of ``tiers`` stands for
+    (default :func:`flashcodec.tiers.tier`, the registry; a benchmark passes its own to run
+    configurations outside it). Raises CompareError (one line) when flashcodec cannot serve the model.
     """
     from transformers import DynamicCache
 
@@ -333,7 +339,7 @@ def build_candidates(
         )
     ]
     for name in tiers:
-        tier = tier_named(name)
+        tier = tier_of(name)
         _probe_codec(model, name, tier.codec, "tier")
         context = details = None
         if tier.materialization_free:
