@@ -143,7 +143,7 @@ class KVCacheConfig:
             no latent channel of 2 bits or more clips (see
             :class:`~palu_mlx.coders.fixed.FixedQuantCoder`); 16 bits per token, head and tensor on
             top of the budget. True by default; False: fixed ranges from the fit tokens'
-            variance, no side information per token (the tiers measured before it existed).
+            variance, no side information per token (the palu tiers that do not set it).
         palu_sink_tokens: the first this many tokens of a sequence are also kept exactly (input
             dtype) and attention reads them instead of their codes. Real models send a large share
             of attention (often half) to the first token, an attention sink whose values are far

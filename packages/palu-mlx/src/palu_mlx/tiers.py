@@ -148,9 +148,10 @@ class Tier:
 
 
 def _palu(**fields) -> KVCacheConfig:
-    # the tiers defined before the per-token scale, the exact first tokens and the automatic
-    # relative-error weighing keep them off, so each name still means the configuration it was
-    # measured as (only the "+rel" tiers weigh by relative error)
+    # the base of every palu tier: the coder's codes alone, without a per-token scale, without
+    # exact first or newest tokens, weighed by squared error (KVCacheConfig's defaults turn all
+    # three on); a tier that uses one sets it in its own fields (_SCALED; palu_relative_error=True
+    # in the "+rel" tiers), so a tier is exactly the configuration its fields spell out
     fields = {
         "palu_token_scale": False,
         "palu_sink_tokens": 0,
