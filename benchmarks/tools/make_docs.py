@@ -38,7 +38,15 @@ from palu_long_block import (
     PALU_PEAK_TARGET,
     render_palu_long_block,
 )
-from palu_real_block import PALU_REAL_END, PALU_REAL_FILE, PALU_REAL_START, render_palu_real_block
+from palu_real_block import (
+    PALU_FRONTIER_END,
+    PALU_FRONTIER_FILE,
+    PALU_FRONTIER_START,
+    PALU_REAL_END,
+    PALU_REAL_FILE,
+    PALU_REAL_START,
+    render_palu_real_block,
+)
 from palu_speed_block import PALU_SPEED_END, PALU_SPEED_FILES, PALU_SPEED_START, render_palu_speed_block
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -693,6 +701,12 @@ def main(argv: list[str] | None = None) -> int:
     real_file = args.results / PALU_REAL_FILE
     if real_file.is_file():
         put(PALU_DOC, render_palu_real_block(read_json(real_file)), PALU_REAL_START, PALU_REAL_END)
+    frontier_file = args.results / PALU_FRONTIER_FILE
+    if frontier_file.is_file():
+        block = render_palu_real_block(
+            read_json(frontier_file), PALU_FRONTIER_FILE, PALU_FRONTIER_START, PALU_FRONTIER_END
+        )
+        put(PALU_DOC, block, PALU_FRONTIER_START, PALU_FRONTIER_END)
     families_file = args.results / PALU_FAMILIES_FILE
     if families_file.is_file():
         block = render_palu_families_block(read_json(families_file))

@@ -13,6 +13,12 @@ from typing import Any
 
 PALU_REAL_START, PALU_REAL_END = "<!-- palu-real:start -->", "<!-- palu-real:end -->"
 PALU_REAL_FILE = "palu_real_model.json"
+#: the same protocol on the registry's default, its best fitted tiers, the rotation tiers and the
+#: peers that hold their codes (``real_model.py --out .../palu_frontier.json --only ...``)
+PALU_FRONTIER_START, PALU_FRONTIER_END = "<!-- palu-frontier:start -->", "<!-- palu-frontier:end -->"
+PALU_FRONTIER_FILE = "palu_frontier.json"
+#: the names of palu's own rows (the others are peers)
+_OURS = ("palu", "rotation")
 
 #: the peer every ratio is read against
 Q4 = "mlx-lm-q4"
@@ -44,16 +50,22 @@ def _listed(rows: list[tuple[str, dict[str, Any]]], q4_kl: float) -> str:
     )
 
 
-def render_palu_real_block(result: dict[str, Any]) -> str:
-    """The table of every cache in the file, then what it says about the targets against q4."""
+def render_palu_real_block(
+    result: dict[str, Any],
+    file: str = PALU_REAL_FILE,
+    start: str = PALU_REAL_START,
+    end: str = PALU_REAL_END,
+) -> str:
+    """The table of every cache in ``file``'s ``result``, then what it says about the targets against
+    q4, between the markers ``start`` and ``end``."""
     rows = result["rows"]
     setup = result["setup"]
     q4_kl = rows[Q4]["kl"]
     ordered = sorted(rows.items(), key=lambda item: item[1]["bytes_x_q4"])
     lines = [
-        PALU_REAL_START,
+        start,
         "",
-        f"Generated from `benchmarks/results/{PALU_REAL_FILE}` ({result['date'][:10]}): "
+        f"Generated from `benchmarks/results/{file}` ({result['date'][:10]}): "
         f"{setup['model']['name']}, {setup['windows']} windows of {setup['context_tokens']:,} tokens of "
         f"context and {setup['scored_tokens']} scored tokens ({setup['windows'] * setup['scored_tokens']} "
         f"scored positions), read {setup['step_tokens']} at a time. *needs*: what a tier reads besides "
@@ -66,10 +78,10 @@ def render_palu_real_block(result: dict[str, Any]) -> str:
     for name, row in ordered:
         kl = row.get("kl", 0.0)
         lines.append(
-            f"| {_name(name)} | {needs(name) if name.startswith('palu') else ''} | {row['bytes_x_raw']:.3f} | "
+            f"| {_name(name)} | {needs(name) if name.startswith(_OURS) else ''} | {row['bytes_x_raw']:.3f} | "
             f"{row['bytes_x_q4']:.3f} | {kl:.3g} | {kl / q4_kl:.2f} | {row.get('top1', 1.0):.1%} | {row['ppl']:.2f} |"
         )
-    palu = [(n, r) for n, r in ordered if n.startswith("palu")]
+    palu = [(n, r) for n, r in ordered if n.startswith(_OURS)]
     quarter = [(n, r) for n, r in palu if r["bytes_x_q4"] <= 1.0 and r["kl"] <= 0.25 * q4_kl]
     half = [(n, r) for n, r in palu if r["bytes_x_q4"] <= 0.5 and r["kl"] <= q4_kl]
     at_q4_kl = [(n, r) for n, r in palu if r["kl"] <= q4_kl]
@@ -88,6 +100,6 @@ def render_palu_real_block(result: dict[str, Any]) -> str:
         + (_listed(no_file[:1], q4_kl) if no_file else "none")
         + ".",
         "",
-        PALU_REAL_END,
+        end,
     ]
     return "\n".join(lines)
