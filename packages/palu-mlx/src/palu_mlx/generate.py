@@ -3,9 +3,11 @@
 Every option of ``mlx_lm.generate`` is kept (its own argument parser is reused) and means what it
 means there: ``--model``, ``--prompt`` (``-`` reads stdin), ``--max-tokens``, ``--temp`` and the
 other sampling options, the chat template options, ``--prompt-cache-file``. palu adds
-``--palu-bits`` / ``--palu-tier`` and ``--calibration``; ``--model`` also takes kvbench's named
-models. It prints what mlx-lm prints (the text, prompt and generation tokens per second, peak
-memory) and then the KV bytes the cache holds against an uncompressed cache of the same tokens.
+``--palu-bits`` / ``--palu-tier`` and ``--calibration``, or ``--kv-memory SIZE`` (with
+``--kv-context``): the tier a memory plan chooses (:mod:`palu_mlx.memory_plan`), named on stderr;
+``--model`` also takes kvbench's named models. It prints what mlx-lm prints (the text, prompt and
+generation tokens per second, peak memory) and then the KV bytes the cache holds against an
+uncompressed cache of the same tokens.
 ``--max-kv-size N`` bounds every layer to a window of ``N`` tokens (the first 4 kept), as mlx-lm's
 does, with palu's rotating caches (:mod:`palu_mlx.rotating`).
 
@@ -162,6 +164,14 @@ def generate_main(argv: Sequence[str]) -> int:
         )
     if args.image:
         return _error("--image is not supported by palu-mlx generate; use mlx_lm.generate")
+    from kvspec import KVConfigError
+
+    from .serving import check_palu_arguments
+
+    try:
+        check_palu_arguments(args)
+    except KVConfigError as exc:
+        return _error(str(exc))
 
     import mlx.core as mx
     import mlx_lm
@@ -237,7 +247,7 @@ def generate_main(argv: Sequence[str]) -> int:
     for eos_token in args.extra_eos_token:
         tokenizer.add_eos_token(eos_token)
     try:
-        config = palu_config(model, args)
+        config = palu_config(model, args, report=lambda line: print(line, file=sys.stderr))
         KVCacheBuilder.install(model, config)
     except KVSpecError as exc:
         return _error(str(exc))

@@ -86,7 +86,7 @@ def server_parser() -> argparse.ArgumentParser:
     parser = _mlx_server_parser()
     parser.prog = "palu-mlx server"
     parser.description = "mlx-lm's OpenAI-compatible HTTP server with palu's compressed KV cache"
-    add_palu_arguments(parser)
+    add_palu_arguments(parser, kv_users=True)
     add_store_arguments(parser)
     return parser
 
@@ -94,8 +94,10 @@ def server_parser() -> argparse.ArgumentParser:
 class PaluModelProvider(ModelProvider):
     """mlx-lm's ``ModelProvider`` that installs palu caches on every model it loads.
 
-    ``cli_args`` carries palu's options (``palu_bits``, ``palu_tier``, ``calibration``) beside
-    mlx-lm's. After the install, ``is_batchable`` is decided again the way mlx-lm decides it.
+    ``cli_args`` carries palu's options (``palu_bits``, ``palu_tier``, ``calibration``,
+    ``kv_memory``, ``kv_context``, ``kv_users``) beside mlx-lm's; a memory plan is made, and
+    logged, for every model loaded. After the install, ``is_batchable`` is decided again the way
+    mlx-lm decides it.
     """
 
     palu_config: KVCacheConfig | None = None
@@ -128,7 +130,7 @@ class PaluModelProvider(ModelProvider):
 
     def _load(self, model_path, adapter_path=None, draft_model_path=None):
         super()._load(model_path, adapter_path, draft_model_path)
-        config = palu_config(self.model, self.cli_args)
+        config = palu_config(self.model, self.cli_args, report=_log.info)
         KVCacheBuilder.install(self.model, config)
         self.palu_config = config
         # mlx-lm's rule, on the caches the model now makes
@@ -161,7 +163,13 @@ def server_main(argv: Sequence[str]) -> int:
     from mlx_lm.utils import maybe_set_recommended_wired_limit
 
     from .prompt_store import PromptStoreError, open_store, serve
-    from .serving import ModelNameError, resolve_model_arg
+    from .serving import ModelNameError, check_palu_arguments, resolve_model_arg
+
+    try:
+        check_palu_arguments(args)
+    except KVSpecError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
 
     given = args.model
     if args.model is not None:

@@ -4,7 +4,10 @@
   named models (``smollm2-135m``, ``tiny-qwen3``). kvbench is imported only for a name that is
   neither a directory nor a hub id, so palu-mlx does not need it otherwise.
 * :func:`add_palu_arguments` / :func:`palu_config`: ``--palu-bits``, ``--palu-tier``,
-  ``--calibration`` and the :class:`~palu_mlx.config.KVCacheConfig` they mean for a model.
+  ``--calibration`` and the :class:`~palu_mlx.config.KVCacheConfig` they mean for a model; or
+  ``--kv-memory SIZE`` (with ``--kv-context`` and the server's ``--kv-users``): the tier a memory
+  plan chooses (:mod:`palu_mlx.memory_plan`). :func:`check_palu_arguments` refuses what does not
+  go together before a model is loaded.
 * :func:`kv_bytes`: what a prompt cache holds, measured, against what an uncompressed cache of the
   same tokens would.
 """
@@ -14,7 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvspec import KVConfigError
@@ -23,7 +26,14 @@ from .builder import model_kv_dims
 from .config import DEFAULT_PALU_BITS, KVCacheConfig
 from .tiers import CALIBRATED_SUFFIX, CALIBRATED_TIERS, TIERS
 
-__all__ = ["ModelNameError", "resolve_model_arg", "add_palu_arguments", "palu_config", "kv_bytes"]
+__all__ = [
+    "ModelNameError",
+    "resolve_model_arg",
+    "add_palu_arguments",
+    "check_palu_arguments",
+    "palu_config",
+    "kv_bytes",
+]
 
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
@@ -85,8 +95,35 @@ def _bits(value: str) -> float:
     return bits
 
 
-def add_palu_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add palu's options (one argument group) to an mlx-lm command's parser."""
+def _memory(value: str) -> int:
+    from .memory_plan import parse_size
+
+    try:
+        return parse_size(value)
+    except KVConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _at_least_one(what: str) -> Callable[[str], int]:
+    def parse(value: str) -> int:
+        try:
+            n = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{value!r} is not a whole number of {what}") from None
+        if n < 1:
+            raise argparse.ArgumentTypeError(f"{value!r}: the number of {what} must be at least 1")
+        return n
+
+    parse.__name__ = what  # argparse names the type in its own messages
+    return parse
+
+
+def add_palu_arguments(parser: argparse.ArgumentParser, kv_users: bool = False) -> None:
+    """Add palu's options (one argument group) to an mlx-lm command's parser.
+
+    ``kv_users``: add ``--kv-users`` (the server holds several sequences at once; ``palu-mlx
+    generate`` plans for its one).
+    """
     group = parser.add_argument_group("palu-mlx KV cache")
     choice = group.add_mutually_exclusive_group()
     choice.add_argument(
@@ -103,6 +140,30 @@ def add_palu_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="NAME",
         help=f"a named palu tier instead of --palu-bits: {', '.join(TIERS)}",
     )
+    choice.add_argument(
+        "--kv-memory",
+        type=_memory,
+        default=None,
+        metavar="SIZE",
+        help="memory for the KV caches instead of a tier or bits (e.g. 512M, 2G, 1.5GiB; K, M, G, T are "
+        "powers of 1024): the best-quality tier whose caches, measured on the model, fit it",
+    )
+    group.add_argument(
+        "--kv-context",
+        type=_at_least_one("tokens"),
+        default=None,
+        metavar="TOKENS",
+        help="with --kv-memory: tokens per sequence to plan for (default: the model's max position "
+        "embeddings, else 4096)",
+    )
+    if kv_users:
+        group.add_argument(
+            "--kv-users",
+            type=_at_least_one("users"),
+            default=None,
+            metavar="N",
+            help="with --kv-memory: sequences held at once to plan for (default 1)",
+        )
     group.add_argument(
         "--calibration",
         default=None,
@@ -111,8 +172,40 @@ def add_palu_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def palu_config(model: Any, args: argparse.Namespace) -> KVCacheConfig:
+def check_palu_arguments(args: argparse.Namespace) -> None:
+    """Refuse palu options that do not go together (no model needed, so before one loads).
+
+    ``--kv-context`` and ``--kv-users`` plan a ``--kv-memory`` and mean nothing without it; the
+    tiers a memory plan chooses from have no calibrated twins, so ``--kv-memory`` refuses
+    ``--calibration``. Raises ``KVConfigError``.
+    """
+    if getattr(args, "kv_memory", None) is None:
+        given = [
+            flag
+            for flag, name in (("--kv-context", "kv_context"), ("--kv-users", "kv_users"))
+            if getattr(args, name, None) is not None
+        ]
+        if given:
+            raise KVConfigError(
+                f"{' and '.join(given)} plan{'s' if len(given) == 1 else ''} the KV memory of --kv-memory "
+                "SIZE; give --kv-memory too, or leave "
+                f"{'it' if len(given) == 1 else 'them'} out"
+            )
+    elif getattr(args, "calibration", None) is not None:
+        raise KVConfigError(
+            "--kv-memory with --calibration: the tiers a memory plan chooses from have no calibrated "
+            "twin; choose one with --palu-tier, or leave out --calibration"
+        )
+
+
+def palu_config(
+    model: Any, args: argparse.Namespace, report: Callable[[str], Any] | None = None
+) -> KVCacheConfig:
     """The :class:`KVCacheConfig` that ``args``' palu options mean for ``model``.
+
+    With ``--kv-memory`` the tier :func:`palu_mlx.memory_plan.plan` chooses for ``--kv-users``
+    (default 1) sequences of ``--kv-context`` tokens (default: the model's max position embeddings,
+    else 4096) in that memory; ``report`` (if given) gets its one-line summary.
 
     A tier is the registry's, sized for the model by :meth:`~palu_mlx.tiers.Tier.for_head_dim`
     (as ``palu-mlx compare`` runs it); with ``--calibration`` its calibrated twin ``<tier>+cal``.
@@ -120,6 +213,16 @@ def palu_config(model: Any, args: argparse.Namespace) -> KVCacheConfig:
     head). Raises ``KVConfigError`` for an unknown tier, a tier with no calibrated twin given a
     calibration, or a calibration that is not a file.
     """
+    check_palu_arguments(args)
+    memory = getattr(args, "kv_memory", None)
+    if memory is not None:
+        from .memory_plan import default_context, plan
+
+        context = getattr(args, "kv_context", None) or default_context(model)
+        made = plan(model, memory, context, getattr(args, "kv_users", None) or 1)
+        if report is not None:
+            report(made.summary())
+        return made.config
     head_dim, _ = model_kv_dims(model)
     tier_name = getattr(args, "palu_tier", None)
     calibration = getattr(args, "calibration", None)
