@@ -113,6 +113,8 @@ PEERS = {"mlx-lm-q8": 8, "mlx-lm-q4": 4}
 KIVI = ("kivi-k4v4", "kivi-k2v2")
 #: the registry's rotation-code tiers (nothing fitted but each head's mean)
 ROTATION = tuple(name for name, entry in REGISTRY.items() if entry.config.method == "rotation")
+#: the rotation tier with its newest tokens exact in 16 bits instead of int8 (name -> (tier, fields))
+ROTATION_ABLATION = {"rotation-4bit-recent16": ("rotation-4bit", dict(palu_recent_bits=16))}
 #: the noise floor: the uncompressed cache holding the model's float32 keys and values, which every
 #: other candidate gets rounded to bfloat16 (KL this small or smaller is rounding, not the cache)
 FLOOR = "float32-kv"
@@ -176,6 +178,12 @@ def candidates(
         if source in configs:
             configs[name] = dataclasses.replace(configs[source], **fields)
     out.update({name: entry(config) for name, config in configs.items()})
+    for name, (source, fields) in ROTATION_ABLATION.items():
+        config = dataclasses.replace(tier_config(source, head_dim, n_kv), **fields)
+        out[name] = (
+            lambda config=config: KVCacheBuilder.for_model(model, config),
+            dataclasses.asdict(config),
+        )
     base = tier_config("palu-3bit", head_dim, n_kv)
     for name, fields in ABLATION.items():
         config = dataclasses.replace(base, **fields)
