@@ -68,8 +68,8 @@ class KVCacheConfig:
     Attributes:
         method: ``"palu"`` (low-rank latent cache), ``"rotation"`` (nothing fitted but each
             head's mean: a fixed rotation of each head's channels and ``palu_bits`` bits, 4 by
-            default, per rotated channel under a per-token scale, :mod:`palu_mlx.rotation_code`;
-            built by :meth:`KVCacheBuilder.for_model`, which knows the head counts) or ``"naive"``
+            default, per rotated channel under a per-token scale, in halves from 2 to 8 (3.5: keys
+            4, values 3), :mod:`palu_mlx.rotation_code`; the ``rotation-<b>bit`` tiers) or ``"naive"``
             (uniform group quantization of the full K/V, the comparison baseline).
         head_dim: the model's key head dimension ``D``; checked against the model
             and against every ``update_and_fetch``. ``None`` accepts the ``D`` of the
@@ -340,8 +340,8 @@ class KVCacheConfig:
             )
 
     def _check_rotation(self) -> None:
-        """``method="rotation"``: a whole number of bits per rotated channel, and none of the fields
-        of a fitted or calibrated projection."""
+        """``method="rotation"``: bits per rotated channel in halves from 2 to 8, a per-token scale,
+        and none of the fields of a fitted or calibrated projection."""
         bits = self.palu_bits
         if bits is not None and float(bits) not in ROTATION_BITS_ALLOWED:
             raise KVConfigError(
