@@ -179,11 +179,7 @@ def candidates(
             configs[name] = dataclasses.replace(configs[source], **fields)
     out.update({name: entry(config) for name, config in configs.items()})
     for name, (source, fields) in ROTATION_ABLATION.items():
-        config = dataclasses.replace(tier_config(source, head_dim, n_kv), **fields)
-        out[name] = (
-            lambda config=config: KVCacheBuilder.for_model(model, config),
-            dataclasses.asdict(config),
-        )
+        out[name] = entry(dataclasses.replace(tier_config(source, head_dim, n_kv), **fields))
     base = tier_config("palu-3bit", head_dim, n_kv)
     for name, fields in ABLATION.items():
         config = dataclasses.replace(base, **fields)
