@@ -369,8 +369,9 @@ def _outlier_dims(model: dict, tensor: str = "keys_pre_rope") -> tuple[list[tupl
     return sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])), total
 
 
-def render_doc_block(record: dict, json_label: str) -> str:
-    """The generated part of the section: every number read from ``record``."""
+def render_doc_block(record: dict, json_label: str, per_layer: bool = False) -> str:
+    """The generated part of the section: every number read from ``record``. The layers are
+    summarized (min / median / max); ``per_layer`` adds a table of every layer per model."""
     models = record["models"]
     f = record["outlier_factor"]
     lines = [
@@ -438,7 +439,12 @@ def render_doc_block(record: dict, json_label: str) -> str:
             + ", ".join(f"{i} ({n}x)" for i, n in most)
             + f" most often; over the {m['tokens']} tokens those pairs turn by (radians) {turns}.",
         ]
-    for m in models:
+    if not per_layer:
+        lines += [
+            "",
+            f"Every layer's figures are in `{json_label}` (`per_layer`); `--per-layer` renders them here.",
+        ]
+    for m in models if per_layer else []:
         lines += [
             "",
             f"**{m['name']}, per layer.** r90/r99: mean rank per KV head; Var(d): Var(d)/Var(x); DCT: low-2 "
@@ -509,6 +515,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="statistics JSON")
     p.add_argument("--doc", type=Path, default=None, help="markdown file whose kvstats block to regenerate")
     p.add_argument("--render-only", action="store_true", help="only regenerate --doc from the existing --out")
+    p.add_argument(
+        "--per-layer", action="store_true", help="with --doc: also a table of every layer per model"
+    )
     return p.parse_args(argv)
 
 
@@ -525,7 +534,7 @@ def main(argv: list[str] | None = None) -> dict:
             label = str(args.out.resolve().relative_to(REPO_ROOT))
         except ValueError:
             label = str(args.out)
-        if not update_doc(args.doc, render_doc_block(record, label)):
+        if not update_doc(args.doc, render_doc_block(record, label, args.per_layer)):
             raise SystemExit(f"{args.doc} has no {DOC_START} ... {DOC_END} block")
         print(f"updated {args.doc}")
     return record
