@@ -6,8 +6,14 @@ import os
 
 import pytest
 import torch
-from flashcodec import PNGCodec
-from flashcodec.codecs import MixedJPEGCodec
+from flashcodec import JPEGCodec, PNGCodec
+from flashcodec.codecs import (
+    ChannelInt4Codec,
+    KIVICodec,
+    MixedJPEGCodec,
+    RotatedKIVICodec,
+    ZeroPointJPEGCodec,
+)
 from flashcodec.tiers import TIERS
 from hypothesis import HealthCheck, settings
 
@@ -46,11 +52,34 @@ def walk():
     return random_walk()
 
 
-#: the codec of every tier in flashcodec.tiers (each storage format once), plus png with half the deltas kept (Top-M pruning) and a mixed-bit jpeg with
-#: both row formats and a dropped frequency (two row segments, int8 + packed int4), which no tier uses
+#: the codec of every tier in flashcodec.tiers, plus the other formats the codecs offer, which no
+#: tier uses (the benchmarks' study configurations, named as there, and two more): png with half
+#: the deltas kept (Top-M pruning) and a mixed-bit jpeg with both row formats and a dropped
+#: frequency (two row segments, int8 + packed int4)
 CODECS = {name: t.codec for name, t in TIERS.items()}
-CODECS["png-keep0.5"] = PNGCodec(8, keep_ratio=0.5)
-CODECS["jpeg-mixed-84"] = MixedJPEGCodec(8, freq_bits=(8, 8, 4, 4, 4, 4, 4, 0))
+CODECS.update(
+    {
+        "png-keep0.5": PNGCodec(8, keep_ratio=0.5),
+        "jpeg-mixed-84": MixedJPEGCodec(8, freq_bits=(8, 8, 4, 4, 4, 4, 4, 0)),
+        "jpeg-k8": JPEGCodec(8, keep_freqs=8),
+        "jpeg-k4": JPEGCodec(8, keep_freqs=4),
+        "jpeg-k8-int4": JPEGCodec(8, keep_freqs=8, quant_bits=4),
+        "jpeg-k8-int4z": ZeroPointJPEGCodec(8),
+        "jpeg-k8-int4z-w64": ZeroPointJPEGCodec(8, raw_window=64),
+        "jpeg-k8-int4z-w96i8": ZeroPointJPEGCodec(8, raw_window=96, window_bits=8),
+        "chan64-int4-w64i8": ChannelInt4Codec(64, raw_window=64, window_bits=8),
+        "kivi64-k8v8-w64i8": KIVICodec(64, key_bits=8, value_bits=8),
+        "kivi64-k4v4-w64i8": KIVICodec(64, key_bits=4, value_bits=4),
+        "kivi64r-k4v4-w64i8": RotatedKIVICodec(64, key_bits=4, value_bits=4),
+        "kivi64r-k3v3-w64i8": RotatedKIVICodec(64, key_bits=3, value_bits=3),
+        "kivi64r-k3v2-w64i8": RotatedKIVICodec(64, key_bits=3, value_bits=2),
+        "kivi64r-k3v2-w64i8-s8z4": RotatedKIVICodec(64, key_bits=3, value_bits=2, side_bits=8, value_zero_bits=4),
+        "kivi64r-k3v3-w0i8-s8": RotatedKIVICodec(64, key_bits=3, value_bits=3, raw_window=0, side_bits=8),
+        "kivi64r-k3v2-w0i8-s8z4-vs1": RotatedKIVICodec(
+            64, key_bits=3, value_bits=2, raw_window=0, side_bits=8, value_zero_bits=4, value_sink_tokens=1
+        ),
+    }
+)
 
 
 @pytest.fixture(scope="session")

@@ -1,76 +1,42 @@
-"""The tier registry (flashcodec.tiers): names, order, codecs, lookup, and who reads it."""
+"""The tier registry (flashcodec.tiers): names, order, codecs, attention, lookup, and who reads it."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 from conftest import CODECS, random_walk
 from flashcodec import CodecKVCache, JPEGCodec, PNGCodec, Tier
-from flashcodec.codecs import ChannelInt4Codec, ZeroPointJPEGCodec
+from flashcodec.codecs import RotatedKIVICodec
 from flashcodec.kvspec_adapter import FlashCodecAdapter, conformance_tiers
-from flashcodec.tiers import TIERS, tier, tier_names
+from flashcodec.tiers import ATTENTIONS, DEFAULT_TIER, TIERS, make_registry, tier, tier_names
 from kvspec import KVConfigError
 
-#: the names command lines list (flashcodec.tiers.tier_names): each -mf name right after its tier
-NAMES = [
-    "png-keep1",
-    "jpeg-k8",
-    "jpeg-k8-int8",
-    "jpeg-k8-int8-mf",
-    "jpeg-k8-int4",
-    "jpeg-k8-int4-mf",
-    "jpeg-k8-int4z",
-    "jpeg-k8-int4z-mf",
-    "jpeg-k8-int4z-w64",
-    "jpeg-k8-int4z-w64-mf",
-    "jpeg-k8-int4z-w96i8",
-    "jpeg-k8-int4z-w96i8-mf",
-    "chan64-int4-w64i8",
-    "chan64-int4-w64i8-mf",
-    "kivi64-k8v8-w64i8",
-    "kivi64-k8v8-w64i8-mf",
-    "kivi64-k4v4-w64i8",
-    "kivi64-k4v4-w64i8-mf",
-    "kivi64r-k4v4-w64i8",
-    "kivi64r-k4v4-w64i8-mf",
-    "kivi64r-k3v3-w64i8",
-    "kivi64r-k3v3-w64i8-mf",
-    "kivi64r-k3v2-w64i8",
-    "kivi64r-k3v2-w64i8-mf",
-    "kivi64r-k4v4-w64i8-s8",
-    "kivi64r-k4v4-w64i8-s8-mf",
-    "kivi64r-k3v3-w64i8-s8z4",
-    "kivi64r-k3v3-w64i8-s8z4-mf",
-    "kivi64r-k3v2-w64i8-s8z4",
-    "kivi64r-k3v2-w64i8-s8z4-mf",
-    "kivi64r-k8v8-w32-s8",
-    "kivi64r-k8v8-w32-s8-mf",
-    "kivi64r-k3v3-w0i8-s8",
-    "kivi64r-k3v3-w0i8-s8-mf",
-    "kivi64r-k3v2-w0i8-s8z4",
-    "kivi64r-k3v2-w0i8-s8z4-mf",
-    "kivi64r-k3v2-w0i8-s8z4-vs1",
-    "kivi64r-k3v2-w0i8-s8z4-vs1-mf",
-    "jpeg-k4",
-    "jpeg-k2",
-    "jpeg-k2-int8",
-    "jpeg-k2-int8-mf",
-]
-STORAGE = [n for n in NAMES if not n.endswith("-mf")]
+#: the registry, the default first: (name, the attention it is measured with)
+NAMES = {
+    "kivi64r-k4v4-w64i8-s8": "codes",
+    "kivi64r-k8v8-w32-s8": "codes",
+    "kivi64r-k3v3-w64i8-s8z4": "codes",
+    "kivi64r-k3v2-w0i8-s8z4": "codes",
+    "png-keep1": "materialized",
+    "jpeg-k8-int8": "codes",
+    "jpeg-k2-int8": "codes",
+    "jpeg-k2": "materialized",
+}
 
 
-def test_names_order_and_codecs():
-    assert tier_names() == NAMES
-    assert list(TIERS) == STORAGE  # the registry holds each storage format once
-    assert all(name == t.name and not t.materialization_free for name, t in TIERS.items())
+def test_names_order_attention_and_codecs():
+    assert tier_names() == list(TIERS) == list(NAMES)
+    assert len(TIERS) <= 8  # the registry stays small: study configurations live with their benchmarks
+    assert list(TIERS)[0] == DEFAULT_TIER
+    assert {name: t.attention for name, t in TIERS.items()} == NAMES
+    assert all(name == t.name for name, t in TIERS.items())
     assert TIERS["png-keep1"].codec == PNGCodec(8, keep_ratio=1.0, delta_dtype=torch.float64)
-    assert TIERS["jpeg-k8"].codec == JPEGCodec(8, 8)
+    assert TIERS["jpeg-k8-int8"].codec == JPEGCodec(8, 8, 8)
     assert TIERS["jpeg-k2-int8"].codec == JPEGCodec(8, 2, 8)
-    assert TIERS["jpeg-k8-int4"].codec == JPEGCodec(8, 8, 4)
-    assert TIERS["jpeg-k8-int4z"].codec == ZeroPointJPEGCodec(8, 8)
-    assert TIERS["jpeg-k8-int4z-w64"].codec == ZeroPointJPEGCodec(8, 8, raw_window=64)
-    assert TIERS["jpeg-k8-int4z-w96i8"].codec == ZeroPointJPEGCodec(8, 8, raw_window=96, window_bits=8)
-    assert TIERS["chan64-int4-w64i8"].codec == ChannelInt4Codec(64, raw_window=64, window_bits=8)
+    assert TIERS["jpeg-k2"].codec == JPEGCodec(8, 2)
+    assert TIERS[DEFAULT_TIER].codec == RotatedKIVICodec(64, key_bits=4, value_bits=4, side_bits=8)
 
 
 def test_every_description_is_one_line():
@@ -79,19 +45,39 @@ def test_every_description_is_one_line():
         assert t.description and "\n" not in t.description and len(t.description) < 120, name
 
 
-@pytest.mark.parametrize("name", [*NAMES, "png-keep1-mf", "jpeg-k4-mf"])
-def test_the_mf_suffix_is_the_attention_axis_of_any_tier(name):
-    t = tier(name)
-    base = TIERS[name.removesuffix("-mf")]
-    assert t.name == name and t.codec == base.codec
-    assert t.materialization_free == name.endswith("-mf")
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_attention_is_a_field_the_lookup_sets(name, attention):
+    t = tier(name, attention)
+    assert (t.name, t.codec, t.attention) == (name, TIERS[name].codec, attention)
+    assert tier(name) is TIERS[name]  # no attention given: the tier's own
 
 
-def test_the_registry_refuses_an_mf_name():
-    from flashcodec.tiers import _registry
+@pytest.mark.parametrize("name", ["kivi64r-k4v4-w64i8-s8-mf", "png-keep1-mf", "jpeg-k4-mf"])
+def test_an_mf_name_says_to_choose_the_attention(name):
+    with pytest.raises(KVConfigError, match=r"no longer part of a tier's name.*attention='codes'"):
+        tier(name)
 
-    with pytest.raises(KVConfigError, match="attention axis"):
-        _registry(Tier("a-mf", "x", PNGCodec()))
+
+def test_a_tier_cannot_be_named_with_the_retired_suffix():
+    with pytest.raises(KVConfigError, match="attention is no longer part"):
+        Tier("a-mf", "x", PNGCodec())
+
+
+def test_a_registry_refuses_a_repeated_name_and_a_non_tier():
+    with pytest.raises(KVConfigError, match="defined twice"):
+        make_registry(Tier("a", "x", PNGCodec()), Tier("a", "y", PNGCodec()))
+    with pytest.raises(KVConfigError, match="Tier objects"):
+        make_registry(PNGCodec())
+
+
+def test_lookup_in_another_registry():
+    own = Tier("own", "a caller's", JPEGCodec(8, 4), "materialized")
+    registry = make_registry(*TIERS.values(), own)
+    assert tier("own", registry=registry) is own
+    assert tier("own", "codes", registry=registry).attention == "codes"
+    with pytest.raises(KVConfigError, match="tier must be one of"):
+        tier("own")
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -102,10 +88,10 @@ def test_every_tier_builds_a_cache(name):
     assert k.shape == x.shape and cache.nbytes > 0
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", CODECS)
 def test_a_codec_says_its_synthesis_is_the_identity_only_when_it_is(name):
     # the kernels skip the synthesis product on the codec's word (synthesis_is_identity)
-    codec = tier(name).codec
+    codec = CODECS[name]
     a = codec.synthesis_matrix()
     is_eye = a.shape[0] == a.shape[1] and torch.equal(a, torch.eye(a.shape[0]))
     assert codec.synthesis_is_identity == is_eye
@@ -113,7 +99,7 @@ def test_a_codec_says_its_synthesis_is_the_identity_only_when_it_is(name):
 
 def test_unknown_tier_lists_the_names():
     with pytest.raises(
-        KVConfigError, match=r"tier must be one of \['png-keep1', .*'jpeg-k2-int8-mf'\] .*; got 'jpeg-k3'"
+        KVConfigError, match=r"tier must be one of \['kivi64r-k4v4-w64i8-s8', .*'jpeg-k2'\]; got 'jpeg-k3'"
     ):
         tier("jpeg-k3")
     with pytest.raises(ValueError):  # KVConfigError is a ValueError
@@ -126,37 +112,28 @@ def test_unknown_tier_lists_the_names():
         (dict(name="", description="x", codec=PNGCodec()), "name"),
         (dict(name="a", description="two\nlines", codec=PNGCodec()), "description"),
         (dict(name="a", description="x", codec={"mode": "png"}), "codec"),
-        (dict(name="a", description="x", codec=PNGCodec(), materialization_free=1), "materialization_free"),
-        (dict(name="a", description="x", codec=PNGCodec(), offer_mf="yes"), "offer_mf"),
+        (dict(name="a", description="x", codec=PNGCodec(), attention="mf"), r"attention must be one of \("),
+        (dict(name="a", description="x", codec=PNGCodec(), attention=True), "attention must be one of"),
     ],
-    ids=["name", "description", "codec", "materialization-free", "offer-mf"],
+    ids=["name", "description", "codec", "attention-word", "attention-bool"],
 )
 def test_tier_fields_are_checked(kwargs, match):
     with pytest.raises(KVConfigError, match=match):
         Tier(**kwargs)
 
 
+def test_with_attention_checks_its_argument():
+    with pytest.raises(KVConfigError, match="attention must be one of"):
+        TIERS["png-keep1"].with_attention("both")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        TIERS["png-keep1"].attention = "codes"  # a registry tier never changes in place
+
+
 def test_the_conformance_adapter_reads_the_registry():
     cases = FlashCodecAdapter().configs()
-    assert [c.name for c in cases] == conformance_tiers() == STORAGE
+    assert [c.name for c in cases] == conformance_tiers() == list(NAMES)
     assert all(c.config is TIERS[c.name].codec for c in cases)
 
 
-def test_the_test_codecs_are_the_registry_codecs_plus_top_m_and_mixed_bits():
-    assert {n: c for n, c in CODECS.items() if n not in ("png-keep0.5", "jpeg-mixed-84")} == {
-        n: t.codec for n, t in TIERS.items()
-    }
-
-
-def test_compare_moves_the_selected_tiers_along_the_attention_axis():
-    pytest.importorskip("kvbench")
-    from flashcodec.compare import on_attention_axis
-    from kvbench.results import CompareError
-
-    names = ["png-keep1", "jpeg-k2-int8-mf", "jpeg-k2-int8"]
-    assert on_attention_axis(names, "as-named") == names
-    assert on_attention_axis(names, "codes") == ["png-keep1-mf", "jpeg-k2-int8-mf"]
-    assert on_attention_axis(names, "materialized") == ["png-keep1", "jpeg-k2-int8"]
-    assert all(tier(n).materialization_free for n in on_attention_axis(names, "codes"))
-    with pytest.raises(CompareError, match="--attention must be one of"):
-        on_attention_axis(names, "both")
+def test_the_test_codecs_hold_every_registry_codec():
+    assert {n: CODECS[n] for n in TIERS} == {n: t.codec for n, t in TIERS.items()}

@@ -3,22 +3,23 @@
     flashcodec compare                                  # the repository's embedded model, all tiers
     python -m flashcodec.compare --model Qwen/Qwen3-0.6B --device cuda --text notes.txt
     flashcodec compare --tiers jpeg-k8-int8 --peers none --json out.json --plot out.png
-    flashcodec compare --tiers png-keep1,jpeg-k2 --attention codes   # png-keep1-mf, jpeg-k2-mf
+    flashcodec compare --tiers png-keep1,jpeg-k2 --attention codes   # both attending on their codes
 
 Needs the ``compare`` extra (``pip install "flashcodec-kv[compare]"``: kvbench and transformers).
 Candidates:
 
 * ``baseline``: transformers' ``DynamicCache`` (uncompressed, the model's dtype);
-* tiers: :func:`flashcodec.tiers.tier_names` (same names) as a :class:`flashcodec.hf.FlashCodecCache`
-  on every full-attention layer; a ``-mf`` name (materialization-free) runs with attention on the
-  stored codes for decode steps and over the archive in chunks for multi-token steps
-  (:func:`flashcodec.hf.codec_attention.apply_codec_attention`, removed again after each of its
-  runs; its details count both kinds of step and any fallback);
+* tiers: :data:`flashcodec.tiers.TIERS` (same names) as a :class:`flashcodec.hf.FlashCodecCache`
+  on every full-attention layer, each with its own :attr:`~flashcodec.tiers.Tier.attention` or the
+  one ``--attention`` chooses for all. With ``codes`` the model attends on the stored codes for
+  decode steps and over the archive in chunks for multi-token steps
+  (:func:`flashcodec.hf.attending_on`, undone after each of its runs; its details count both kinds
+  of step and any fallback); with ``materialized`` on a decoded view;
 * peers: transformers' ``QuantizedCache`` with each backend that works here (``hqq`` 8 and 4
   bits, ``quanto`` 4 and 2 bits: optional packages; ``fp8``: built in). A backend that cannot be
   built is listed under ``absent`` with the exact error. And TurboQuant (MSE variant, 4 and 3 bits:
   :mod:`flashcodec.codecs.turboquant`, a reference built to its paper) as a
-  :class:`flashcodec.hf.FlashCodecCache` with attention on its codes, as the ``-mf`` tiers run.
+  :class:`flashcodec.hf.FlashCodecCache` with attention on its codes.
 
 The protocol, options, JSON layout, table and chart are kvbench's, shared with ``palu-mlx
 compare``; this module is the torch runner and the candidates.
@@ -47,7 +48,7 @@ from kvbench.results import CompareError, weights_digest
 from kvspec import KVSpecError
 
 from .codecs import BlockCodec, TurboQuantCodec
-from .tiers import MF_SUFFIX, Tier, tier_names
+from .tiers import ATTENTIONS, TIERS, Tier, check_attention
 from .tiers import tier as tier_named
 
 __all__ = [
@@ -58,7 +59,7 @@ __all__ = [
     "TorchRunner",
     "RSSPeak",
     "build_candidates",
-    "on_attention_axis",
+    "reject_attention_in_names",
     "FlashCodecHarness",
     "main",
 ]
@@ -318,13 +319,18 @@ def build_candidates(
     peers: Sequence[str],
     *,
     tier_of: Callable[[str], Tier] = tier_named,
+    attention: str | None = None,
 ) -> tuple[list[Candidate], list[dict]]:
     """Baseline, the chosen tiers and the chosen peers that work here; and the peers that do not.
 
     ``tier_of`` gives the :class:`~flashcodec.tiers.Tier` each name of ``tiers`` stands for
     (default :func:`flashcodec.tiers.tier`, the registry; a benchmark passes its own to run
-    configurations outside it). Raises CompareError (one line) when flashcodec cannot serve the model.
+    configurations outside it). ``attention`` (one of :data:`flashcodec.tiers.ATTENTIONS`) runs
+    every tier with it; None keeps each tier's own. Raises CompareError (one line) when flashcodec
+    cannot serve the model.
     """
+    if attention is not None:
+        check_attention(attention)
     from transformers import DynamicCache
 
     from .hf import FlashCodecCache
@@ -340,21 +346,16 @@ def build_candidates(
     ]
     for name in tiers:
         tier = tier_of(name)
+        chosen = attention or tier.attention
         _probe_codec(model, name, tier.codec, "tier")
-        context = details = None
-        if tier.materialization_free:
-            context, details = _codec_attention(model)
+        context, details = _attention_scope(model, chosen)
         out.append(
             Candidate(
                 name,
                 "tier",
-                tier.description,
+                f"{tier.description}; {ATTENTION_NOTES[chosen]}",
                 lambda codec=tier.codec: FlashCodecCache.from_config(model.config, codec=codec),
-                {
-                    "class": "flashcodec.hf.FlashCodecCache",
-                    "codec": repr(tier.codec),
-                    "materialization_free": tier.materialization_free,
-                },
+                {"class": "flashcodec.hf.FlashCodecCache", "codec": repr(tier.codec), "attention": chosen},
                 context=context,
                 details=details,
             )
@@ -407,11 +408,11 @@ def _probe_codec(model: Any, name: str, codec: BlockCodec, kind: str) -> None:
 
 
 def _codec_peer(model: Any, name: str, codec: TurboQuantCodec) -> Candidate:
-    """A peer run as a flashcodec codec, with attention on its codes (the ``-mf`` tiers' path)."""
+    """A peer run as a flashcodec codec, with attention on its codes."""
     from .hf import FlashCodecCache
 
     _probe_codec(model, name, codec, "peer")
-    context, details = _codec_attention(model)
+    context, details = _attention_scope(model, "codes")
     return Candidate(
         name,
         "peer",
@@ -423,7 +424,7 @@ def _codec_peer(model: Any, name: str, codec: TurboQuantCodec) -> Candidate:
         {
             "class": "flashcodec.hf.FlashCodecCache",
             "codec": repr(codec),
-            "materialization_free": True,
+            "attention": "codes",
             "variant": "mse (no QJL residual)",
         },
         context=context,
@@ -431,45 +432,46 @@ def _codec_peer(model: Any, name: str, codec: TurboQuantCodec) -> Candidate:
     )
 
 
-def _codec_attention(model: Any) -> tuple[Any, Any]:
-    from .hf.codec_attention import apply_codec_attention, remove_codec_attention
+#: what a tier's description gains for each attention
+ATTENTION_NOTES = {
+    "codes": "attention on the codes",
+    "materialized": "attention on a decoded (materialized) view",
+}
+
+
+def _attention_scope(model: Any, attention: str) -> tuple[Any, Any]:
+    """The candidate's ``(context, details)`` for ``attention``: none for a decoded view; for the
+    codes, :func:`flashcodec.hf.attending_on` around each run and its counters in the row."""
+    if attention == "materialized":
+        return None, None
+    from .hf.attention_choice import attending_on, attention_details
 
     stats: dict[str, Any] = {}
 
     @contextlib.contextmanager
-    def patched() -> Iterator[None]:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            stats["stats"] = apply_codec_attention(model)
-        try:
+    def on_codes() -> Iterator[None]:
+        with attending_on(model, "codes", quiet=True) as counted:
+            stats["stats"] = counted
             yield
-        finally:
-            remove_codec_attention(model)
 
-    def details() -> dict[str, Any]:
-        s = stats["stats"]
-        return {
-            "decode_steps_on_codes": s.coded,
-            "multi_token_steps_chunked": s.chunked,
-            "fallbacks": dict(s.fallbacks),
-        }
-
-    return patched, details
+    return on_codes, lambda: attention_details(stats["stats"])
 
 
-#: ``--attention``: the selected tiers as named, or all of them on one side of the attention axis
-ATTENTION_CHOICES = ("as-named", "materialized", "codes")
+#: ``--attention``: each tier's own (:attr:`flashcodec.tiers.Tier.attention`), or one for all
+ATTENTION_CHOICES = ("tier", *ATTENTIONS)
 
 
-def on_attention_axis(tiers: Sequence[str], attention: str) -> list[str]:
-    """``tiers`` moved along the attention axis: ``"codes"`` names each with its ``-mf`` suffix
-    (attention on the stored codes), ``"materialized"`` without it, ``"as-named"`` leaves them;
-    order kept, repeats dropped. Any tier takes the suffix (:func:`flashcodec.tiers.tier`)."""
-    if attention not in ATTENTION_CHOICES:
-        raise CompareError(f"--attention must be one of {ATTENTION_CHOICES}; got {attention!r}")
-    base = [name.removesuffix(MF_SUFFIX) for name in tiers]
-    moved = {"as-named": list(tiers), "materialized": base, "codes": [n + MF_SUFFIX for n in base]}
-    return list(dict.fromkeys(moved[attention]))
+def reject_attention_in_names(argv: Sequence[str]) -> None:
+    """``KVConfigError`` for a ``--tiers`` name carrying the retired attention suffix: the message
+    says to choose ``--attention`` instead (kvbench's own check would only call it unknown)."""
+    args = list(argv)
+    for i, arg in enumerate(args):
+        value = args[i + 1] if arg == "--tiers" and i + 1 < len(args) else None
+        if arg.startswith("--tiers="):
+            value = arg.split("=", 1)[1]
+        for name in (value or "").split(","):
+            if name.strip().endswith("-mf"):
+                tier_named(name.strip())  # raises, naming the attention option
 
 
 # --------------------------------------------------------------------------- command line
@@ -478,15 +480,23 @@ class FlashCodecHarness:
     transformers' QuantizedCache peers."""
 
     tool = "flashcodec compare"
-    #: ``--attention`` of the last :meth:`load` (the demo, which loads its own way, keeps the names)
-    attention = "as-named"
+    #: ``--attention`` of the last :meth:`load` (the demo, which loads its own way, passes its own)
+    attention = "tier"
     packages = (
         "flashcodec-kv", "kvbench", "kvcache-spec", "torch", "transformers", "numpy", "hqq", "optimum-quanto",
     )  # fmt: skip
     dtypes = tuple(_DTYPES)
 
+    def __init__(self, registry: Mapping[str, Tier] | None = None):
+        #: the tiers this harness offers: :data:`flashcodec.tiers.TIERS` unless a benchmark
+        #: passes a registry of its own (configurations outside the package's)
+        self.registry = TIERS if registry is None else registry
+
+    def tier(self, name: str, attention: str | None = None) -> Tier:
+        return tier_named(name, attention, registry=self.registry)
+
     def tiers(self) -> Mapping[str, str]:
-        return {name: tier_named(name).description for name in tier_names()}
+        return {name: t.description for name, t in self.registry.items()}
 
     def peers(self) -> Mapping[str, str]:
         quantized = {
@@ -506,9 +516,9 @@ class FlashCodecHarness:
         parser.add_argument(
             "--attention",
             choices=ATTENTION_CHOICES,
-            default="as-named",
-            help="codes: run every selected tier with materialization-free attention (its -mf name); "
-            "materialized: every one with the reconstructed view; as-named (default): as --tiers names them",
+            default="tier",
+            help="codes: every selected tier attends on its stored codes; materialized: every one on a "
+            "decoded view; tier (default): each with the attention it is measured with",
         )
 
     def load(self, args: argparse.Namespace) -> Loaded:
@@ -521,8 +531,13 @@ class FlashCodecHarness:
             TorchRunner(model, tokenizer, args.device), tokenizer, info, max_positions, model
         )
 
-    def candidates(self, loaded: Loaded, tiers: Sequence[str], peers: Sequence[str]):
-        return build_candidates(loaded.handle, on_attention_axis(tiers, self.attention), peers)
+    def candidates(
+        self, loaded: Loaded, tiers: Sequence[str], peers: Sequence[str], attention: str | None = None
+    ):
+        """Baseline, ``tiers`` and ``peers``; ``attention`` for every tier (None: ``--attention``
+        as loaded, where ``tier`` keeps each tier's own)."""
+        chosen = attention or (None if self.attention == "tier" else self.attention)
+        return build_candidates(loaded.handle, tiers, peers, tier_of=self.tier, attention=chosen)
 
     def noise_floor(self, loaded: Loaded) -> Candidate:
         return noise_floor_candidate(loaded.handle)
@@ -560,6 +575,7 @@ def noise_floor_candidate(model: Any) -> Candidate:
 
 
 def _compare_main(argv: Sequence[str] | None) -> int:
+    reject_attention_in_names(sys.argv[1:] if argv is None else argv)
     with warnings.catch_warnings():
         # transformers' deprecation notes on cache kwargs would interleave with the progress bar
         warnings.simplefilter("ignore", FutureWarning)

@@ -286,7 +286,7 @@ def check_codec_attention(model: torch.nn.Module, backend: str = "auto") -> tupl
         raise KVConfigError(
             f"attention on the codes: {type(model).__name__} does not call transformers' attention "
             "interface (set_attn_implementation cannot switch it), so it cannot be installed; "
-            "pass materialization_free=False (or a FlashCodecCache alone) for the materialized path"
+            "pass attention='materialized' (or a FlashCodecCache alone) for the decoded-view path"
         )
     return config, modules
 

@@ -27,6 +27,7 @@ import torch
 from kvspec import KVConfigError
 
 from ..codecs import BlockCodec, keyword_options
+from ..tiers import check_attention
 from .cache import FlashCodecCache
 
 __all__ = ["FlashCodecPatch", "apply_flash_codec", "get_flash_codec_patch", "remove_flash_codec"]
@@ -135,6 +136,7 @@ def apply_flash_codec(
     per_layer: dict[int, BlockCodec | dict[str, Any]] | None = None,
     check_finite: bool = True,
     initial_blocks: int = 16,
+    attention: str | None = None,
     materialization_free: bool | None = None,
     step_raw: bool = True,
     **codec_options: Any,
@@ -148,12 +150,16 @@ def apply_flash_codec(
             :class:`FlashCodecCache` (``codec=`` or the keyword form: ``mode``, ``block_size``,
             ``keep_freqs``, ``keep_ratio``, ``quant_bits`` by position or name, any other codec
             field by name).
-        materialization_free: also make the model attend on the codes (decode steps on the
-            stored rows, prefill / multi-token steps on the archive a chunk at a time, never
+        attention: what the model attends on. ``"codes"``: the stored codes (decode steps on
+            the stored rows, prefill / multi-token steps on the archive a chunk at a time, never
             building the K/V view; :func:`flashcodec.hf.codec_attention.apply_codec_attention`,
-            undone by remove). None (the default): True when no codec and no keyword of the
+            undone by remove). ``"materialized"``: a decoded K/V view, as transformers attends
+            on any cache. None (the default): ``"codes"`` when no codec and no keyword of the
             keyword form is given (the default tier, whose measured figures are on the codes),
-            False otherwise, as the reference's keyword form has it.
+            ``"materialized"`` otherwise, as the reference's keyword form has it. A tier's
+            :attr:`~flashcodec.tiers.Tier.attention` is the one it is measured with.
+        materialization_free: the reference description's name for the same choice: True is
+            ``attention="codes"``, False ``"materialized"``; giving both, in disagreement, is an error.
 
     ``apply_flash_codec(model)`` with nothing else uses :data:`flashcodec.tiers.DEFAULT_TIER`
     with attention on the codes.
@@ -169,10 +175,9 @@ def apply_flash_codec(
     options.update(
         per_layer=per_layer, check_finite=check_finite, initial_blocks=initial_blocks, step_raw=step_raw
     )
-    if materialization_free is not None and not isinstance(materialization_free, bool):
-        raise KVConfigError(f"materialization_free must be True, False or None; got {materialization_free!r}")
-    if materialization_free is None:
-        materialization_free = codec is None and not keyword_form and not codec_options
+    attention = _chosen_attention(
+        attention, materialization_free, nothing_chosen=codec is None and not keyword_form and not codec_options
+    )
     _check_model(model, "apply_flash_codec", needs_generate=True)
     config = getattr(model, "config", None)
     if getattr(config, "is_encoder_decoder", False):
@@ -182,7 +187,7 @@ def apply_flash_codec(
     # Build one cache now so every option (and per_layer against the real layer layout) is checked
     # before the model is touched.
     FlashCodecCache.from_config(config, **options) if config is not None else FlashCodecCache(**options)
-    if materialization_free:
+    if attention == "codes":
         from .codec_attention import check_codec_attention
 
         check_codec_attention(model)
@@ -191,12 +196,28 @@ def apply_flash_codec(
         remove_flash_codec(model)
     patch = FlashCodecPatch(model_ref=weakref.ref(model), options=options)
     _install_generate_hook(model, patch)
-    if materialization_free:
+    if attention == "codes":
         from .codec_attention import apply_codec_attention, remove_codec_attention
 
         apply_codec_attention(model)
         patch.on_remove(lambda: remove_codec_attention(model))
     return model
+
+
+def _chosen_attention(attention: object, materialization_free: object, *, nothing_chosen: bool) -> str:
+    """``attention`` as given, or from the reference's ``materialization_free``, or the default
+    (codes for the default tier, a decoded view for a chosen codec); ``KVConfigError`` for a
+    bad value or for the two in disagreement."""
+    if attention is not None:
+        check_attention(attention)
+    if materialization_free is not None and not isinstance(materialization_free, bool):
+        raise KVConfigError(f"materialization_free must be True, False or None; got {materialization_free!r}")
+    from_flag = None if materialization_free is None else ("codes" if materialization_free else "materialized")
+    if attention is not None and from_flag is not None and attention != from_flag:
+        raise KVConfigError(
+            f"attention={attention!r} and materialization_free={materialization_free!r} disagree; pass one of them"
+        )
+    return attention or from_flag or ("codes" if nothing_chosen else "materialized")
 
 
 def _install_generate_hook(model: torch.nn.Module, patch: FlashCodecPatch) -> None:
