@@ -76,14 +76,7 @@ def tier_config(
     (:data:`palu_mlx.tiers.CALIBRATED_TIERS`, :data:`~palu_mlx.tiers.SENSITIVITY_TIERS`) needs
     ``calibration``, its file for the model (:meth:`~palu_mlx.tiers.Tier.with_calibration`).
     """
-    chosen = tier(name)
-    if chosen.calibration is not None:
-        if calibration is None:
-            raise KVConfigError(f"tier {name!r} needs calibration=<a palu-mlx calibrate file for the model>")
-        chosen = chosen.with_calibration(calibration)
-    elif calibration is not None:
-        raise KVConfigError(f"tier {name!r} takes no calibration; got calibration={calibration!r}")
-    return chosen.for_head_dim(head_dim)
+    return tier(name).sized(head_dim, calibration)
 
 
 def round_kv_outputs(model: Any, dtype: Any) -> None:

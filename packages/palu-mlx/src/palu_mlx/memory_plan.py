@@ -55,14 +55,14 @@ __all__ = [
 
 #: the tiers a memory plan chooses from, best quality first: ordered by KL divergence from the
 #: uncompressed cache on SmolLM2-135M at 2,048 tokens (benchmarks/results/palu_frontier.json where
-#: it measures a tier, else palu_real_model.json). palu-1.75bit-compact has no KL of its own there
-#: (only its sensitivity-profile twin does), so it stays last, as the smallest.
+#: it measures a tier, else palu_real_model.json): the registry's tiers that need no file, but
+#: palu-2bit-scaled (palu-2bit-scaled+rel holds its bytes at a lower KL) and reference-default
+#: (no bit budget to plan with). palu-1.75bit-compact has no KL of its own there (only its
+#: sensitivity-profile twin does), so it stays last, as the smallest.
 CANDIDATES: tuple[str, ...] = (
     "rotation-4bit",
     "rotation-3.5bit",
-    "palu-3.25bit-scaled+rel",
     "rotation-3bit",
-    "palu-2.5bit-scaled+rel",
     "palu-2.25bit-scaled+rel",
     "palu-2bit-scaled+rel",
     "palu-1.75bit-compact",

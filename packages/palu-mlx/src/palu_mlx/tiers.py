@@ -1,10 +1,13 @@
-"""The palu tiers: every named configuration of the palu cache, defined here and nowhere else.
+"""The palu tiers a user picks from: every named configuration of the palu cache, defined here.
 
 A tier is a name, a one-line description, a :class:`KVCacheConfig` and, where it needs one, the
-calibration it needs. The conformance adapter (:mod:`palu_mlx.kvspec_adapter`) adds capabilities and
-tolerances to the tiers of :data:`TIERS`; command lines, benchmarks, tests and docs read them
-from here. Adding a tier is one entry here (plus its conformance promises in
-:mod:`palu_mlx.kvspec_adapter`).
+calibration it needs. :data:`TIERS` holds at most eight, chosen from the bytes/KL frontier measured
+on a real model (``benchmarks/results/palu_frontier.json``, ``palu_real_model.json``): the rotation
+tiers, the fitted tiers below them, and ``reference-default``, the reference description's settings.
+:data:`DEFAULT_TIER` names the one to use when nothing else is asked for. Configurations measured by
+studies and not offered here live in ``benchmarks/studies/palu_tiers.py``, built with the helpers
+exported below. The conformance adapter (:mod:`palu_mlx.kvspec_adapter`) adds capabilities and
+tolerances to the tiers of :data:`TIERS`; adding a tier is one entry here plus its promises there.
 
 :data:`CALIBRATED_TIERS` holds the calibrated twin of every tier with a bit budget
 (``<tier>+cal``): the same config coded with fixed projections and quantizers from a
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,13 +40,27 @@ from .config import REFERENCE_SPLIT, UNQUANTIZED_BITS, KVCacheConfig
 __all__ = [
     "Tier",
     "TIERS",
+    "DEFAULT_TIER",
     "CALIBRATED_TIERS",
     "CALIBRATED_SUFFIX",
     "SENSITIVITY_TIERS",
     "SENSITIVITY_SUFFIX",
     "CALIBRATIONS",
     "TIER_METHODS",
+    "MAX_TIERS",
     "tier",
+    # the builders, for the study registry (benchmarks/studies/palu_tiers.py)
+    "palu_config",
+    "SCALED",
+    "UNQUANTIZED",
+    "scaled_tier",
+    "relative_tier",
+    "compact_tier",
+    "fixed_tier",
+    "rotation_tier",
+    "calibrated_twins",
+    "sensitivity_twin",
+    "sensitivity_twins",
 ]
 
 #: what a tier may need: ``"model"``, a ``palu-mlx calibrate`` file made for the model it runs on;
@@ -54,6 +72,13 @@ TIER_METHODS: tuple[str, ...] = ("palu", "rotation")
 CALIBRATED_SUFFIX = "+cal"
 #: the end of a sensitivity-budget twin's name (``palu-2.5bit-scaled+sens``)
 SENSITIVITY_SUFFIX = "+sens"
+#: the most tiers one registry (:data:`TIERS`, :data:`CALIBRATED_TIERS`,
+#: :data:`SENSITIVITY_TIERS`) may hold: a user reads the whole list to choose
+MAX_TIERS = 8
+#: the tier to use when nothing else is asked for: at 0.87x mlx-lm q4's bytes it has 0.19x its KL
+#: on SmolLM2-135M at 2,048 tokens, and fits nothing, so short prompts pay no basis
+#: (``benchmarks/results/palu_frontier.json``, ``palu_short_chats.json``)
+DEFAULT_TIER = "rotation-3.5bit"
 
 
 @dataclass(frozen=True)
@@ -119,6 +144,23 @@ class Tier:
             rank = head_dim if self.full_rank else min(rank, head_dim)
         return dataclasses.replace(config, palu_rank=rank).for_head_dim(head_dim)
 
+    def sized(self, head_dim: int, calibration: str | None = None) -> KVCacheConfig:
+        """The config this tier runs as on a model whose key head dim is ``head_dim``, bound to
+        ``calibration`` (the model's file) when the tier needs one (:meth:`with_calibration`, then
+        :meth:`for_head_dim`). Raises ``KVConfigError`` for a calibrated tier without a file, or a
+        file given to a tier that takes none.
+        """
+        chosen = self
+        if self.calibration is not None:
+            if calibration is None:
+                raise KVConfigError(
+                    f"tier {self.name!r} needs calibration=<a palu-mlx calibrate file for the model>"
+                )
+            chosen = self.with_calibration(calibration)
+        elif calibration is not None:
+            raise KVConfigError(f"tier {self.name!r} takes no calibration; got calibration={calibration!r}")
+        return chosen.for_head_dim(head_dim)
+
     def with_calibration(self, path: str) -> Tier:
         """This calibrated tier bound to ``path``, the file for the model it runs on: a ``palu-mlx
         calibrate`` file (``calibration="model"``) or a sensitivity profile (``"sensitivity"``).
@@ -147,11 +189,12 @@ class Tier:
         )
 
 
-def _palu(**fields) -> KVCacheConfig:
-    # the base of every palu tier: the coder's codes alone, without a per-token scale, without
-    # exact first or newest tokens, weighed by squared error (KVCacheConfig's defaults turn all
-    # three on); a tier that uses one sets it in its own fields (_SCALED; palu_relative_error=True
-    # in the "+rel" tiers), so a tier is exactly the configuration its fields spell out
+def palu_config(**fields) -> KVCacheConfig:
+    """The base of every palu tier with ``fields`` set: the coder's codes alone, without a per-token
+    scale, without exact first or newest tokens, weighed by squared error."""
+    # KVCacheConfig's defaults turn those on; a tier that uses one sets it in its own fields
+    # (SCALED; palu_relative_error=True in the "+rel" tiers), so a tier is exactly the
+    # configuration its fields spell out
     fields = {
         "palu_token_scale": False,
         "palu_sink_tokens": 0,
@@ -162,10 +205,11 @@ def _palu(**fields) -> KVCacheConfig:
     return KVCacheConfig(method="palu", head_dim=None, **fields)
 
 
-#: the coder for real models' K/V (``KVCacheConfig()``'s defaults, which also weigh by relative error:
-#: the ``+rel`` tiers): a per-token scale beside the fixed quantizers, the first tokens (attention
-#: sinks) and the newest tokens held exactly
-_SCALED = dict(palu_token_scale=True, palu_sink_tokens=SINK_TOKENS, palu_recent_tokens=RECENT_TOKENS)
+#: the coder for real models' K/V: a per-token scale beside the fixed quantizers, the first tokens
+#: (attention sinks) and the newest tokens held exactly
+SCALED = dict(palu_token_scale=True, palu_sink_tokens=SINK_TOKENS, palu_recent_tokens=RECENT_TOKENS)
+#: latents left unquantized (the rank alone loses anything)
+UNQUANTIZED = dict(palu_hi_bit=UNQUANTIZED_BITS, palu_lo_bit=UNQUANTIZED_BITS)
 
 
 def _scaled(bits: float) -> str:
@@ -183,50 +227,53 @@ def _relative(bits: float) -> str:
 #: the scaled coder with its side information in 8 bits: the basis as int8 codes per column, the
 #: per-token scale as a one-byte log code and the newest tokens as int8 (about 0.09x of mlx-lm q4's
 #: bytes less on SmolLM2-135M at 2,048 tokens: ``benchmarks/results/palu_byte_breakdown.json``)
-_COMPACT = dict(_SCALED, palu_basis_bits=8, palu_scale_bits=8, palu_recent_bits=8)
+_COMPACT = dict(SCALED, palu_basis_bits=8, palu_scale_bits=8, palu_recent_bits=8)
 
 
-def _compact_tier(bits: float, fill: bool = False) -> Tier:
+def compact_tier(bits: float, fill: bool = False) -> Tier:
+    """``palu-<bits>bit-compact``: the scaled coder with its side information in 8 bits; with
+    ``fill``, ``palu-<bits>bit-compact-fill``: the bits that round each row up to whole bytes go to
+    its channels."""
     description = (
         f"keys before RoPE where supported, {bits:g} code bits per element by water-filling, "
         "fixed quantizers fitted at the prefill with a one-byte per-token scale, the basis in 8 bits, "
         f"the first {SINK_TOKENS} tokens exact and the newest {RECENT_TOKENS} in int8"
     )
-    if fill:  # the bits that round each row up to whole bytes go to its channels
+    if fill:
         description += ", rows filled to whole bytes"
         return Tier(
             f"palu-{bits:g}bit-compact-fill",
             description,
-            _palu(palu_bits=float(bits), palu_fill_rows=True, **_COMPACT),
+            palu_config(palu_bits=float(bits), palu_fill_rows=True, **_COMPACT),
         )
-    return Tier(f"palu-{bits:g}bit-compact", description, _palu(palu_bits=float(bits), **_COMPACT))
+    return Tier(f"palu-{bits:g}bit-compact", description, palu_config(palu_bits=float(bits), **_COMPACT))
 
 
-def _scaled_tier(bits: float) -> Tier:
-    return Tier(f"palu-{bits:g}bit-scaled", _scaled(bits), _palu(palu_bits=float(bits), **_SCALED))
+def scaled_tier(bits: float) -> Tier:
+    """``palu-<bits>bit-scaled``: water-filling with a per-token scale and exact first and newest
+    tokens, weighed by squared error."""
+    return Tier(f"palu-{bits:g}bit-scaled", _scaled(bits), palu_config(palu_bits=float(bits), **SCALED))
 
 
-def _relative_tier(bits: float) -> Tier:
-    config = _palu(palu_bits=float(bits), palu_relative_error=True, **_SCALED)
+def relative_tier(bits: float) -> Tier:
+    """``palu-<bits>bit-scaled+rel``: :func:`scaled_tier` with keys and values weighed by relative
+    error at the prefill."""
+    config = palu_config(palu_bits=float(bits), palu_relative_error=True, **SCALED)
     return Tier(f"palu-{bits:g}bit-scaled+rel", _relative(bits), config)
 
 
-def _default_tier() -> Tier:
-    # KVCacheConfig() itself, so the zero-argument config is the registered one field for field:
-    # its automatic bits (DEFAULT_PALU_BITS) and weighing resolve to 2.25 bits by relative error
-    return Tier("palu-2.25bit-scaled+rel", _relative(2.25), KVCacheConfig())
-
-
-def _fixed_tier(bits: float) -> Tier:
-    # the fixed-quantizer tiers measured before the per-token scale and the exact tokens
+def fixed_tier(bits: float) -> Tier:
+    """``palu-<bits>bit``: water-filling with fixed quantizers alone (no per-token scale, no exact
+    tokens)."""
     description = (
         f"keys before RoPE where supported, {bits:g} code bit{'' if bits == 1 else 's'} per element by "
         "water-filling, fixed quantizers fitted at the prefill"
     )
-    return Tier(f"palu-{bits:g}bit", description, _palu(palu_bits=float(bits)))
+    return Tier(f"palu-{bits:g}bit", description, palu_config(palu_bits=float(bits)))
 
 
-def _rotation_tier(bits: float) -> Tier:
+def rotation_tier(bits: float) -> Tier:
+    """``rotation-<bits>bit``: the rotation code (:mod:`palu_mlx.rotation_code`), nothing fitted."""
     if bits == int(bits):
         spent = f"{bits:g} bits per rotated channel"
     else:
@@ -244,44 +291,36 @@ def _rotation_tier(bits: float) -> Tier:
     return Tier(f"rotation-{bits:g}bit", description, config)
 
 
-_UNQUANTIZED = dict(palu_hi_bit=UNQUANTIZED_BITS, palu_lo_bit=UNQUANTIZED_BITS)
+def _registry(*tiers: Tier) -> dict[str, Tier]:
+    registry = {t.name: t for t in tiers}
+    if len(registry) != len(tiers) or len(registry) > MAX_TIERS:
+        raise KVConfigError(
+            f"a tier registry holds at most {MAX_TIERS} tiers, each named once; got "
+            f"{', '.join(t.name for t in tiers)}"
+        )
+    return registry
 
-#: name -> :class:`Tier`, easiest (closest to lossless) first
-TIERS: dict[str, Tier] = {
-    t.name: t
-    for t in (
-        Tier(
-            "full-rank-fp16",
-            "full rank (64 of a 64-dim head), latents unquantized: the change of basis alone",
-            _palu(palu_rank=64, **_UNQUANTIZED),
-            full_rank=True,
-        ),
-        Tier(
-            "r16-fp16",
-            "rank 16, latents unquantized: low-rank error only",
-            _palu(palu_rank=16, **_UNQUANTIZED),
-        ),
-        Tier(
-            "reference-default",
-            "the reference's settings: keys after RoPE, rank keeping 90% of singular-value energy, "
-            "top 25% of latent channels at 4 bits, the rest at 2 bits",
-            _palu(palu_pre_rope=False, **REFERENCE_SPLIT),
-        ),
-        Tier(
-            "r8-4bit",
-            "rank 8, every latent channel at 4 bits",
-            _palu(palu_rank=8, palu_hi_bit=4, palu_lo_bit=4),
-        ),
-        *(_rotation_tier(bits) for bits in (4, 3.5, 3)),
-        *(_scaled_tier(bits) for bits in (3, 2.5, 2)),
-        _compact_tier(1.75),
-        _compact_tier(1.7, fill=True),
-        *(_relative_tier(bits) for bits in (3.25, 3, 2.5)),
-        _default_tier(),
-        _relative_tier(2),
-        *(_fixed_tier(bits) for bits in (3, 2, 1.5, 1.25, 1)),
-    )
-}
+
+#: name -> :class:`Tier`, best quality first. On SmolLM2-135M at 2,048 tokens
+#: (``benchmarks/results/palu_frontier.json``, ``palu_real_model.json``) the rotation tiers have
+#: the lowest KL of any tier without a file from mlx-lm q4's bytes down to three quarters of them;
+#: below that the fitted tiers are the only ones (``palu-2bit-scaled`` for its ``+cal`` and ``+sens``
+#: twins, ``palu-1.75bit-compact`` for its ``+sens`` twin near half of q4's bytes);
+#: ``reference-default`` keeps the reference description's settings under the name it documents.
+TIERS: dict[str, Tier] = _registry(
+    *(rotation_tier(bits) for bits in (4, 3.5, 3)),
+    # spelled out, not KVCacheConfig(): the default is another tier (DEFAULT_TIER)
+    relative_tier(2.25),
+    relative_tier(2),
+    scaled_tier(2),
+    compact_tier(1.75),
+    Tier(
+        "reference-default",
+        "the reference's settings: keys after RoPE, rank keeping 90% of singular-value energy, "
+        "top 25% of latent channels at 4 bits, the rest at 2 bits",
+        palu_config(palu_pre_rope=False, **REFERENCE_SPLIT),
+    ),
+)
 
 #: what a calibrated twin's description adds until a file is bound (:meth:`Tier.with_calibration`)
 _UNBOUND_NOTE = "; calibrated: fixed projections and quantizers from a calibration of the model"
@@ -293,36 +332,46 @@ def _calibrated_twin(base: Tier) -> Tier:
     )
 
 
-def _twins(make, keep) -> dict[str, Tier]:
-    """name -> ``make(base)`` for every palu tier of :data:`TIERS` with a bit budget whose config
+def _twins(
+    bases: Iterable[Tier], make: Callable[[Tier], Tier], keep: Callable[[KVCacheConfig], bool]
+) -> dict[str, Tier]:
+    """name -> ``make(base)`` for every palu tier of ``bases`` with a bit budget whose config
     ``keep`` accepts, in its order (the rotation code fits nothing a file could fix)."""
     return {
         t.name: t
         for t in (
             make(b)
-            for b in TIERS.values()
+            for b in bases
             if b.config.method == "palu" and b.config.coder_bits is not None and keep(b.config)
         )
     }
 
 
-#: name -> calibrated :class:`Tier` (``<tier>+cal``), one per tier of :data:`TIERS` with a bit budget
-#: (weighed by squared error: a calibration sets its own widths), in its order
-CALIBRATED_TIERS: dict[str, Tier] = _twins(
-    _calibrated_twin,
-    lambda config: (
-        not config.relative_error
-        # a calibration's basis and quantizers are the model's: nothing of them to compact
-        and (config.palu_basis_bits, config.palu_scale_bits) == (16, 16)
-    ),
-)
+def calibrated_twins(bases: Iterable[Tier]) -> dict[str, Tier]:
+    """name -> ``<tier>+cal`` for every tier of ``bases`` (an iterable of :class:`Tier`) with a bit
+    budget weighed by squared error (a calibration sets its own widths) and a basis and scale in
+    16 bits (a calibration's are the model's: nothing of them to compact), in their order."""
+    return _twins(
+        bases,
+        _calibrated_twin,
+        lambda config: (
+            not config.relative_error and (config.palu_basis_bits, config.palu_scale_bits) == (16, 16)
+        ),
+    )
+
+
+#: name -> calibrated :class:`Tier` (``<tier>+cal``), one per tier of :data:`TIERS` that
+#: :func:`calibrated_twins` takes, in its order
+CALIBRATED_TIERS: dict[str, Tier] = calibrated_twins(TIERS.values())
 
 
 #: what a sensitivity twin's description adds until a profile is bound (:meth:`Tier.with_calibration`)
 _UNBOUND_SENSITIVITY = "; bits per layer, keys against values, from the model's sensitivity profile"
 
 
-def _sensitivity_twin(base: Tier) -> Tier:
+def sensitivity_twin(base: Tier) -> Tier:
+    """``<tier>+sens``: ``base`` with its bits spread over the layers, and between keys and values,
+    by a sensitivity profile of the model (:mod:`palu_mlx.budgets`)."""
     return Tier(
         base.name + SENSITIVITY_SUFFIX,
         base.description + _UNBOUND_SENSITIVITY,
@@ -331,22 +380,19 @@ def _sensitivity_twin(base: Tier) -> Tier:
     )
 
 
+def sensitivity_twins(bases: Iterable[Tier]) -> dict[str, Tier]:
+    """name -> ``<tier>+sens`` for every tier of ``bases`` with a bit budget and a per-token scale,
+    weighed by squared error (the profile's weights are per unit of it), in their order."""
+    return _twins(
+        bases, sensitivity_twin, lambda config: config.palu_token_scale and not config.relative_error
+    )
+
+
 #: name -> :class:`Tier` whose bits are spread over the layers, and between keys and values, by a
 #: sensitivity profile of the model (``<tier>+sens``; :mod:`palu_mlx.budgets`), one per tier of
-#: :data:`TIERS` with a bit budget and a per-token scale (weighed by squared error: the profile's
-#: weights are per unit of it), in its order. Not in :data:`TIERS`: the
+#: :data:`TIERS` that :func:`sensitivity_twins` takes, in its order. Not in :data:`TIERS`: the
 #: conformance suite has no model to profile.
-SENSITIVITY_TIERS: dict[str, Tier] = _twins(
-    _sensitivity_twin, lambda config: config.palu_token_scale and not config.relative_error
-)
-#: and one with no twin in :data:`TIERS`: the smallest budget whose KL is at most mlx-lm's
-#: ``QuantizedKVCache(bits=4)``'s on SmolLM2-135M (``benchmarks/results/palu_real_model.json``)
-SENSITIVITY_TIERS["palu-1.75bit-scaled" + SENSITIVITY_SUFFIX] = Tier(
-    "palu-1.75bit-scaled" + SENSITIVITY_SUFFIX,
-    _scaled(1.75) + _UNBOUND_SENSITIVITY,
-    _palu(palu_bits=1.75, **_SCALED),
-    calibration="sensitivity",
-)
+SENSITIVITY_TIERS: dict[str, Tier] = sensitivity_twins(TIERS.values())
 
 
 def tier(name: str) -> Tier:
