@@ -25,7 +25,8 @@ from flashcodec.hf import (  # noqa: E402
 )
 from flashcodec.hf import codec_attention as ca  # noqa: E402
 from flashcodec.peak_memory import PeakMemory
-from flashcodec.tiers import TIERS, tier, tier_names  # noqa: E402
+from flashcodec.hf.attention_choice import attending_on  # noqa: E402
+from flashcodec.tiers import TIERS, tier  # noqa: E402
 from kvspec import KVConfigError  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
@@ -54,22 +55,18 @@ def no_views(cache: FlashCodecCache) -> bool:
     return all(cache.layers[i].codec_cache.storage_bytes().view == 0 for i in cache.codec_layer_indices)
 
 
-@pytest.mark.parametrize("name", [n for n in tier_names() if n.endswith("-mf")])
+@pytest.mark.parametrize("name", [n for n in TIERS if TIERS[n].attention == "codes"])
 def test_embedded_tokens_equal_the_materialized_path(embedded, name):
-    """Every listed materialization-free tier generates its storage tier's tokens exactly."""
+    """Every tier measured on its codes generates the tokens of its materialized view exactly."""
     model, ids = embedded
     tier_ = tier(name)
-    base = TIERS[name.removesuffix("-mf")]
-    assert base.codec == tier_.codec and tier_.materialization_free and not base.materialization_free
     materialized = model.generate(
-        ids, cache=FlashCodecCache.from_config(model.config, codec=base.codec), **GREEDY
+        ids, cache=FlashCodecCache.from_config(model.config, codec=tier_.codec), **GREEDY
     )
-    stats = apply_codec_attention(model, backend="torch")
-    try:
+    with attending_on(model, tier_.attention, backend="torch") as stats:
         cache = FlashCodecCache.from_config(model.config, codec=tier_.codec)
         coded = model.generate(ids, cache=cache, **GREEDY)
-    finally:
-        remove_codec_attention(model)
+    assert ca.codec_attention_modules(model) == []  # removed on leaving the block
     layers = model.config.num_hidden_layers
     assert stats.coded == (NEW - 1) * layers  # every decode step of every layer took the coded path
     assert stats.chunked == layers and stats.fallbacks == {}  # the prefill too, chunk by chunk
@@ -274,6 +271,10 @@ def test_bad_arguments_are_rejected_before_anything_changes():
         apply_codec_attention(model, backend="cuda")
     with pytest.raises(KVConfigError, match="materialization_free"):
         apply_flash_codec(model, mode="png", materialization_free="yes")
+    with pytest.raises(KVConfigError, match=r"attention must be one of \('codes', 'materialized'\)"):
+        apply_flash_codec(model, attention="mf")
+    with pytest.raises(KVConfigError, match="disagree"):
+        apply_flash_codec(model, attention="materialized", materialization_free=True)
     assert ca.codec_attention_modules(model) == [] and get_flash_codec_patch(model) is None
 
 

@@ -478,21 +478,25 @@ def test_the_compare_harness_refuses_a_model_with_no_layer_to_code():
 
 def test_the_compare_harness_builds_tiers_given_outside_the_registry():
     from flashcodec.codecs import KIVICodec
-    from flashcodec.compare import build_candidates
-    from flashcodec.tiers import TIERS, Tier, tier
+    from flashcodec.compare import FlashCodecHarness, build_candidates
+    from flashcodec.tiers import TIERS, Tier, make_registry, tier
 
-    own = Tier("own-kivi", "a tier of the caller's", KIVICodec(32, key_bits=4, value_bits=8), offer_mf=True)
-    registry = dict(TIERS)
+    own = Tier("own-kivi", "a tier of the caller's", KIVICodec(32, key_bits=4, value_bits=8), "materialized")
+    registry = make_registry(*TIERS.values(), own)
+    before = dict(TIERS)
 
     def tier_of(name: str) -> Tier:
-        if name.removesuffix("-mf") == own.name:
-            return own if name == own.name else own.with_materialization_free()
-        return tier(name)
+        return tier(name, registry=registry)
 
-    built, absent = build_candidates(
-        tiny_qwen3(), ["own-kivi", "own-kivi-mf", "png-keep1"], [], tier_of=tier_of
-    )
-    assert [c.name for c in built] == ["baseline", "own-kivi", "own-kivi-mf", "png-keep1"] and absent == []
-    assert built[1].description == "a tier of the caller's" and built[1].config["codec"] == repr(own.codec)
-    assert built[2].config["materialization_free"] and built[2].context is not None
-    assert TIERS == registry and "own-kivi" not in TIERS
+    built, absent = build_candidates(tiny_qwen3(), ["own-kivi", "png-keep1", "jpeg-k8-int8"], [], tier_of=tier_of)
+    assert [c.name for c in built] == ["baseline", "own-kivi", "png-keep1", "jpeg-k8-int8"] and absent == []
+    assert built[1].description.startswith("a tier of the caller's;") and built[1].config["codec"] == repr(own.codec)
+    # each tier with its own attention: a decoded view has no context, the codes are applied around the run
+    assert [c.config["attention"] for c in built[1:]] == ["materialized", "materialized", "codes"]
+    assert built[1].context is None and built[3].context is not None
+    # one attention for all, as --attention chooses it
+    built, _ = build_candidates(tiny_qwen3(), ["own-kivi", "png-keep1"], [], tier_of=tier_of, attention="codes")
+    assert [c.config["attention"] for c in built[1:]] == ["codes", "codes"]
+    assert all(c.context is not None and "attention on the codes" in c.description for c in built[1:])
+    assert "own-kivi" in FlashCodecHarness(registry).tiers() and "own-kivi" not in FlashCodecHarness().tiers()
+    assert TIERS == before and "own-kivi" not in TIERS

@@ -13,7 +13,7 @@ from flashcodec.attention import (
 )
 from flashcodec.codecs import ChannelInt4Codec, KIVICodec, TokenIntCodec, make_codec
 from flashcodec.codecs.kivi import dequantize_zero, quantize_zero
-from flashcodec.tiers import tier
+from conftest import CODECS
 from kvspec import KVConfigError, KVDataError, KVShapeError
 
 
@@ -92,7 +92,7 @@ def test_exact_sink_across_appends():
 
 def test_storage_is_measured_from_the_arrays():
     k, v = kv(b=1, h=2, s=64 * 3 + 70, d=64, dtype=torch.bfloat16)
-    cache = CodecKVCache(codec=tier("kivi64-k4v4-w64i8").codec)
+    cache = CodecKVCache(codec=CODECS["kivi64-k4v4-w64i8"])
     cache.append(k, v)
     st = cache.storage_bytes()
     assert st.held == sum(t.nbytes for t in cache.state)
@@ -110,7 +110,7 @@ def test_storage_is_measured_from_the_arrays():
 @pytest.mark.parametrize("groups", [1, 3])
 def test_attention_on_the_codes_equals_decode_then_attend(name, groups):
     k, v = kv(b=2, h=2, s=64 * 3 + 77, d=64)
-    cache = CodecKVCache(codec=tier(name).codec)
+    cache = CodecKVCache(codec=CODECS[name])
     cache.append(k, v)
     q = torch.randn(2, 2 * groups, 1, 64, generator=torch.Generator().manual_seed(1))
     got = codec_decode_attention(q, cache.keys, cache.values, backend="torch")

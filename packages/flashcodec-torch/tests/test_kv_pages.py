@@ -62,7 +62,7 @@ def test_lossless_formats_are_bit_exact(fmt, dtype):
 
 
 @pytest.mark.parametrize(
-    "fmt,bound", [("kivi64r-k4v4-w64i8", 0.1), ("kivi64r-k4v4-w64i8-s8", 0.1), ("kivi64r-k3v3-w64i8", 0.25)]
+    "fmt,bound", [("kivi64r-k4v4-w64i8-s8", 0.1), ("kivi64r-k3v3-w64i8-s8z4", 0.25)]
 )
 def test_tier_formats_shrink_and_stay_close(fmt, bound):
     k, v = gather_pages(pages(torch.bfloat16), [0, 1, 2, 3])
@@ -80,7 +80,7 @@ def test_decode_refuses_another_format_or_damage():
     k, v = gather_pages(pages(), [0])
     blob, _ = PagedKVCoder("raw").encode(k, v)
     with pytest.raises(KVDataError, match="coded as 'raw'"):
-        PagedKVCoder("kivi64r-k4v4-w64i8").decode(blob)
+        PagedKVCoder("kivi64r-k4v4-w64i8-s8").decode(blob)
     with pytest.raises(KVDataError):
         PagedKVCoder("raw").decode(blob[: len(blob) // 2])
 

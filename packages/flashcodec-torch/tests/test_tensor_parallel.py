@@ -36,7 +36,7 @@ WORKER = Path(__file__).with_name("tp_worker.py")
 
 def test_tp_tiers_are_registry_tiers():
     assert all(name in TIERS for name in TP_TIERS)
-    assert case_names(["a"]) == ["a", "a+mf"]
+    assert case_names(["a"]) == ["a+codes", "a+materialized"]
 
 
 def _tiny(seed: int = 0):
@@ -148,7 +148,7 @@ def test_two_ranks_give_one_process_greedy_tokens(embedded_model, tmp_path):
                 assert got["tokens"] == single["tokens"], case
                 assert 2 * got["kv_heads"] == single["kv_heads"], case
                 assert got["fallbacks"] == {}, case
-                if case.endswith("+mf"):
+                if case.endswith("+codes"):
                     assert got["coded_steps"] == single["coded_steps"] > 0, case
             assert (
                 ranks[0]["tiers"][case]["held_bytes"] + ranks[1]["tiers"][case]["held_bytes"]

@@ -258,7 +258,7 @@ def test_compare_runs_turboquant_as_a_peer_on_the_codes():
     for name, cand in peers.items():
         assert "attention on the codes" in cand.description and "MSE variant" in cand.description
         assert cand.context is not None
-        assert cand.config["codec"] == repr(CODEC_PEERS[name]) and cand.config["materialization_free"]
+        assert cand.config["codec"] == repr(CODEC_PEERS[name]) and cand.config["attention"] == "codes"
         assert type(cand.make_cache()).__name__ == "FlashCodecCache"
     assert CODEC_PEERS["turboquant-3"].bits == 3
     assert {"turboquant-4", "turboquant-3", "hf-quanto-q4", "hf-quanto-q2"} <= set(

@@ -103,7 +103,7 @@ def test_raw_store_reproduces_the_computed_request(tmp_path):
 
 @pytest.mark.slow
 def test_kivi_store_is_smaller_and_its_codes_reach_attention(tmp_path):
-    r = _run("kivi64r-k4v4-w64i8", tmp_path)
+    r = _run("kivi64r-k4v4-w64i8-s8", tmp_path)
     computed, loaded = r["runs"]
     assert loaded["cached"] == 2 * BLOCK
     assert r["payload"] < 0.2 * RAW_BYTES  # 4-bit codes and fp16 scales against fp32 pages

@@ -1,14 +1,13 @@
 """One rank of the tensor-parallel check (run by test_tensor_parallel.py, or by hand).
 
     torchrun --nproc_per_node 2 packages/flashcodec-torch/tests/tp_worker.py \
-        --model benchmarks/model/tiny-qwen3 --tiers png-keep1,chan64-int4-w64i8 --out /tmp/tp.json
+        --model benchmarks/model/tiny-qwen3 --tiers png-keep1,kivi64r-k4v4-w64i8-s8 --out /tmp/tp.json
 
 ``--world 1`` loads the model in one process (no ``tp_plan``): the reference. Otherwise the model
 is loaded with ``tp_plan="auto"`` on the ranks torchrun started (gloo on CPU), so each rank holds
 its share of the attention heads and caches only its own KV heads. For every tier the greedy
 continuation of a fixed prompt is generated with a :class:`flashcodec.hf.FlashCodecCache` of that
-tier's codec, once with the materialized view and once with codec attention (the case
-``<tier>+mf``; a ``-mf`` tier has codec attention in both); rank 0 writes a JSON object
+tier's codec, once with each attention (the cases ``<tier>+materialized`` and ``<tier>+codes``); rank 0 writes a JSON object
 ``{"world": n, "tiers": {name: {"tokens": [...], "kv_heads": h, "held_bytes": n,
 "coded_steps": n, "chunked_steps": n, "fallbacks": {...}}}}``, and every rank writes its own
 ``<out>.rank<r>`` with the same fields for the heads it caches.
@@ -22,6 +21,7 @@ import os
 import warnings
 
 import torch
+from flashcodec.tiers import ATTENTIONS
 
 PROMPT = (
     "The loop should not be running.\n\nThis is idempotent and the cache keeps every block it has "
@@ -30,27 +30,22 @@ PROMPT = (
 
 
 def case_names(tiers: list[str]) -> list[str]:
-    """Every tier with the materialized view and with codec attention (``<tier>+mf``)."""
-    return [name + suffix for name in tiers for suffix in ("", "+mf")]
+    """Every tier with each attention: ``<tier>+materialized``, ``<tier>+codes``."""
+    return [f"{name}+{attention}" for name in tiers for attention in ATTENTIONS]
 
 
 def tier_tokens(model, ids, case: str, new_tokens: int) -> dict:
-    """Greedy tokens and cache figures of one case: a tier name, ``+mf`` for codec attention."""
-    from flashcodec.hf import FlashCodecCache, apply_codec_attention, remove_codec_attention
+    """Greedy tokens and cache figures of one case: ``<tier>+<attention>``."""
+    from flashcodec.hf import FlashCodecCache, attending_on
     from flashcodec.tiers import tier
 
-    name, _, mode = case.partition("+")
-    t = tier(name)
-    mf = t.materialization_free or mode == "mf"
-    stats = apply_codec_attention(model, backend="torch") if mf else None
-    try:
+    name, _, attention = case.partition("+")
+    t = tier(name, attention)
+    with attending_on(model, t.attention, backend="torch") as stats:
         cache = FlashCodecCache.from_config(model.config, codec=t.codec)
         out = model.generate(
             ids, cache=cache, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False
         )
-    finally:
-        if stats is not None:
-            remove_codec_attention(model)
     first = cache.layers[cache.codec_layer_indices[0]].codec_cache
     return {
         "tokens": out[0].tolist(),
@@ -68,7 +63,7 @@ def main() -> None:
     parser.add_argument(
         "--tiers",
         required=True,
-        help="comma-separated tier names (flashcodec.tiers); each runs with and without +mf",
+        help="comma-separated tier names (flashcodec.tiers); each runs with each attention (+codes, +materialized)",
     )
     parser.add_argument("--new-tokens", type=int, default=80)
     parser.add_argument("--world", type=int, default=None, help="1: one process, no tensor parallel")

@@ -131,8 +131,8 @@ _S8 = "8-bit scales, int8 zero points (first key exact)"
 _TABLE: tuple[tuple[str, str, BlockCodec, str], ...] = (
     # the default: fewer bytes than hqq 4-bit at a far lower KL on the real model
     ("kivi64r-k4v4-w64i8-s8", _CODES, _kivi64r(4, 4, side_bits=8),
-     "int4 keys per (64-token block, channel), values per token, after a Hadamard rotation; 8-bit "
-     "scales; newest 64+ tokens int8"),
+     "Hadamard-rotated int4 keys per (64-token block, channel), values per token; 8-bit scales; "
+     "newest 64+ int8"),
     # the frontier on the real model: the 8-bit class, 3-bit keys, the fewest bytes
     ("kivi64r-k8v8-w32-s8", _CODES, _kivi64r(8, 8, raw_window=32, window_bits=None, side_bits=8),
      f"kivi64r int8 keys and values, {_S8}; newest 32-95 tokens raw"),
