@@ -28,8 +28,8 @@ MLX's CPU wheel multiplies float32 through the preloaded OpenBLAS and bfloat16 w
   memory allocated just before the step (the step's transient arrays: activations, attention);
 * ``--chunks``: the packed path also run reading that many tokens at a time (what
   ``palu_mlx.attention.PACKED_CHUNK`` was chosen from);
-* the palu tier (``--tier``; by default ``palu-2.25bit-scaled+rel``, the tier ``KVCacheConfig()``'s
-  defaults are; the file records which) runs twice: its attention
+* the palu tier (``--tier``; by default ``palu-2.25bit-scaled+rel``, the tier the results files
+  measured; the file records which) runs twice: its attention
   reading the packed codes (``packed``, what ``latent_attention`` does by default) and reading
   the coder's float32 latents, ``CHUNK`` tokens at a time (``latents``, the path every coder
   had before the packed one; the same cache objects, so the same bytes).
@@ -44,6 +44,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -55,10 +56,13 @@ from long_decode import CHUNK, context_kv, fill
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 from palu_mlx import KVCacheBuilder, attention
 from palu_mlx.builder import model_kv_dims
-from palu_mlx.compare import load_model, tier_config
+from palu_mlx.compare import load_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from studies.palu_tiers import tier_config  # noqa: E402  (registry and study tiers)
 
 OUT = results_path("palu_decode_speed.json")
-#: the tier measured unless ``--tier`` says otherwise: the one ``KVCacheConfig()``'s defaults are
+#: the tier measured unless ``--tier`` says otherwise: the one the speed results files recorded
 TIER = "palu-2.25bit-scaled+rel"
 
 
@@ -70,8 +74,8 @@ def stamp() -> dict:
 
 
 def caches_for(model: Any, tier: str = TIER) -> dict[str, Callable[[], list[Any]]]:
-    head_dim, n_kv = model_kv_dims(model)
-    config = tier_config(tier, head_dim, n_kv)
+    head_dim, _ = model_kv_dims(model)
+    config = tier_config(tier, head_dim)
     return {
         "baseline": lambda: [KVCache() for _ in model.layers],
         "mlx-lm-q4": lambda: [QuantizedKVCache(group_size=64, bits=4) for _ in model.layers],
@@ -171,9 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         default=[512, 2048],
         help="also run the packed path at these chunk sizes",
     )
-    parser.add_argument(
-        "--tier", default=TIER, help=f"the palu tier to measure (default: {TIER}, KVCacheConfig()'s)"
-    )
+    parser.add_argument("--tier", default=TIER, help=f"the palu tier to measure (default: {TIER})")
     parser.add_argument(
         "--decode-dtype",
         choices=("float32", "bfloat16"),

@@ -55,8 +55,10 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache
 from palu_mlx import KVCacheBuilder
 from palu_mlx.attention import route_attention, unroute_attention
 from palu_mlx.builder import model_kv_dims
-from palu_mlx.compare import load_model, tier_config
-from palu_mlx.tiers import tier
+from palu_mlx.compare import load_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from studies.palu_tiers import tier, tier_config  # noqa: E402  (registry and study tiers)
 
 CHUNK = 512
 PALU_TIERS = ("palu-2bit", "palu-1.5bit", "palu-1.25bit", "palu-1bit")
@@ -103,14 +105,14 @@ def candidates(
 ) -> dict[str, Callable[[], list[Any]]]:
     """Cache makers by name: the baseline, mlx-lm's 4-bit cache, ``tiers`` (a ``+sens`` tier reads
     the profile ``sensitivity``), and with ``calibration`` each tier's ``+cal`` twin."""
-    head_dim, n_kv = model_kv_dims(model)
+    head_dim, _ = model_kv_dims(model)
     out: dict[str, Callable[[], list[Any]]] = {
         "baseline": lambda: [KVCache() for _ in model.layers],
         "mlx-lm-q4": lambda: [QuantizedKVCache(group_size=64, bits=4) for _ in model.layers],
     }
     for name in tiers:
         profile = sensitivity if tier(name).calibration == "sensitivity" else None
-        config = tier_config(name, head_dim, n_kv, profile)
+        config = tier_config(name, head_dim, profile)
         out[name] = lambda config=config: KVCacheBuilder.for_model(model, config)
         if calibration is not None:
             cal = dataclasses.replace(config, palu_calibration=calibration)

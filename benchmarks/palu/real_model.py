@@ -30,9 +30,12 @@ The protocol (a lighter cousin of kvbench's, which decodes the scored tokens one
   in the same run. Calibrated candidates (``+cal``, with ``--calibration``) hold their
   per-model constants apart, like the weights.
 * ``--sensitivity`` (a profile written by ``benchmarks/palu/sensitivity.py``, from palu's
-  calibration text) adds the tiers of ``palu_mlx.tiers.SENSITIVITY_TIERS`` (``+sens``): bits per
+  calibration text) adds every ``+sens`` tier, the registry's and the studies' (``+sens``): bits per
   layer, keys against values, spread by the model's measured sensitivity; their rows record the
   profile's sha256.
+
+Tier names are looked up in the registry and then the study configurations
+(``benchmarks/studies/palu_tiers.py``), so every row's name keeps the configuration it recorded.
 
 Results are written after every candidate; a rerun skips candidates already in the file with
 the same settings (``--only`` runs one), so a long run can be cut into short ones. Each
@@ -65,13 +68,15 @@ from kvbench.results import environment_stamp, results_path, write_json
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 from palu_mlx import KVCacheBuilder, KVCacheConfig
 from palu_mlx.builder import model_kv_dims
-from palu_mlx.compare import load_model, noise_floor_candidate, tier_config
+from palu_mlx.compare import load_model, noise_floor_candidate
 from palu_mlx.peers import PEERS as PALU_PEERS
-from palu_mlx.tiers import SENSITIVITY_TIERS
 from palu_mlx.tiers import TIERS as REGISTRY
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from studies.palu_tiers import ALL_TIERS, tier_config  # noqa: E402  (registry and study tiers)
+
 OUT = results_path("palu_real_model.json")
-#: palu tiers run by default, and the tiers also run calibrated when --calibration is given
+#: palu tiers run by default (study configurations), and those also run calibrated with --calibration
 TIERS = ("palu-3bit-scaled", "palu-2.5bit-scaled", "palu-2bit-scaled", "palu-3bit", "palu-1.5bit")
 CALIBRATED = ("palu-3bit-scaled", "palu-2.5bit-scaled", "palu-2bit-scaled")
 #: the fixed 3-bit coder with the real-K/V options added one at a time (the -scaled tier has all)
@@ -87,7 +92,7 @@ RELATIVE = (
     "palu-2.25bit-scaled+rel",
     "palu-2bit-scaled+rel",
 )
-#: budgets between or beyond the registry's, built from a registry tier with another palu_bits
+#: budgets between or beyond the named ones, built from a named tier with another palu_bits
 #: (name -> (tier, bits)): the frontier on either side of q4's bytes and of half of them
 OTHER_BITS = {
     "palu-3.5bit-scaled+sens": ("palu-3bit-scaled+sens", 3.5),
@@ -103,7 +108,7 @@ COMPACT_PARTS = {
     "palu-1.75bit-scaled-scale8+sens": ("palu-1.75bit-scaled+sens", dict(palu_scale_bits=8)),
     "palu-1.75bit-scaled-recent8+sens": ("palu-1.75bit-scaled+sens", dict(palu_recent_bits=8)),
     "palu-1.75bit-compact-recent16+sens": ("palu-1.75bit-compact+sens", dict(palu_recent_tokens=16)),
-    # the padding bits of each row of codes spent on its channels: the same bytes (the registry's
+    # the padding bits of each row of codes spent on its channels: the same bytes (the study tier
     # palu-1.7bit-compact-fill+sens does this at 1.7 bits)
     "palu-1.75bit-compact-fill+sens": ("palu-1.75bit-compact+sens", dict(palu_fill_rows=True)),
 }
@@ -124,7 +129,7 @@ def candidates(
     model: Any, calibration: str | None, sensitivity: str | None = None
 ) -> dict[str, tuple[Callable[[], list[Any]], dict]]:
     """name -> (cache factory, description of its configuration)."""
-    head_dim, n_kv = model_kv_dims(model)
+    head_dim, _ = model_kv_dims(model)
     out: dict[str, tuple[Callable[[], list[Any]], dict]] = {
         "baseline": (lambda: [KVCache() for _ in model.layers], {"class": "mlx_lm KVCache"}),
         FLOOR: (
@@ -143,7 +148,7 @@ def candidates(
             {"peer": name, **PALU_PEERS[name].record},
         )
     for tier in (*TIERS, *ROTATION):
-        config = tier_config(tier, head_dim, n_kv)
+        config = tier_config(tier, head_dim)
         out[tier] = (
             lambda config=config: KVCacheBuilder.for_model(model, config),
             dataclasses.asdict(config),
@@ -169,8 +174,9 @@ def candidates(
 
     configs: dict[str, KVCacheConfig] = {}
     if sensitivity is not None:
-        configs.update({name: tier_config(name, head_dim, n_kv, sensitivity) for name in SENSITIVITY_TIERS})
-    configs.update({name: tier_config(name, head_dim, n_kv) for name in RELATIVE})
+        profiled = [name for name, entry in ALL_TIERS.items() if entry.calibration == "sensitivity"]
+        configs.update({name: tier_config(name, head_dim, sensitivity) for name in profiled})
+    configs.update({name: tier_config(name, head_dim) for name in RELATIVE})
     for name, (source, bits) in OTHER_BITS.items():
         if source in configs:
             configs[name] = dataclasses.replace(configs[source], palu_bits=bits)
@@ -179,8 +185,8 @@ def candidates(
             configs[name] = dataclasses.replace(configs[source], **fields)
     out.update({name: entry(config) for name, config in configs.items()})
     for name, (source, fields) in ROTATION_ABLATION.items():
-        out[name] = entry(dataclasses.replace(tier_config(source, head_dim, n_kv), **fields))
-    base = tier_config("palu-3bit", head_dim, n_kv)
+        out[name] = entry(dataclasses.replace(tier_config(source, head_dim), **fields))
+    base = tier_config("palu-3bit", head_dim)
     for name, fields in ABLATION.items():
         config = dataclasses.replace(base, **fields)
         out[name] = (

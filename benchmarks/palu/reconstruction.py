@@ -3,7 +3,8 @@
     hatch run bench:python benchmarks/palu/reconstruction.py
 
 Writes ``benchmarks/results/palu_reconstruction.json``: relative Frobenius error of K and V
-against bits per element for every palu tier of :data:`palu_mlx.tiers.TIERS` and the naive uniform
+against bits per element for every palu tier that needs no file (:data:`palu_mlx.tiers.TIERS`, then the
+study configurations of ``benchmarks/studies/palu_tiers.py``) and the naive uniform
 2/4-bit baseline, on every kvspec test vector of the planted, random-walk, gaussian, outlier and
 real families (each vector: half of it as the prefill, the rest in 8-token appends).
 
@@ -14,6 +15,7 @@ agreement, perplexity, memory, speed) is measured by ``palu-mlx compare`` (kvben
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import numpy as np
 from kvbench.results import environment_stamp, results_path, write_json
@@ -22,7 +24,13 @@ from kvspec.vectors import load_vectors
 from palu_mlx import PaluKVCache, naive_roundtrip
 from palu_mlx.kvspec_adapter import PaluAdapter
 from palu_mlx.state_checks import STATE_META
-from palu_mlx.tiers import TIERS
+from palu_mlx.tiers import TIERS as REGISTRY
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from studies.palu_tiers import STUDY_TIERS  # noqa: E402
+
+#: every tier that needs no file: the registry's, then the study configurations
+TIERS = {**REGISTRY, **STUDY_TIERS}
 
 FAMILIES = ("planted_lowrank", "random_walk", "gaussian", "outlier_keys", "real")
 #: the tier the summary sets against naive 2-bit

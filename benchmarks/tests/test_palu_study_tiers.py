@@ -1,0 +1,88 @@
+"""The palu study configurations (benchmarks/studies/palu_tiers.py): every name a results file
+recorded still means the configuration it recorded, and a study never takes a user's tier's place."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from kvspec import KVConfigError
+from palu_mlx.tiers import CALIBRATED_TIERS, MAX_TIERS, SENSITIVITY_TIERS, TIERS
+
+BENCH_DIR = Path(__file__).resolve().parents[1]
+if str(BENCH_DIR) not in sys.path:
+    sys.path.insert(0, str(BENCH_DIR))
+
+from studies.palu_tiers import (  # noqa: E402
+    ALL_TIERS,
+    STUDY_CALIBRATED_TIERS,
+    STUDY_SENSITIVITY_TIERS,
+    STUDY_TIERS,
+    tier,
+    tier_config,
+)
+
+#: the real-model results whose rows are named by tier (benchmarks/palu/real_model.py)
+RESULTS = (
+    "palu_real_model.json",
+    "palu_frontier.json",
+    "palu_real_model_4w.json",
+    "palu_real_model_long.json",
+)
+#: what a row records beside the config's fields (a sensitivity profile's reading of the model)
+NOT_FIELDS = {"profile_sha256", "layer_bits", "layer_key_weights", "layer_value_weights"}
+
+
+def _resolved(fields: dict) -> dict:
+    """A config's recorded fields with the bits and weighing it may leave automatic read as it
+    codes them, so a tier recorded with ``palu_bits=None`` and one spelling out the same choice
+    compare equal."""
+    from palu_mlx import KVCacheConfig
+
+    known = {k: v for k, v in fields.items() if k not in NOT_FIELDS}
+    config = KVCacheConfig(**known)
+    return {**known, "palu_bits": config.coder_bits, "palu_relative_error": config.relative_error}
+
+
+@pytest.mark.parametrize("results", RESULTS)
+def test_every_recorded_tier_row_is_the_configuration_its_name_means(results):
+    rows = json.loads((BENCH_DIR / "results" / results).read_text())["rows"]
+    checked = 0
+    for name, row in rows.items():
+        if name not in ALL_TIERS:
+            continue  # a peer, the baseline or an ablation the script builds from a tier
+        recorded = row["config"]
+        path = recorded.get("palu_calibration") or recorded.get("palu_sensitivity")
+        now = dataclasses.asdict(tier_config(name, recorded["head_dim"], path))
+        assert _resolved({k: now[k] for k in recorded if k not in NOT_FIELDS}) == _resolved(recorded), name
+        checked += 1
+    assert checked  # the file names at least one tier
+
+
+def test_study_names_are_apart_from_the_registry_s():
+    package = {**TIERS, **CALIBRATED_TIERS, **SENSITIVITY_TIERS}
+    studies = {**STUDY_TIERS, **STUDY_CALIBRATED_TIERS, **STUDY_SENSITIVITY_TIERS}
+    assert not package.keys() & studies.keys()
+    assert ALL_TIERS == {**package, **studies}
+    assert all(len(registry) <= MAX_TIERS for registry in (TIERS, CALIBRATED_TIERS, SENSITIVITY_TIERS))
+    # every name the registry gave up is still here for the studies that measured it
+    assert {"full-rank-fp16", "palu-3bit", "palu-3.25bit-scaled+rel", "palu-1.7bit-compact-fill+sens"} <= set(
+        studies
+    )
+
+
+def test_a_registry_name_resolves_to_the_registry_s_own_tier():
+    for name, entry in TIERS.items():
+        assert tier(name) is entry
+
+
+def test_an_unknown_name_lists_the_registry_and_the_studies():
+    with pytest.raises(
+        KVConfigError, match=r"tier='palu-9bit'.*allowed: rotation-4bit.*study configuration: full-rank"
+    ):
+        tier("palu-9bit")
+    with pytest.raises(KVConfigError, match="tier=None"):
+        tier(None)
