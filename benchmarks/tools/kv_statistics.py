@@ -397,10 +397,7 @@ def render_doc_block(record: dict, json_label: str, per_layer: bool = False) -> 
             f"| {m['name']} | {c['num_hidden_layers']} | {c['num_attention_heads']} / {c['num_key_value_heads']} | "
             f"{c['head_dim']} | {c['rope_theta']:g} | {c['stored_dtype']} | {first} | {m['next_token_loss_nats']:.3f} | {_check(m.get('pre_rope_check_max_abs_error'))} |"
         )
-    for m in models:
-        if m.get("note"):
-            lines += ["", f"{m['name']}: {m['note'].rstrip('.')}."]
-    lines += [
+    lines += [  # each model's --note is in the command above
         "",
         f"Over layers, min / median / max (the layer holding the max). Ranks are means over KV heads, out "
         f"of the head_dim; outlier channels: (head, dim) channels whose RMS over the tokens exceeds {f:g}x the "
