@@ -86,3 +86,21 @@ def test_an_unknown_name_lists_the_registry_and_the_studies():
         tier("palu-9bit")
     with pytest.raises(KVConfigError, match="tier=None"):
         tier(None)
+
+
+def test_every_study_name_of_the_package_s_snapshot_is_the_configuration_it_was_measured_as():
+    # packages/palu-mlx/tests/tiers_as_measured.json: every tier's fields and coder as measured,
+    # taken when the registry still held these names (one head group then, one per KV head now)
+    snapshot = BENCH_DIR.parent / "packages" / "palu-mlx" / "tests" / "tiers_as_measured.json"
+    as_measured = json.loads(snapshot.read_text())
+    studied = [name for name in as_measured if name not in TIERS and name not in CALIBRATED_TIERS]
+    assert "full-rank-fp16" in studied and "palu-1bit" in studied
+    for name in studied:
+        config = tier(name).config
+        fields = json.loads(config.to_json())
+        now = {**fields, "palu_bits": config.coder_bits, "palu_relative_error": config.relative_error}
+        measured = {**as_measured[name]["config"], "palu_n_head_groups": None}
+        assert {k: now[k] for k in measured} == measured, name
+        coder = dict(as_measured[name]["coder"])
+        assert type(config.coder_choice).__name__ == coder.pop("class"), name
+        assert dataclasses.asdict(config.coder_choice) == coder, name

@@ -193,11 +193,18 @@ def test_compare_adds_a_calibrated_candidate_per_bit_budget_tier(calibration_fil
 
     path, _ = calibration_file
     model = make_tiny_qwen3()
-    candidates, absent = build_candidates(model, ["reference-default", "palu-2bit"], [], calibration=path)
+    candidates, absent = build_candidates(
+        model, ["reference-default", "palu-2bit-scaled"], [], calibration=path
+    )
     assert absent == []
-    assert [c.name for c in candidates] == ["baseline", "reference-default", "palu-2bit", "palu-2bit+cal"]
+    assert [c.name for c in candidates] == [
+        "baseline",
+        "reference-default",
+        "palu-2bit-scaled",
+        "palu-2bit-scaled+cal",
+    ]
     assert all(isinstance(c, CalibratedKVCache) for c in candidates[-1].make_cache())
     from kvbench.results import CompareError
 
     with pytest.raises(CompareError, match="--calibration: .*another model"):
-        build_candidates(make_tiny_qwen3(seed=4), ["palu-2bit"], [], calibration=path)
+        build_candidates(make_tiny_qwen3(seed=4), ["palu-2bit-scaled"], [], calibration=path)

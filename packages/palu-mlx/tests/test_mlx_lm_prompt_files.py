@@ -170,7 +170,7 @@ def _prefill(model, tokenizer, kind: str, calibration: str | None = None):
     if kind == "naive":
         config = KVCacheConfig(method="naive", naive_bits=4, naive_group_size=32, head_dim=head_dim)
     else:
-        config = dataclasses.replace(TIERS["palu-2.5bit-scaled"].config, head_dim=head_dim)
+        config = dataclasses.replace(TIERS["palu-2bit-scaled"].config, head_dim=head_dim)
     if calibration is not None:
         config = dataclasses.replace(config, palu_calibration=calibration)
     cache = KVCacheBuilder.for_model(model, config)
@@ -184,7 +184,7 @@ def _prefill(model, tokenizer, kind: str, calibration: str | None = None):
 
 @pytest.mark.slow
 @needs_model
-@pytest.mark.parametrize("tier", ["palu-2.5bit-scaled", "naive", "calibrated"])
+@pytest.mark.parametrize("tier", ["palu-2bit-scaled", "naive", "calibrated"])
 def test_a_fresh_process_continues_an_mlx_lm_file_with_the_same_greedy_tokens(tmp_path, tier):
     import mlx_lm
     from mlx_lm.generate import generate_step
@@ -211,7 +211,7 @@ def test_a_fresh_process_continues_an_mlx_lm_file_with_the_same_greedy_tokens(tm
     assert run.returncode == 0, run.stderr[-2000:]
     got = json.loads(run.stdout.strip().splitlines()[-1])
     want = {
-        "palu-2.5bit-scaled": "PaluKVCache",
+        "palu-2bit-scaled": "PaluKVCache",
         "naive": "NaiveQuantKVCache",
         "calibrated": "CalibratedKVCache",
     }
@@ -261,7 +261,7 @@ def test_palu_mlx_generate_continues_a_file_mlx_lms_save_wrote(tmp_path, capsys)
     from palu_mlx.generate import generate_main
 
     model, tokenizer = mlx_lm.load(MODEL)
-    cache, _ = _prefill(model, tokenizer, "palu-2.5bit-scaled")
+    cache, _ = _prefill(model, tokenizer, "palu-2bit-scaled")
     held = cache[0].offset
     file = str(tmp_path / "prompt.safetensors")
     mlx_cache.save_prompt_cache(file, cache, {"model": MODEL, "tokenizer_config": "{}"})

@@ -15,7 +15,7 @@ def test_the_default_says_its_bits_weighing_and_exact_tokens():
 
 
 def test_a_compact_tier_says_its_newest_tokens_are_int8_not_exact():
-    line = describe(TIERS["palu-1.7bit-compact-fill"].config)
+    line = describe(TIERS["palu-1.75bit-compact"].config)
     assert "newest 32 in int8" in line and "newest 32 tokens exact" not in line
     assert "weighed by squared error" in line
 

@@ -17,7 +17,7 @@ import pytest
 from palu_helpers import make_tiny_qwen3
 from palu_mlx import HiLoSplit, KVCacheBuilder, PaluKVCache, WaterFilling, model_kv_dims
 from palu_mlx.coders import FitSettings
-from palu_mlx.tiers import TIERS
+from palu_mlx.tiers import UNQUANTIZED, palu_config
 
 MODEL = os.environ.get("KVBENCH_EMBEDDED_MODEL") or str(
     Path(__file__).resolve().parents[3] / "benchmarks" / "model" / "tiny-qwen3"
@@ -32,16 +32,22 @@ def test_model_kv_dims_reads_the_heads_a_shard_computes():
         layer.self_attn.n_kv_heads //= 2
     assert model_kv_dims(model) == (32, 2)
     # pre-RoPE off: this stand-in shard divides the head count but not k_proj, so no layer can run
-    config = dataclasses.replace(TIERS["r8-4bit"].config, head_dim=32, palu_pre_rope=False)
+    config = dataclasses.replace(
+        palu_config(palu_rank=8, palu_hi_bit=4, palu_lo_bit=4), head_dim=32, palu_pre_rope=False
+    )
     caches = KVCacheBuilder.for_model(model, config)
     assert all(isinstance(c, PaluKVCache) for c in caches)
     KVCacheBuilder.uninstall(model)
 
 
-@pytest.mark.parametrize("name", ["r8-4bit", "r16-fp16"])
-def test_fixed_split_tiers_per_head_code_each_head_on_its_own(name):
+@pytest.mark.parametrize(
+    "fields",
+    [dict(palu_rank=8, palu_hi_bit=4, palu_lo_bit=4), dict(palu_rank=16, **UNQUANTIZED)],
+    ids=["rank-8-4bit", "rank-16-unquantized"],
+)
+def test_fixed_split_configs_per_head_code_each_head_on_its_own(fields):
     """A rank holding half the heads holds exactly what one process holds for them."""
-    config = dataclasses.replace(TIERS[name].config, head_dim=64, palu_n_head_groups=None)
+    config = dataclasses.replace(palu_config(**fields), head_dim=64, palu_n_head_groups=None)
     keys = mx.random.normal((1, 4, 100, 64), key=mx.random.key(1)).astype(mx.bfloat16)
     values = mx.random.normal((1, 4, 100, 64), key=mx.random.key(2)).astype(mx.bfloat16)
     whole = PaluKVCache(config).update_and_fetch(keys, values)
@@ -138,9 +144,9 @@ def _same_codec(ranks: list, single: list, tier: str) -> None:
             np.testing.assert_allclose(a[k], b[k], rtol=0.05, err_msg=f"{tier} layer {i} {k}")
 
 
-#: per-head projections at a fixed rank and split: nothing is decided across heads; water-filling:
-#: the widths are decided on every head's variances, gathered from the ranks at the fit
-TP_TIERS = ("r16-fp16", "palu-2.5bit-scaled", "palu-3bit-scaled")
+#: water-filling: the widths are decided on every head's variances, gathered from the ranks at the
+#: fit; the rotation code: nothing is decided across heads
+TP_TIERS = ("palu-2.25bit-scaled+rel", "rotation-3.5bit")
 
 
 @pytest.mark.slow
@@ -179,9 +185,9 @@ def _calibrations(tmp_path) -> tuple[str, str]:
 @pytest.mark.skipif(not os.path.isdir(MODEL), reason="the embedded model is not checked out")
 def test_two_ring_ranks_slice_a_whole_model_calibration_file(tmp_path):
     own, other = _calibrations(tmp_path)
-    tiers = "palu-2.5bit-scaled+cal0,palu-2.5bit-scaled+cal1"
+    tiers = "palu-2bit-scaled+cal0,palu-2bit-scaled+cal1"
     single, ranks = _launch(tmp_path, tiers, own, other)
-    one, two = single["tiers"]["palu-2.5bit-scaled+cal0"], ranks["tiers"]["palu-2.5bit-scaled+cal0"]
+    one, two = single["tiers"]["palu-2bit-scaled+cal0"], ranks["tiers"]["palu-2bit-scaled+cal0"]
     assert "error" not in two, two.get("error")
     assert one["kv_heads"] == [4] and two["kv_heads"] == [2]
     assert two["tokens"] == one["tokens"]
@@ -190,5 +196,5 @@ def test_two_ring_ranks_slice_a_whole_model_calibration_file(tmp_path):
     assert sum(two["kv_bytes"]) == pytest.approx(one["kv_bytes"][0], rel=0.03)
     # a file of another model is still refused, on every rank and in one process
     for record in (single, ranks):
-        assert "made for another model" in record["tiers"]["palu-2.5bit-scaled+cal1"]["error"]
-        assert "kv_weights" in record["tiers"]["palu-2.5bit-scaled+cal1"]["error"]
+        assert "made for another model" in record["tiers"]["palu-2bit-scaled+cal1"]["error"]
+        assert "kv_weights" in record["tiers"]["palu-2bit-scaled+cal1"]["error"]

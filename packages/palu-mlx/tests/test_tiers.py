@@ -1,4 +1,4 @@
-"""The tier registry: one definition per tier, read by the conformance adapter."""
+"""The tier registry: at most eight tiers, one definition each, read by the conformance adapter."""
 
 from __future__ import annotations
 
@@ -11,39 +11,57 @@ from kvspec import KVConfigError, KVSpecError
 from palu_helpers import planted_lowrank, rel_err
 from palu_mlx import CALIBRATED_TIERS, TIERS, KVCacheConfig, PaluKVCache, Tier, tier
 from palu_mlx.compare import tier_config
-from palu_mlx.config import REFERENCE_SPLIT
+from palu_mlx.config import DEFAULT_RECENT_TOKENS, DEFAULT_SINK_TOKENS, REFERENCE_SPLIT
 from palu_mlx.kvspec_adapter import PaluAdapter
+from palu_mlx.tiers import (
+    DEFAULT_TIER,
+    MAX_TIERS,
+    SENSITIVITY_TIERS,
+    UNQUANTIZED,
+    fixed_tier,
+    palu_config,
+    relative_tier,
+)
 
 
 def test_registry_is_keyed_by_tier_name_in_display_order():
     assert list(TIERS) == [
-        "full-rank-fp16",
-        "r16-fp16",
-        "reference-default",
-        "r8-4bit",
         "rotation-4bit",
         "rotation-3.5bit",
         "rotation-3bit",
-        "palu-3bit-scaled",
-        "palu-2.5bit-scaled",
-        "palu-2bit-scaled",
-        "palu-1.75bit-compact",
-        "palu-1.7bit-compact-fill",
-        "palu-3.25bit-scaled+rel",
-        "palu-3bit-scaled+rel",
-        "palu-2.5bit-scaled+rel",
         "palu-2.25bit-scaled+rel",
         "palu-2bit-scaled+rel",
-        "palu-3bit",
-        "palu-2bit",
-        "palu-1.5bit",
-        "palu-1.25bit",
-        "palu-1bit",
+        "palu-2bit-scaled",
+        "palu-1.75bit-compact",
+        "reference-default",
     ]
     for name, entry in TIERS.items():
         assert isinstance(entry, Tier) and entry.name == name and tier(name) is entry
         assert entry.description.strip() and "\n" not in entry.description
         assert entry.config.method in ("palu", "rotation") and entry.config.head_dim is None
+
+
+def test_every_registry_holds_at_most_eight_tiers():
+    assert MAX_TIERS == 8
+    for registry in (TIERS, CALIBRATED_TIERS, SENSITIVITY_TIERS):
+        assert 1 <= len(registry) <= MAX_TIERS
+
+
+def test_the_default_tier_is_a_registered_rotation_tier():
+    assert DEFAULT_TIER == "rotation-3.5bit"
+    assert tier(DEFAULT_TIER).config.method == "rotation" and tier(DEFAULT_TIER).calibration is None
+
+
+def test_the_2_25bit_relative_tier_spells_out_its_fields():
+    # no field left to KVCacheConfig's automatic choices: the tier means this whatever the default is
+    config = tier("palu-2.25bit-scaled+rel").config
+    assert relative_tier(2.25) == tier("palu-2.25bit-scaled+rel")
+    assert (config.method, config.palu_bits, config.palu_relative_error) == ("palu", 2.25, True)
+    assert config.palu_token_scale and (config.palu_sink_tokens, config.palu_recent_tokens) == (
+        DEFAULT_SINK_TOKENS,
+        DEFAULT_RECENT_TOKENS,
+    ) == (4, 32)
+    assert config.relative_error and config.coder_bits == 2.25
 
 
 def test_reference_default_is_the_config_defaults_after_rope():
@@ -61,9 +79,10 @@ def test_reference_default_is_the_config_defaults_after_rope():
     )
 
 
-@pytest.mark.parametrize("name", ["palu-3bit", "palu-2bit", "palu-1.5bit", "palu-1.25bit", "palu-1bit"])
-def test_water_filling_tiers_spend_their_bits_with_fixed_quantizers(name):
-    config = tier(name).config
+@pytest.mark.parametrize("bits", [3, 2, 1.5, 1.25, 1])
+def test_fixed_quantizer_tiers_spend_their_bits(bits):
+    # the builder the study configurations palu-<bits>bit are made with
+    config = fixed_tier(bits).config
     cache = PaluKVCache(config)
     x = planted_lowrank((1, 4, 128, 64), rank=8, seed=1)
     cache.update_and_fetch(x, x)
@@ -73,7 +92,9 @@ def test_water_filling_tiers_spend_their_bits_with_fixed_quantizers(name):
 
 
 def test_unknown_tier_names_the_value_and_the_allowed_names():
-    with pytest.raises(KVConfigError, match=r"tier='default'.*allowed: full-rank-fp16, r16-fp16") as info:
+    with pytest.raises(
+        KVConfigError, match=r"tier='default'.*allowed: rotation-4bit, rotation-3.5bit"
+    ) as info:
         tier("default")
     assert isinstance(info.value, ValueError) and isinstance(info.value, KVSpecError)
     with pytest.raises(KVConfigError, match="tier=None"):
@@ -97,7 +118,7 @@ def test_tier_rejects_bad_fields(field, value):
 
 def test_tier_is_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
-        tier("r8-4bit").name = "other"
+        tier("reference-default").name = "other"
 
 
 def test_conformance_cases_are_the_tiers():
@@ -109,20 +130,29 @@ def test_conformance_cases_are_the_tiers():
 
 def test_every_tier_caches_and_errors_grow_down_the_list():
     x = planted_lowrank((1, 4, 80, 64), 12, seed=3, noise=0.05, dtype=mx.float16)
-    errors = {}
-    for name, entry in TIERS.items():
-        cache = PaluAdapter().make(entry.config)
+
+    def error(config: KVCacheConfig) -> float:
+        cache = PaluAdapter().make(config)
         keys, values = cache.update_and_fetch(x, x)
         assert cache.fitted and keys.shape == values.shape == x.shape and keys.dtype == mx.float16
-        errors[name] = rel_err(keys, x)
-    # two families, each from easiest to hardest
-    for family in (
-        ["full-rank-fp16", "r16-fp16", "reference-default", "r8-4bit"],
-        ["palu-3bit", "palu-2bit", "palu-1.5bit", "palu-1.25bit", "palu-1bit"],
-        ["rotation-4bit", "rotation-3bit"],
-    ):
-        assert [errors[n] for n in family] == sorted(errors[n] for n in family)
-    assert errors["full-rank-fp16"] < 1e-2
+        return rel_err(keys, x)
+
+    errors = {name: error(entry.config) for name, entry in TIERS.items()}
+    assert [errors[n] for n in ("rotation-4bit", "rotation-3.5bit", "rotation-3bit")] == sorted(
+        errors[n] for n in ("rotation-4bit", "rotation-3.5bit", "rotation-3bit")
+    )
+    # the builders' families, each from easiest to hardest: the change of basis alone, low rank,
+    # the reference's split, rank 8 in 4 bits; fixed quantizers from 3 bits down to 1
+    ranks = [
+        palu_config(palu_rank=64, **UNQUANTIZED),
+        palu_config(palu_rank=16, **UNQUANTIZED),
+        tier("reference-default").config,
+        palu_config(palu_rank=8, palu_hi_bit=4, palu_lo_bit=4),
+    ]
+    for family in (ranks, [fixed_tier(bits).config for bits in (3, 2, 1.5, 1.25, 1)]):
+        measured = [error(config) for config in family]
+        assert measured == sorted(measured)
+    assert error(ranks[0]) < 1e-2
 
 
 def test_calibrated_tiers_are_the_bit_budget_tiers_twins_in_their_order():
@@ -137,7 +167,7 @@ def test_calibrated_tiers_are_the_bit_budget_tiers_twins_in_their_order():
     ]
     assert list(CALIBRATED_TIERS) == [f"{name}+cal" for name in budget]
     assert "palu-1.75bit-compact+cal" not in CALIBRATED_TIERS
-    assert "palu-2.5bit-scaled+cal" in CALIBRATED_TIERS  # results files and docs read this name
+    assert "palu-2bit-scaled+cal" in CALIBRATED_TIERS  # results files and docs read this name
     for name, twin in CALIBRATED_TIERS.items():
         base = TIERS[name.removesuffix("+cal")]
         assert tier(name) is twin and twin.calibration == "model" and name not in TIERS
@@ -146,10 +176,10 @@ def test_calibrated_tiers_are_the_bit_budget_tiers_twins_in_their_order():
 
 
 def test_with_calibration_binds_a_file_the_way_compare_always_named_it():
-    twin = tier("palu-2.5bit-scaled+cal")
+    twin = tier("palu-2bit-scaled+cal")
     bound = twin.with_calibration("/models/m.palu-calibration.safetensors")
-    base = tier("palu-2.5bit-scaled")
-    assert bound.name == "palu-2.5bit-scaled+cal" and bound.calibration == "model"
+    base = tier("palu-2bit-scaled")
+    assert bound.name == "palu-2bit-scaled+cal" and bound.calibration == "model"
     assert bound.description == (
         f"{base.description}; calibrated (m.palu-calibration.safetensors): fixed projections and quantizers"
     )
@@ -158,18 +188,18 @@ def test_with_calibration_binds_a_file_the_way_compare_always_named_it():
     )
     assert twin.config.palu_calibration is None  # the registry's entry is unchanged
     # sized for a model: the uncalibrated tier's config plus the file
-    sized = tier_config("palu-2.5bit-scaled+cal", 64, 4, "f.safetensors")
+    sized = tier_config("palu-2bit-scaled+cal", 64, 4, "f.safetensors")
     assert sized == dataclasses.replace(
-        tier_config("palu-2.5bit-scaled", 64, 4), palu_calibration="f.safetensors"
+        tier_config("palu-2bit-scaled", 64, 4), palu_calibration="f.safetensors"
     )
 
 
 def test_calibration_goes_only_where_a_tier_needs_one():
-    with pytest.raises(KVConfigError, match="'r8-4bit' needs no calibration"):
-        tier("r8-4bit").with_calibration("f.safetensors")
+    with pytest.raises(KVConfigError, match="'reference-default' needs no calibration"):
+        tier("reference-default").with_calibration("f.safetensors")
     with pytest.raises(KVConfigError, match="path=''"):
-        tier("palu-2bit+cal").with_calibration("")
-    with pytest.raises(KVConfigError, match=r"'palu-2bit\+cal' needs calibration="):
-        tier_config("palu-2bit+cal", 64, 4)
-    with pytest.raises(KVConfigError, match="'palu-2bit' takes no calibration"):
-        tier_config("palu-2bit", 64, 4, "f.safetensors")
+        tier("palu-2bit-scaled+cal").with_calibration("")
+    with pytest.raises(KVConfigError, match=r"'palu-2bit-scaled\+cal' needs calibration="):
+        tier_config("palu-2bit-scaled+cal", 64, 4)
+    with pytest.raises(KVConfigError, match="'palu-2bit-scaled' takes no calibration"):
+        tier_config("palu-2bit-scaled", 64, 4, "f.safetensors")
