@@ -3,13 +3,17 @@
 ``make_docs.py`` puts what :func:`render_palu_real_block` returns between the
 ``<!-- palu-real:start -->`` and ``<!-- palu-real:end -->`` markers of docs/palu-mlx.md; the
 figures come from ``benchmarks/results/palu_real_model.json`` (``benchmarks/palu/real_model.py``).
-The table lists every row of the file, smallest first, and the lines under it are computed
-from the same rows: which tiers reach the targets the page names, and which need a file.
+The table lists the file's rows of the tiers a user can pick (:data:`palu_mlx.tiers.TIERS` and
+their ``+cal`` / ``+sens`` twins) and its peers, smallest first; the study configurations it also
+holds are counted, not listed (``benchmarks/studies/palu_tiers.py``). The lines under it are computed
+from the listed rows: which tiers reach the targets the page names, and which need a file.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from palu_mlx.tiers import CALIBRATED_TIERS, SENSITIVITY_TIERS, TIERS
 
 PALU_REAL_START, PALU_REAL_END = "<!-- palu-real:start -->", "<!-- palu-real:end -->"
 PALU_REAL_FILE = "palu_real_model.json"
@@ -19,6 +23,8 @@ PALU_FRONTIER_START, PALU_FRONTIER_END = "<!-- palu-frontier:start -->", "<!-- p
 PALU_FRONTIER_FILE = "palu_frontier.json"
 #: the names of palu's own rows (the others are peers)
 _OURS = ("palu", "rotation")
+#: the palu rows the table lists: the tiers a user can pick
+USER_TIERS = frozenset({*TIERS, *CALIBRATED_TIERS, *SENSITIVITY_TIERS})
 
 #: the peer every ratio is read against
 Q4 = "mlx-lm-q4"
@@ -61,7 +67,11 @@ def render_palu_real_block(
     rows = result["rows"]
     setup = result["setup"]
     q4_kl = rows[Q4]["kl"]
-    ordered = sorted(rows.items(), key=lambda item: item[1]["bytes_x_q4"])
+    ordered = sorted(
+        ((n, r) for n, r in rows.items() if not n.startswith(_OURS) or n in USER_TIERS),
+        key=lambda item: item[1]["bytes_x_q4"],
+    )
+    studies = sum(1 for n in rows if n.startswith(_OURS) and n not in USER_TIERS)
     lines = [
         start,
         "",
@@ -70,7 +80,8 @@ def render_palu_real_block(
         f"context and {setup['scored_tokens']} scored tokens ({setup['windows'] * setup['scored_tokens']} "
         f"scored positions), read {setup['step_tokens']} at a time. *needs*: what a tier reads besides "
         "the model (`+cal`: a `palu-mlx calibrate` file; `+sens`: a sensitivity profile of the model, "
-        "`benchmarks/palu/sensitivity.py`).",
+        "`benchmarks/palu/sensitivity.py`)."
+        + (f" The file's {studies} study configurations are not listed." if studies else ""),
         "",
         "| cache | needs | bytes x uncompressed | bytes x q4 | KL | KL x q4 | top-1 | perplexity |",
         "|---|---|---:|---:|---:|---:|---:|---:|",

@@ -4,6 +4,8 @@ writes: ``palu_decode_speed.json`` (decode steps in float32, the prefill's dtype
 
 ``make_docs.py`` puts what :func:`render_palu_speed_block` returns between the
 ``<!-- palu-speed:start -->`` and ``<!-- palu-speed:end -->`` markers of docs/palu-mlx.md.
+The tables show the peers and the tier's default attention path (packed codes, default chunk); the
+other paths a file measured (the float32 latents, other chunk sizes) stay in the file.
 """
 
 from __future__ import annotations
@@ -71,6 +73,8 @@ def render_palu_speed_block(results: dict[str, dict[str, Any]]) -> str:
                 "|---|---:|---:|---:|---:|",
             ]
             for name, row in measured["candidates"].items():
+                if name.startswith(result["tier"]) and name != f"{result['tier']} (packed)":
+                    continue  # another attention path: a study of the default one
                 lines.append(
                     f"| {name} | {row['tokens_per_s_median']:.2f} | {row['vs_q4_median_of_rounds']:.2f} | "
                     f"{row['held_bytes'] / _MIB:.2f} | {row['step_peak_over_active_bytes'] / _MIB:.2f} |"

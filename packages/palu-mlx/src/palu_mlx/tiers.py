@@ -68,9 +68,9 @@ __all__ = [
 CALIBRATIONS: tuple[str, ...] = ("model", "sensitivity")
 #: the methods a tier may have: the fitted latent cache and the rotation code (nothing fitted)
 TIER_METHODS: tuple[str, ...] = ("palu", "rotation")
-#: the end of a calibrated twin's name (``palu-2.5bit-scaled+cal``)
+#: the end of a calibrated twin's name (``palu-2bit-scaled+cal``)
 CALIBRATED_SUFFIX = "+cal"
-#: the end of a sensitivity-budget twin's name (``palu-2.5bit-scaled+sens``)
+#: the end of a sensitivity-budget twin's name (``palu-2bit-scaled+sens``)
 SENSITIVITY_SUFFIX = "+sens"
 #: the most tiers one registry (:data:`TIERS`, :data:`CALIBRATED_TIERS`,
 #: :data:`SENSITIVITY_TIERS`) may hold: a user reads the whole list to choose
