@@ -58,6 +58,9 @@ def test_json_has_every_field_as_a_measured_number(run, model_path):
     assert short["settings"]["prompts"] == 1
     for run_ in (short, long):
         assert [r["name"] for r in run_["rows"]] == ["baseline", tier, peer]
+        if module == "flashcodec.compare":  # the tier's own attention (the codes), counted in its row
+            row = run_["rows"][1]
+            assert row["config"]["attention"] == "codes" and row["details"]["decode_steps_on_codes"] > 0
         for row in run_["rows"]:
             for key in (
                 "kv_bytes", "kv_raw_bytes", "kv_ratio", "resident_ratio", "bits_per_element", "kl_mean",
@@ -97,6 +100,16 @@ def test_json_has_every_field_as_a_measured_number(run, model_path):
     assert theirs["kv_bytes"] < base["kv_bytes"]  # a 4-bit / fp8 peer holds fewer bytes
     curve = long["rows"][0]["memory_curve"]
     assert [p["tokens"] for p in curve] == [256, 320] and curve[1]["held"] > curve[0]["held"] * 0.99
+
+
+def test_flashcodec_compare_refuses_an_attention_suffix_and_names_the_option(capsys):
+    main = _main("flashcodec.compare")
+    for argv in (["--tiers", "png-keep1,jpeg-k2-int8-mf"], ["--tiers=kivi64r-k4v4-w64i8-s8-mf"]):
+        assert main([*argv, "--quiet"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "no longer part of a tier's name" in err[0] and "--attention codes" in err[0]
+    assert main(["--attention", "mf", "--quiet"]) == 2
+    assert "invalid choice: 'mf' (choose from 'tier', 'codes', 'materialized')" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("module", [c[0] for c in CLIS])
@@ -179,7 +192,7 @@ def test_docs_match_the_committed_results():
             ["reference-default", "r8-4bit"],
             "generate, server, compare, calibrate, sensitivity",
         ),
-        ("flashcodec.cli", ["png-keep1", "jpeg-k2-int8-mf"], "compare"),
+        ("flashcodec.cli", ["png-keep1", "jpeg-k2-int8"], "compare"),
     ],
 )
 def test_console_script_dispatch(cli, tiers, commands, capsys):
