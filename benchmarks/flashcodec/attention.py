@@ -6,7 +6,7 @@ with the materialized path that reads the memoized ``[B, H, S, D]`` view and run
 Setup (the description's): B=1, H_kv=8, H_q=16 (GQA, G=2), D=64 (``--dim``), fp32, keys and values
 a unit-RMS random walk along the sequence. For each final length S (``--seqs``, 4k .. 64k tokens)
 and tier of :data:`flashcodec.tiers.TIERS` (``--tiers``; default jpeg-k2-int8, jpeg-k2, png-keep1:
-both paths run on each tier's codec, so a ``-mf`` tier would only repeat its twin), a cache is
+both paths run on each tier's codec, whatever its own attention), a cache is
 prefilled with ``S - steps - 1`` tokens and
 then runs ``1 + steps`` decode steps (one warm-up), so it holds exactly S tokens at the end. One
 decode step is, per path:
@@ -45,10 +45,10 @@ import time
 
 import torch
 from common import add_device_options, save, stamp, sync, tier_list
+from common import study_tier as TIER
 from flashcodec import CodecKVCache
 from flashcodec.attention import codec_decode_attention, triton_available
 from flashcodec.peak_memory import PeakMemory
-from flashcodec.tiers import tier as TIER
 
 DEFAULT_TIERS = "jpeg-k2-int8,jpeg-k2,png-keep1"
 

@@ -1,42 +1,69 @@
 """What the flashcodec measurement scripts share: tier lookup, signals, stamping, results paths
 and teacher-forced log-probabilities.
 
-Every configuration a script runs is a tier of :data:`flashcodec.tiers.TIERS`, named as there
-("jpeg-k2-int8", or "jpeg-k2-int8-mf" for its materialization-free attention); :func:`tier_list`
-parses and checks ``--tiers`` with :func:`flashcodec.tiers.tier`.
+Every configuration a script runs is a tier of :data:`flashcodec.tiers.TIERS` or a study
+configuration of ``benchmarks/studies/flashcodec_tiers.py``, named as there ("jpeg-k2-int8"); its
+attention is a field (:attr:`flashcodec.tiers.Tier.attention`), chosen with ``--attention`` where a
+script offers it, never part of the name. :func:`tier_list` parses and checks ``--tiers``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from flashcodec.tiers import tier, tier_names
 from kvbench.results import environment_stamp, results_path, write_json
 from kvspec import KVConfigError
 
+# the study registry sits beside this folder (benchmarks/studies), one level up from the scripts
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "studies"))
+from flashcodec_tiers import ALL_TIERS, study_tier  # noqa: E402
+
+__all__ = [
+    "ALL_TIERS",
+    "ATTENTION_OPTIONS",
+    "study_tier",
+    "tier_list",
+    "attention_list",
+    "compare_with_studies",
+]
+
 
 def tier_list(text: str) -> list[str]:
-    """``--tiers a,b``: tier names (:func:`flashcodec.tiers.tier`), checked (argparse type)."""
+    """``--tiers a,b``: names of tiers or study configurations (:func:`study_tier`), checked
+    (argparse type); a name carrying an attention suffix is refused, saying to choose the attention."""
     names = [name.strip() for name in text.split(",") if name.strip()]
-    unknown = [name for name in names if not _is_tier(name)]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(
-            f"unknown tier(s) {unknown or text!r}; known: {tier_names()} (each also with '-mf')"
-        )
+    for name in names:
+        try:
+            study_tier(name)
+        except KVConfigError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+    if not names:
+        raise argparse.ArgumentTypeError(f"no tier named in {text!r}; known: {list(ALL_TIERS)}")
     return names
 
 
-def _is_tier(name: str) -> bool:
-    try:
-        tier(name)
-    except KVConfigError:
-        return False
-    return True
+#: ``--attention`` of the scripts that run tiers themselves: each tier's own, one for all, or both
+ATTENTION_OPTIONS = ("tier", "codes", "materialized", "both")
+
+
+def attention_list(name: str, attention: str) -> list[str]:
+    """The attentions ``--attention`` asks of tier ``name``: its own (``tier``), one, or both."""
+    if attention == "tier":
+        return [study_tier(name).attention]
+    return ["codes", "materialized"] if attention == "both" else [attention]
+
+
+def compare_with_studies(argv: list[str]) -> int:
+    """``flashcodec compare`` offering the study configurations beside the package's tiers."""
+    from flashcodec.compare import main
+
+    return main(argv, registry=ALL_TIERS)
 
 
 def long_run_args(
@@ -218,11 +245,11 @@ def compare_result(
 ) -> dict:
     """The result dict of ``flashcodec compare <cli>``, run in this process into a temporary JSON
     file, or read from ``compare_json`` (a run saved earlier); ``SystemExit`` when compare fails.
-    ``main``: the command to run instead of :func:`flashcodec.compare.main` (a harness of the
-    caller's own, e.g. one with tiers outside the registry)."""
+    ``main``: the command to run instead of ``flashcodec compare`` over the package's tiers and
+    the study configurations (a harness of the caller's own)."""
     if compare_json is None:
         if main is None:
-            from flashcodec.compare import main
+            main = compare_with_studies
 
         compare_json = Path(tempfile.mkdtemp()) / "compare.json"
         code = main([*cli, "--json", str(compare_json)])

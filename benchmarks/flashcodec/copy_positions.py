@@ -13,8 +13,8 @@ cache loses less likelihood than hqq).
 
 Teacher-forced like kvbench: a fresh cache, one prefill of the window's context, then one token
 per call. Caches: the uncompressed ``DynamicCache`` (the baseline), ``QuantizedCache(backend="hqq",
-nbits=4)`` and the flashcodec tiers named by ``--tiers`` (an ``-mf`` tier runs with attention on
-the codes, ``apply_codec_attention``); bf16, the embedded model, 18 windows of 2,048 tokens of the
+nbits=4)`` and the flashcodec tiers named by ``--tiers``, each with its own attention (the study
+configurations' is on the codes, :func:`flashcodec.hf.attending_on`); bf16, the embedded model, 18 windows of 2,048 tokens of the
 held-out text (all it holds), the last 512 of each scored: 9,216 positions.
 
     hatch run bench:python benchmarks/flashcodec/copy_positions.py   # results/flashcodec_copy_positions.json
@@ -30,15 +30,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from common import log_probs, model_and_text, stamp, tier_list
-from flashcodec.hf import FlashCodecCache, apply_codec_attention, remove_codec_attention
-from flashcodec.tiers import tier
+from common import log_probs, model_and_text, stamp, study_tier, tier_list
+from flashcodec.hf import FlashCodecCache, attending_on
 from kvbench.models import embedded_model_path
 from kvbench.protocol import BOOTSTRAP_RESAMPLES, Settings, text_windows
 from kvbench.results import results_path, weights_digest, write_json
 from transformers import DynamicCache, QuantizedCache
 
-DEFAULT_TIERS = "jpeg-k8-int4z-w96i8-mf,chan64-int4-w64i8-mf"
+DEFAULT_TIERS = "jpeg-k8-int4z-w96i8,chan64-int4-w64i8"
 PEER = "hf-hqq-q4"
 
 
@@ -99,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         PEER: lambda: QuantizedCache(backend="hqq", config=model.config, nbits=4),
         **{
             name: (lambda codec=codec: FlashCodecCache.from_config(model.config, codec=codec))
-            for name, codec in ((n, tier(n).codec) for n in args.tiers)
+            for name, codec in ((n, study_tier(n).codec) for n in args.tiers)
         },
     }
     nll: dict[str, list[np.ndarray]] = {name: [] for name in makers}
@@ -110,12 +109,9 @@ def main(argv: list[str] | None = None) -> int:
         targets = torch.tensor(window[ctx:])
         base = None
         for name, make in makers.items():
-            if name in args.tiers and tier(name).materialization_free:
-                apply_codec_attention(model)
-            try:
+            attention = study_tier(name).attention if name in args.tiers else "materialized"
+            with attending_on(model, attention):
                 lp = log_probs(model, make(), window, ctx)
-            finally:
-                remove_codec_attention(model)
             base = lp if base is None else base
             nll[name].append((-lp[torch.arange(len(targets)), targets]).numpy())
             kl[name].append((base.exp() * (base - lp)).sum(-1).clamp_min(0).numpy())
@@ -135,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
             subset: summary(flat_kl[name][mask], dnll[mask], None if vs is None else vs[mask])
             for subset, mask in (("all", np.ones_like(copy)), ("copy", copy), ("other", ~copy))
         }
+        if name in args.tiers:
+            caches[name]["attention"] = study_tier(name).attention
         caches[name]["ppl_delta"] = math.exp(flat_nll[name].mean()) - math.exp(base_nll.mean())
     out = {
         "what": __doc__.split("\n\n")[0],

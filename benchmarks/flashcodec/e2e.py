@@ -3,13 +3,12 @@
 Question: what do the materialized and the materialization-free paths cost in decode speed and
 memory on a whole model?
 
-Configurations: ``baseline`` (transformers' ``DynamicCache``, raw K/V) and the tiers of
-:data:`flashcodec.tiers.TIERS` named by ``--tiers`` (default jpeg-k2-int8, jpeg-k2-int8-mf,
-jpeg-k8-int8, jpeg-k8-int8-mf, png-keep1). A tier runs :class:`flashcodec.hf.FlashCodecCache`
-with its codec; a ``-mf`` tier (``materialization_free``) also runs
-:func:`flashcodec.hf.apply_codec_attention`: decode steps attend on the stored rows and the
-prefill's view is released (backend ``auto``: torch on the CPU, the Triton kernel on CUDA).
-A ``-mf`` tier stores what its twin without the suffix stores, so the two are compared.
+Configurations: ``baseline`` (transformers' ``DynamicCache``, raw K/V) and the tiers (or study
+configurations) named by ``--tiers``, each with the attentions ``--attention`` asks for (default
+both). A tier runs :class:`flashcodec.hf.FlashCodecCache` with its codec; with attention on the
+codes it also runs inside :func:`flashcodec.hf.attending_on`: decode steps attend on the stored rows
+and the prefill's view is released (backend ``auto``: torch on the CPU, the Triton kernel on CUDA).
+Both attentions store the same codes, so the two runs of a tier are compared.
 
 The prompt is the first ``--prompt-tokens`` tokens of kvbench's held-out text
 (:func:`kvbench.models.default_text_path`); the decode is ``--new-tokens`` greedy steps written
@@ -32,9 +31,9 @@ Figures per run:
 * ``steady_bytes``: bytes the cache holds after the decode, measured from its tensors (baseline:
   the ``DynamicCache`` keys and values; codec: ``storage_bytes().resident`` = archive capacity +
   tail buffers + the memoized view, if any);
-* ``token_match_vs_baseline``; on a ``-mf`` tier ``tokens_equal_materialized`` and the ratios to
-  its twin;
-* ``decode_steps_on_stored_rows`` / ``fallbacks`` (``-mf`` tiers): the wrapper's counters over
+* ``token_match_vs_baseline``; with attention on the codes ``tokens_equal_materialized`` and the
+  ratios to the same tier's materialized run;
+* ``decode_steps_on_stored_rows`` / ``fallbacks`` (attention on the codes): the wrapper's counters over
   every run of the tier (the timed repeats and the memory pass), per layer call.
 
     hatch run torch:python benchmarks/flashcodec/e2e.py          # writes results/flashcodec_e2e.json
@@ -48,20 +47,28 @@ import time
 from pathlib import Path
 
 import torch
-from common import add_device_options, save, stamp, sync, tier_list
-from flashcodec.hf import FlashCodecCache, apply_codec_attention, remove_codec_attention
+from common import (
+    ATTENTION_OPTIONS,
+    add_device_options,
+    attention_list,
+    save,
+    stamp,
+    study_tier,
+    sync,
+    tier_list,
+)
+from flashcodec.hf import FlashCodecCache, attending_on
 from flashcodec.peak_memory import PeakMemory
-from flashcodec.tiers import tier
 from kvbench.models import default_text_path, embedded_model_path
 from kvbench.results import weights_digest
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-DEFAULT_TIERS = (
-    "jpeg-k2-int8,jpeg-k2-int8-mf,jpeg-k8-int8,jpeg-k8-int8-mf,png-keep1,"
-    "jpeg-k8-int4z-w64,jpeg-k8-int4z-w64-mf,jpeg-k8-int4z-w96i8,jpeg-k8-int4z-w96i8-mf,"
-    "chan64-int4-w64i8,chan64-int4-w64i8-mf"
-)
-MF = "-mf"
+DEFAULT_TIERS = "jpeg-k2-int8,jpeg-k8-int8,png-keep1,jpeg-k8-int4z-w64,jpeg-k8-int4z-w96i8,chan64-int4-w64i8"
+
+
+def run_key(name: str, attention: str) -> str:
+    """A run's key in the results: the tier's name and its attention."""
+    return f"{name} ({attention})"
 
 
 def cache_bytes(cache) -> int:
@@ -95,11 +102,12 @@ def greedy(
 
 
 class Run:
-    """One configuration: ``baseline`` (``DynamicCache``) or a tier (``-mf``: materialization-free)."""
+    """One configuration: ``baseline`` (``DynamicCache``) or a tier with one attention."""
 
-    def __init__(self, name: str):
-        self.name = name
-        self.tier = None if name == "baseline" else tier(name)
+    def __init__(self, name: str, attention: str = "materialized"):
+        self.tier = None if name == "baseline" else study_tier(name, attention)
+        self.attention = attention
+        self.name = name if self.tier is None else run_key(name, attention)
         self.decode_s: list[float] = []
         self.result: dict = {}
         self.coded_calls = 0  # the wrapper's counters, summed over every run of this configuration
@@ -112,18 +120,16 @@ class Run:
 
     def __call__(self, model, ids, new_tokens, backend, during_decode=contextlib.nullcontext):
         """One greedy run: returns (tokens, prefill s, decode s, steady bytes)."""
-        coded = self.tier is not None and self.tier.materialization_free
-        stats = apply_codec_attention(model, backend=backend) if coded else None
-        try:
-            cache = self.new_cache(model)
-            tokens, prefill_s, decode_s = greedy(model, ids, cache, new_tokens, during_decode)
-            return tokens, prefill_s, decode_s, cache_bytes(cache)
-        finally:
-            if stats is not None:
-                remove_codec_attention(model)
-                self.coded_calls += stats.coded
-                for reason, n in stats.fallbacks.items():
-                    self.fallbacks[reason] = self.fallbacks.get(reason, 0) + n
+        with attending_on(model, self.attention, backend=backend) as stats:
+            try:
+                cache = self.new_cache(model)
+                tokens, prefill_s, decode_s = greedy(model, ids, cache, new_tokens, during_decode)
+                return tokens, prefill_s, decode_s, cache_bytes(cache)
+            finally:
+                if stats is not None:
+                    self.coded_calls += stats.coded
+                    for reason, n in stats.fallbacks.items():
+                        self.fallbacks[reason] = self.fallbacks.get(reason, 0) + n
 
 
 def measure_memory(run: Run, model, ids, new_tokens, backend, device) -> int:
@@ -173,7 +179,9 @@ def run(args) -> dict:
         .input_ids[:, : args.prompt_tokens]
         .to(device)
     )
-    runs = [Run("baseline")] + [Run(name) for name in args.tiers]
+    runs = [Run("baseline")] + [
+        Run(name, attention) for name in args.tiers for attention in attention_list(name, args.attention)
+    ]
     # timing: round robin, so a change in the machine's load hits every configuration alike
     for _ in range(args.repeats):
         for r in runs:
@@ -195,15 +203,15 @@ def run(args) -> dict:
     base_tokens = rows["baseline"]["tokens"]
     for r in runs[1:]:
         row = rows[r.name]
-        row.update(codec=r.tier.codec.config(), materialization_free=r.tier.materialization_free)
+        row.update(tier=r.tier.name, attention=r.attention, codec=r.tier.codec.config())
         row["token_match_vs_baseline"] = sum(
             a == b for a, b in zip(row["tokens"], base_tokens, strict=True)
         ) / len(base_tokens)
-        if not r.tier.materialization_free:
+        if r.attention != "codes":
             continue
         row["decode_steps_on_stored_rows"] = r.coded_calls
         row["fallbacks"] = dict(r.fallbacks)
-        twin = rows.get(r.name.removesuffix(MF))  # the same codec, materialized
+        twin = rows.get(run_key(r.tier.name, "materialized"))  # the same codec, materialized
         if twin is not None:
             row["tokens_equal_materialized"] = row["tokens"] == twin["tokens"]
             row["speed_ratio_vs_materialized"] = row["decode_tokens_per_s"] / twin["decode_tokens_per_s"]
@@ -220,7 +228,7 @@ def run(args) -> dict:
     cfg = model.config
     return {
         "benchmark": "flashcodec/e2e",
-        "question": "greedy decode on a whole model: baseline vs materialized vs materialization-free tiers",
+        "question": "greedy decode on a whole model: baseline vs tiers attending on a decoded view or on their codes",
         "settings": {
             "model": str(path.name),
             "weights_sha256": weights_digest(path),
@@ -241,7 +249,7 @@ def run(args) -> dict:
 
 def line(name: str, r: dict) -> str:
     return (
-        f"{name:<36} {r['decode_tokens_per_s']:8.1f} tok/s  peak {r['peak_bytes'] / 2**20:7.2f} MiB"
+        f"{name:<44} {r['decode_tokens_per_s']:8.1f} tok/s  peak {r['peak_bytes'] / 2**20:7.2f} MiB"
         f"  decode peak {r['decode_peak_bytes'] / 2**20:7.2f} MiB  steady {r['steady_bytes'] / 2**20:7.2f} MiB"
     )
 
@@ -251,6 +259,12 @@ def main(argv=None) -> None:
     parser.add_argument("--model", default=None, help="a local model directory (default: the embedded model)")
     parser.add_argument(
         "--tiers", type=tier_list, default=tier_list(DEFAULT_TIERS), help="tier names, comma-separated"
+    )
+    parser.add_argument(
+        "--attention",
+        choices=ATTENTION_OPTIONS,
+        default="both",
+        help="both (default): each tier on a decoded view and on its codes; tier: each with its own",
     )
     parser.add_argument(
         "--prompt-tokens", type=int, default=2015, help="default: 2,048 tokens after the decode"

@@ -1,6 +1,6 @@
 """Why jpeg-k8-int4 loses to transformers' hqq 4-bit cache at the same bytes.
 
-Question: ``jpeg-k8-int4-mf`` and ``QuantizedCache(backend="hqq", nbits=4)`` hold the same bytes
+Question: ``jpeg-k8-int4`` (attention on the codes) and ``QuantizedCache(backend="hqq", nbits=4)`` hold the same bytes
 (4.5 bits an element), yet the peer's KL is ten times lower. Which part of the difference is the
 quantizer layout (symmetric or zero point, along D per token or per DCT frequency, group size,
 per-channel keys) and which is how the peer schedules precision (its last ``residual_length``
@@ -248,7 +248,7 @@ def factors(args: argparse.Namespace) -> dict:
 
 
 COMPARE_ARGS = [
-    "--tiers", "jpeg-k8-int4z-mf,jpeg-k8-int4-mf", "--peers", "hf-hqq-q4",
+    "--tiers", "jpeg-k8-int4z,jpeg-k8-int4", "--peers", "hf-hqq-q4",
     "--windows", "4", "--context-tokens", "192", "--scored-tokens", "64",
     "--long-context", "2048", "--long-windows", "1", "--long-scored-tokens", "128",
     "--speed-rounds", "1", "--speed-steps", "8", "--quiet",

@@ -8,11 +8,12 @@ forced), keeps the KL of every scored position, and reports per candidate pair t
 difference with a bootstrap 95% interval over positions (resampled in blocks of 16 neighbouring
 positions, which are correlated).
 
-Candidates: flashcodec tier names (``-mf``: attention on the codes, as compare patches it) and
-``hf-hqq-q8`` / ``hf-hqq-q4`` (transformers' ``QuantizedCache``, as compare builds them).
+Candidates: flashcodec tier names (each with its own attention, or the one ``--attention``
+chooses, applied as compare applies it) and ``hf-hqq-q8`` / ``hf-hqq-q4`` (transformers'
+``QuantizedCache``, as compare builds them).
 
     OMP_NUM_THREADS=1 nice -n 10 hatch run bench:python benchmarks/flashcodec/paired_kl.py \\
-        --candidates kivi64r-k8v8-w32-s8-mf,hf-hqq-q8
+        --candidates kivi64r-k8v8-w32-s8,hf-hqq-q8
     # writes benchmarks/results/flashcodec_paired_kl.json
 """
 
@@ -24,17 +25,17 @@ import sys
 import time
 
 import torch
-from common import log_probs, model_and_text, stamp
+from common import log_probs, model_and_text, stamp, study_tier
 from flashcodec.compare import PEERS
-from flashcodec.tiers import tier
 from kvbench.models import resolve_model
 from kvbench.results import results_path, write_json
 
 BLOCK = 16
 
 
-def make_cache(model, name: str):
-    """``(cache factory, context manager for its attention)`` for a tier or a peer name."""
+def make_cache(model, name: str, attention: str | None = None):
+    """``(cache factory, context manager for its attention)`` for a tier (with its own attention,
+    or ``attention``) or a peer name."""
     if name in PEERS:
         from transformers import QuantizedCache
 
@@ -42,21 +43,12 @@ def make_cache(model, name: str):
         return lambda: QuantizedCache(
             backend=backend, config=model.config, nbits=nbits
         ), contextlib.nullcontext
-    from flashcodec.hf import FlashCodecCache
-    from flashcodec.hf.codec_attention import apply_codec_attention, remove_codec_attention
+    from flashcodec.hf import FlashCodecCache, attending_on
 
-    t = tier(name)
-
-    @contextlib.contextmanager
-    def patched():
-        apply_codec_attention(model)
-        try:
-            yield
-        finally:
-            remove_codec_attention(model)
-
-    attention = patched if t.materialization_free else contextlib.nullcontext
-    return lambda: FlashCodecCache.from_config(model.config, codec=t.codec), attention
+    t = study_tier(name, attention)
+    return lambda: FlashCodecCache.from_config(model.config, codec=t.codec), lambda: attending_on(
+        model, t.attention
+    )
 
 
 def block_bootstrap(diff: torch.Tensor, rounds: int = 2000, seed: int = 0) -> tuple[float, float]:
@@ -71,7 +63,13 @@ def block_bootstrap(diff: torch.Tensor, rounds: int = 2000, seed: int = 0) -> tu
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--candidates", default="kivi64r-k8v8-w32-s8-mf,hf-hqq-q8")
+    parser.add_argument("--candidates", default="kivi64r-k8v8-w32-s8,hf-hqq-q8")
+    parser.add_argument(
+        "--attention",
+        choices=("codes", "materialized"),
+        default=None,
+        help="the attention of every tier candidate (default: each tier's own)",
+    )
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--windows", type=int, default=2)
     parser.add_argument("--context", type=int, default=1792)
@@ -88,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     kls: dict[str, torch.Tensor] = {}
     top1: dict[str, float] = {}
     for name in names:
-        factory, attention = make_cache(model, name)
+        factory, attention = make_cache(model, name, args.attention)
         per, agree = [], []
         with attention():
             for w, ref in zip(windows, base, strict=True):
@@ -127,13 +125,26 @@ def main(argv: list[str] | None = None) -> int:
             "scored_tokens": args.scored,
             "positions": int(next(iter(kls.values())).numel()) if kls else 0,
             "command": "python benchmarks/flashcodec/paired_kl.py " + " ".join(argv or sys.argv[1:]),
-            "rows": [{"name": n, "kl_mean": float(kls[n].mean()), "top1_agreement": top1[n]} for n in names],
+            "rows": [
+                {
+                    "name": n,
+                    **_attention_field(n, args.attention),
+                    "kl_mean": float(kls[n].mean()),
+                    "top1_agreement": top1[n],
+                }
+                for n in names
+            ],  # fmt: skip
             "pairs": pairs,
             "wall_s": time.perf_counter() - t0,
         },
     )
     print(f"wrote {out}")
     return 0
+
+
+def _attention_field(name: str, attention: str | None) -> dict:
+    """``{"attention": ...}`` for a tier candidate, nothing for a peer."""
+    return {} if name in PEERS else {"attention": study_tier(name, attention).attention}
 
 
 def _dynamic(model):

@@ -1,7 +1,7 @@
 """The flashcodec tiers that target the real model, beside transformers' hqq caches, in one run.
 
 Runs ``flashcodec compare`` (kvbench's protocol) on the real model (SmolLM2-135M-Instruct, bf16,
-attention on the codes for the ``-mf`` tiers) with :func:`compare_cli`'s arguments, keeps its whole
+each tier with its own attention: these on the codes) with :func:`compare_cli`'s arguments, keeps its whole
 result and adds a summary per row of the long run (a window of 1,792 prefilled + 256 scored tokens, decode
 timed at 2,048 tokens): bytes against the uncompressed bf16 cache, resident and averaged over
 decoding (``resident_ratio_decode_mean``), KL to the baseline's next-token distribution, top-1
@@ -26,7 +26,7 @@ from common import compare_result, long_run_args, tier_list
 from kvbench.results import results_path, write_json
 
 #: the tiers measured by default: the new split codecs, and the per-channel tier they replace
-TIERS = "kivi64-k4v4-w64i8-mf,kivi64-k8v8-w64i8-mf,chan64-int4-w64i8-mf"
+TIERS = "kivi64-k4v4-w64i8,kivi64-k8v8-w64i8,chan64-int4-w64i8"
 
 #: the peers every row is read against
 PEERS = "hf-hqq-q4,hf-hqq-q8"

@@ -55,8 +55,8 @@ REFERENCE_SETTINGS: dict[str, dict[str, Any]] = {
     "ref-png-keep1": {"mode": "png", "block_size": 8, "keep_ratio": 1.0},
     "ref-default": {},
 }
-#: our zero-argument default as ``flashcodec compare`` names it (attention on the codes: ``-mf``)
-OURS_DEFAULT = "kivi64r-k4v4-w64i8-s8-mf"
+#: our zero-argument default as ``flashcodec compare`` names it (its own attention: on the codes)
+OURS_DEFAULT = "kivi64r-k4v4-w64i8-s8"
 #: transformers' own 4-bit caches, by ``flashcodec compare``'s names
 OURS_PEERS = ("hf-hqq-q4", "hf-quanto-q4")
 #: every row name the results file must carry, measured or refused (the test reads this)

@@ -4,16 +4,16 @@ Candidates are :class:`flashcodec.codecs.RotatedKIVICodec` configurations (``kiv
 values rotated; ``kivi64rk-*``: keys only; ``kivi64rg-*``: rotated, levels fitted to a Gaussian
 instead of min-max; ``rkg``: both; ``u``: no rotation, for 2 and 3 bits without one), each named like the kivi tiers (``kivi<block>...-k<key
 bits>v<value bits>-w<window>i8``: ``kivi64r-k3v2-w64i8`` has 64-token blocks and the newest 64-127
-tokens int8; the first key exact). A candidate the registry already holds runs as that tier;
-the others are this script's own tiers (:func:`candidate_tiers`), run beside the registered
-``kivi64-*`` tiers they would replace through a compare harness that knows them
-(:func:`make_harness`); the registry itself is left as it is.
+tokens int8; the first key exact). A candidate the package's registry or the study registry
+(``benchmarks/studies/flashcodec_tiers.py``) already holds runs as that tier; the others are this
+script's own (:func:`candidate_tiers`), run beside the ``kivi64-*`` configurations they would
+replace through a compare harness that knows them all; no registry is changed.
 
 Two protocols:
 
 * default: ``flashcodec compare`` (kvbench's protocol, as ``real_tiers.py``: SmolLM2-135M-Instruct,
   bf16, one window of 1,792 prefilled + 256 scored tokens decoded one at a time, attention on the
-  codes for the ``-mf`` names, hqq 4/8-bit in the same run); writes ``flashcodec_rotated_tiers.json``
+  codes, hqq 4/8-bit in the same run); writes ``flashcodec_rotated_tiers.json``
   with ``summary_long`` (bytes resident averaged over decoding, KL, top-1, ratios to hqq-q4).
 * ``--quick``: a ranking (as ``kv_recipes.py``): per window the context is prefilled exactly, each
   layer's K/V go through a :class:`flashcodec.CodecKVCache` of the candidate (archive coded, window
@@ -30,15 +30,21 @@ import argparse
 import re
 import sys
 import time
-import warnings
 from collections.abc import Iterable
 from pathlib import Path
 
-import flashcodec.tiers as tiers_module
 import torch
-from common import add_window_options, compare_result, exact_windows, save_window_result, score_replaced_kv
+from common import (
+    ALL_TIERS,
+    add_window_options,
+    compare_result,
+    exact_windows,
+    save_window_result,
+    score_replaced_kv,
+)
 from flashcodec.codecs import BlockCodec, KIVICodec
 from flashcodec.codecs.rotated import RotatedKIVICodec
+from flashcodec.tiers import Tier, make_registry
 from kvbench.results import results_path
 from real_tiers import compare_cli, write_summary
 
@@ -66,8 +72,8 @@ def _codec(name: str) -> BlockCodec:
 
 
 def _describe(name: str, codec: BlockCodec) -> str:
-    if name in tiers_module.TIERS:
-        return tiers_module.TIERS[name].description
+    if name in ALL_TIERS:
+        return ALL_TIERS[name].description
     r, w = codec.block_size, codec.raw_window
     window = f"newest {w}-{w + r - 1} tokens int8" if w else f"the incomplete block's 0-{r - 1} tokens int8"
     if not isinstance(codec, RotatedKIVICodec):
@@ -85,59 +91,22 @@ def _describe(name: str, codec: BlockCodec) -> str:
     )
 
 
-def candidate_tiers(names: Iterable[str]) -> dict[str, tiers_module.Tier]:
-    """The candidates of ``names`` (each with or without ``-mf``) that the registry does not hold,
-    as storage tiers by name (each offering its ``-mf`` form, as the registry's do)."""
-    out: dict[str, tiers_module.Tier] = {}
+def candidate_tiers(names: Iterable[str]) -> dict[str, Tier]:
+    """The candidates of ``names`` that neither registry holds, as tiers by name (attention on the codes)."""
+    out: dict[str, Tier] = {}
     for name in names:
-        base = name.removesuffix(tiers_module.MF_SUFFIX)
-        if base not in tiers_module.TIERS and base not in out:
-            codec = _codec(base)
-            out[base] = tiers_module.Tier(base, _describe(base, codec), codec, offer_mf=True)
+        if name not in ALL_TIERS and name not in out:
+            codec = _codec(name)
+            out[name] = Tier(name, _describe(name, codec), codec, "codes")
     return out
 
 
-def tier_of(name: str, extra: dict[str, tiers_module.Tier]) -> tiers_module.Tier:
-    """The tier ``name`` stands for: one of ``extra`` (``-mf``: with materialization-free attention),
-    else the registry's (:func:`flashcodec.tiers.tier`)."""
-    base = name.removesuffix(tiers_module.MF_SUFFIX)
-    if base in extra:
-        return extra[base] if base == name else extra[base].with_materialization_free()
-    return tiers_module.tier(name)
+def compare_main(extra: dict[str, Tier]):
+    """``flashcodec compare`` offering the registries' tiers and ``extra`` after them."""
+    from flashcodec.compare import main
 
-
-def make_harness(extra: dict[str, tiers_module.Tier]):
-    """``flashcodec compare``'s harness with the tiers of ``extra`` (and their ``-mf`` forms) listed
-    after the registry's and built as candidates like them."""
-    from flashcodec.compare import FlashCodecHarness, build_candidates, on_attention_axis
-
-    class RotatedHarness(FlashCodecHarness):
-        def tiers(self):
-            names = [n for base in extra for n in (base, base + tiers_module.MF_SUFFIX)]
-            return {**super().tiers(), **{n: tier_of(n, extra).description for n in names}}
-
-        def candidates(self, loaded, tiers, peers):
-            return build_candidates(
-                loaded.handle,
-                on_attention_axis(tiers, self.attention),
-                peers,
-                tier_of=lambda name: tier_of(name, extra),
-            )
-
-    return RotatedHarness()
-
-
-def compare_main(extra: dict[str, tiers_module.Tier]):
-    """``flashcodec compare``'s entry point (:func:`flashcodec.compare.main`) on :func:`make_harness`."""
-    from kvbench.cli import run_cli, run_compare
-
-    def run(argv):
-        with warnings.catch_warnings():
-            # transformers' deprecation notes on cache kwargs would interleave with the progress bar
-            warnings.simplefilter("ignore", FutureWarning)
-            return run_compare(make_harness(extra), argv)
-
-    return lambda argv: run_cli(run, argv)
+    registry = make_registry(*ALL_TIERS.values(), *extra.values())
+    return lambda argv: main(argv, registry=registry)
 
 
 #: the kvbench run: the registered references, then rotated 4- and 8-bit candidates, then the
@@ -145,8 +114,7 @@ def compare_main(extra: dict[str, tiers_module.Tier]):
 #: levels help only at 2 bits; the smallest is 128-token blocks and no window beyond the block) and
 #: 3-bit codes without the rotation at the same bytes
 COMPARE_TIERS = ",".join(
-    f"{name}-mf"
-    for name in (
+    (
         "kivi64-k4v4-w64i8",
         "kivi64r-k4v4-w64i8",
         "kivi64-k8v8-w64i8",
@@ -194,7 +162,7 @@ def run_compare(names: list[str], out: Path, model: str | None, long_windows: in
         f"python benchmarks/flashcodec/rotated_tiers.py --tiers {','.join(names)} --long-windows {long_windows}"
     )
     result["compare_args"] = cli
-    result["candidates"] = {n: _describe(n.removesuffix("-mf"), _codec(n.removesuffix("-mf"))) for n in names}
+    result["candidates"] = {n: _describe(n, _codec(n)) for n in names}
     result["wall_s"] = time.perf_counter() - t0
     write_summary(result, out)
 
@@ -260,9 +228,9 @@ def main(argv: list[str] | None = None) -> int:
         if n.strip()
     ]
     for name in names:
-        _codec(name.removesuffix("-mf"))  # a bad name fails before any model is loaded
+        _codec(name)  # a bad name fails before any model is loaded
     if args.quick:
-        run_quick([n.removesuffix("-mf") for n in names], args)
+        run_quick(names, args)
     else:
         run_compare(
             names, args.out or results_path("flashcodec_rotated_tiers.json"), args.model, args.long_windows

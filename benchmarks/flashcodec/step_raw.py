@@ -5,8 +5,9 @@ A multi-token step of a :class:`flashcodec.hf.FlashCodecCache` attends its own t
 as stored (``step_raw=False``, flashcodec's behaviour before). The tokens are stored coded either
 way, but a prefill on the codes passes the codec's error through every layer's output into the
 next layer's keys and values, so the cache itself differs. This runs ``flashcodec compare`` with
-each chosen tier twice: under its own name (raw step) and as ``<tier>+coded-step``; everything else
-(the protocol, windows, peers, bytes, speed) is the compare command's.
+each chosen tier under each attention ``--attention`` asks for (default both), twice: as
+``<tier>+<attention>`` (raw step) and ``<tier>+<attention>+coded-step``; everything else (the
+protocol, windows, peers, bytes, speed) is the compare command's.
 
     OMP_NUM_THREADS=1 hatch run bench:python benchmarks/flashcodec/step_raw.py   # results/flashcodec_step_raw.json
 
@@ -20,66 +21,74 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from common import long_run_args
+from common import ALL_TIERS, ATTENTION_OPTIONS, attention_list, long_run_args, study_tier
+from flashcodec.tiers import ATTENTIONS
 from kvbench.results import results_path
 
-TIERS = "chan64-int4-w64i8-mf,chan64-int4-w64i8"
+TIERS = "chan64-int4-w64i8"
 CODED = "+coded-step"
 
 COMPARE_ARGS = long_run_args("hf-hqq-q4", context=192, scored=64, speed_rounds=1, speed_steps=8)
 
 
+def case_name(tier: str, attention: str, coded_step: bool = False) -> str:
+    """A candidate's name: the tier, its attention, and ``+coded-step`` when the step is coded."""
+    return f"{tier}+{attention}" + (CODED if coded_step else "")
+
+
 def make_harness():
     from flashcodec.compare import FlashCodecHarness, build_candidates
     from flashcodec.hf import FlashCodecCache
-    from flashcodec.tiers import tier, tier_names
+
+    cases = {
+        case_name(name, attention, coded): (name, attention, coded)
+        for name in ALL_TIERS
+        for attention in ATTENTIONS
+        for coded in (False, True)
+    }
 
     class StepRawHarness(FlashCodecHarness):
-        """The compare harness with one more candidate per tier: ``<tier>+coded-step``."""
+        """The compare harness with a candidate per tier, attention and multi-token step."""
 
         tool = "flashcodec compare (step_raw)"
 
         def tiers(self):
-            out = {}
-            for name in tier_names():
-                t = tier(name)
-                out[name] = t.description + " (a multi-token step attends its own tokens raw)"
-                out[name + CODED] = t.description + " (a multi-token step attends its own tokens as stored)"
-            return out
+            return {
+                case: ALL_TIERS[name].description
+                + (" (a multi-token step attends its own tokens as stored)" if coded else " (a multi-token step attends its own tokens raw)")
+                for case, (name, _, coded) in cases.items()
+            }  # fmt: skip
 
         def candidates(self, loaded, tiers, peers):
             model = loaded.handle
-            bases = list(dict.fromkeys(n.removesuffix(CODED) for n in tiers))
-            built, absent = build_candidates(model, bases, peers)
-            by_name = {c.name: c for c in built}
-            out = [by_name["baseline"]]
-            for name in tiers:
-                base = by_name[name.removesuffix(CODED)]
-                if name.endswith(CODED):
-                    codec = tier(base.name).codec
-                    base = dataclasses.replace(
-                        base,
-                        name=name,
-                        description=self.tiers()[name],
-                        make_cache=lambda codec=codec: FlashCodecCache.from_config(
-                            model.config, codec=codec, step_raw=False
+            built, absent = build_candidates(model, [], peers)  # the baseline and the peers
+            out, peer_rows = built[:1], built[1:]
+            for case in tiers:
+                name, attention, coded = cases[case]
+                built, _ = build_candidates(model, [name], [], tier_of=study_tier, attention=attention)
+                codec = study_tier(name).codec
+                out.append(
+                    dataclasses.replace(
+                        built[1],
+                        name=case,
+                        description=self.tiers()[case],
+                        make_cache=lambda codec=codec, coded=coded: FlashCodecCache.from_config(
+                            model.config, codec=codec, step_raw=not coded
                         ),
-                        config={**base.config, "step_raw": False},
+                        config={**built[1].config, "step_raw": not coded},
                     )
-                else:
-                    base = dataclasses.replace(
-                        base, description=self.tiers()[name], config={**base.config, "step_raw": True}
-                    )
-                out.append(base)
-            out.extend(c for c in built if c.kind == "peer")
-            return out, absent
+                )
+            return out + peer_rows, absent
 
     return StepRawHarness()
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tiers", default=TIERS, help=f"comma-separated registry tiers (default {TIERS})")
+    parser.add_argument("--tiers", default=TIERS, help=f"comma-separated tiers (default {TIERS})")
+    parser.add_argument(
+        "--attention", choices=ATTENTION_OPTIONS, default="both", help="the attentions to run each tier with"
+    )
     parser.add_argument(
         "--model", default=None, help="model for the compare (default: its default, the real model)"
     )
@@ -89,7 +98,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from kvbench.cli import run_cli, run_compare
 
-    tiers = [t for name in args.tiers.split(",") for t in (name, name + CODED)]
+    tiers = [
+        case_name(name, attention, coded)
+        for name in args.tiers.split(",")
+        for attention in attention_list(name, args.attention)
+        for coded in (False, True)
+    ]
     compare_args = [*COMPARE_ARGS, "--tiers", ",".join(tiers), "--json", str(args.out), *rest]
     if args.model:
         compare_args += ["--model", args.model]

@@ -8,8 +8,8 @@ form once block 0 is archived (a stream's sink: ``flashcodec.stream``), and atte
 reads it there. This script measures each candidate beside its tier without the sink, in one
 ``flashcodec compare`` run (``real_tiers.py``'s protocol and settings: SmolLM2-135M-Instruct,
 bf16, windows of 1,792 prefilled + 256 scored tokens decoded one at a time, attention on the
-codes, hqq 4/8-bit in the same run). A candidate the registry lacks joins this process's registry
-only (``kivi64r-k3v2-w0i8-s8z4-vs1`` won and is registered; ``kivi64r-k4v4-w64i8-s8-vs1`` is not).
+codes, hqq 4/8-bit in the same run). The candidates are study configurations
+(``benchmarks/studies/flashcodec_tiers.py``); neither beat its tier enough to join the registry.
 
     OMP_NUM_THREADS=1 nice -n 10 hatch run bench:python benchmarks/flashcodec/value_sink.py --long-windows 2
     # writes benchmarks/results/flashcodec_value_sink_2w.json
@@ -18,32 +18,19 @@ only (``kivi64r-k3v2-w0i8-s8z4-vs1`` won and is registered; ``kivi64r-k4v4-w64i8
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import time
 from pathlib import Path
 
-import flashcodec.tiers as tiers_module
-from common import compare_result
+from common import compare_result, study_tier
 from kvbench.results import results_path
 from real_tiers import compare_cli, write_summary
 
-#: candidate -> the registered tier it adds a one-token value sink to
+#: candidate -> the tier it adds a one-token value sink to
 CANDIDATES = {
     "kivi64r-k4v4-w64i8-s8-vs1": "kivi64r-k4v4-w64i8-s8",
     "kivi64r-k3v2-w0i8-s8z4-vs1": "kivi64r-k3v2-w0i8-s8z4",
 }
-
-
-def register(name: str) -> tiers_module.Tier:
-    """Add candidate ``name`` (its base tier's codec with ``value_sink_tokens=1``) to this process's registry."""
-    base = tiers_module.TIERS[CANDIDATES[name]]
-    codec = dataclasses.replace(base.codec, value_sink_tokens=1)
-    tier = tiers_module.Tier(
-        name, f"{base.description}; the first value kept in int8 (value sink)", codec, offer_mf=True
-    )
-    tiers_module.TIERS.setdefault(name, tier)
-    return tiers_module.TIERS[name]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,10 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     descriptions = {}
     names = []
     for candidate, base in CANDIDATES.items():
-        tier = register(candidate)
-        descriptions[candidate + "-mf"] = tier.description
-        descriptions[base + "-mf"] = tiers_module.TIERS[base].description
-        names += [base + "-mf", candidate + "-mf"]
+        for name in (base, candidate):  # each with its own attention: on the codes
+            descriptions[name] = study_tier(name).description
+            names.append(name)
     cli = compare_cli(names, args.model, args.long_windows)
     t0 = time.perf_counter()
     result = compare_result(cli, args.compare_json)

@@ -38,8 +38,8 @@ from pathlib import Path
 
 import torch
 from common import random_walk, stamp, tier_list
+from common import study_tier as tier
 from flashcodec import CodecKVCache
-from flashcodec.tiers import tier
 from kvbench.results import results_path, write_json
 
 DEFAULT_TIERS = "jpeg-k2,jpeg-k2-int8,jpeg-k8-int8,png-keep1"

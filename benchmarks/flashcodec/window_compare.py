@@ -23,7 +23,7 @@ from pathlib import Path
 
 from kvbench.results import results_path
 
-TIERS = "jpeg-k8-int4z-w96i8-mf,chan64-int4-w64i8-mf"
+TIERS = "jpeg-k8-int4z-w96i8,chan64-int4-w64i8"
 
 #: a short run is part of every compare: kept minimal here, the long run is the point
 COMPARE_ARGS = [

@@ -62,6 +62,8 @@ _TABLE: tuple[tuple[str, str, BlockCodec, str], ...] = (
      "kivi64r-k3v2-w64i8, 8-bit scales, 4-bit value zero points (first key exact)"),
     ("kivi64r-k3v3-w0i8-s8", _CODES, _kivi64r(3, 3, raw_window=0, side_bits=8),
      f"kivi64r-k3v3-w64i8, {_S8}; only the incomplete block int8"),
+    ("kivi64r-k4v4-w64i8-s8-vs1", _CODES, _kivi64r(4, 4, side_bits=8, value_sink_tokens=1),
+     "kivi64r-k4v4-w64i8-s8, the first token's value kept in int8 (a value sink beside the exact first key)"),
     ("kivi64r-k3v2-w0i8-s8z4-vs1", _CODES,
      _kivi64r(3, 2, raw_window=0, side_bits=8, value_zero_bits=4, value_sink_tokens=1),
      "kivi64r-k3v2-w0i8-s8z4, the first token's value kept in int8 (a value sink beside the exact first key)"),

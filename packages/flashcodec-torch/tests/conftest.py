@@ -73,7 +73,9 @@ CODECS.update(
         "kivi64r-k4v4-w64i8": RotatedKIVICodec(64, key_bits=4, value_bits=4),
         "kivi64r-k3v3-w64i8": RotatedKIVICodec(64, key_bits=3, value_bits=3),
         "kivi64r-k3v2-w64i8": RotatedKIVICodec(64, key_bits=3, value_bits=2),
-        "kivi64r-k3v2-w64i8-s8z4": RotatedKIVICodec(64, key_bits=3, value_bits=2, side_bits=8, value_zero_bits=4),
+        "kivi64r-k3v2-w64i8-s8z4": RotatedKIVICodec(
+            64, key_bits=3, value_bits=2, side_bits=8, value_zero_bits=4
+        ),
         "kivi64r-k3v3-w0i8-s8": RotatedKIVICodec(64, key_bits=3, value_bits=3, raw_window=0, side_bits=8),
         "kivi64r-k3v2-w0i8-s8z4-vs1": RotatedKIVICodec(
             64, key_bits=3, value_bits=2, raw_window=0, side_bits=8, value_zero_bits=4, value_sink_tokens=1

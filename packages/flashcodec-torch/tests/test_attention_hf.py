@@ -24,8 +24,8 @@ from flashcodec.hf import (  # noqa: E402
     remove_flash_codec,
 )
 from flashcodec.hf import codec_attention as ca  # noqa: E402
-from flashcodec.peak_memory import PeakMemory
 from flashcodec.hf.attention_choice import attending_on  # noqa: E402
+from flashcodec.peak_memory import PeakMemory
 from flashcodec.tiers import TIERS, tier  # noqa: E402
 from kvspec import KVConfigError  # noqa: E402
 from transformers import DynamicCache  # noqa: E402

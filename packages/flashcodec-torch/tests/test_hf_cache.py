@@ -488,14 +488,20 @@ def test_the_compare_harness_builds_tiers_given_outside_the_registry():
     def tier_of(name: str) -> Tier:
         return tier(name, registry=registry)
 
-    built, absent = build_candidates(tiny_qwen3(), ["own-kivi", "png-keep1", "jpeg-k8-int8"], [], tier_of=tier_of)
+    built, absent = build_candidates(
+        tiny_qwen3(), ["own-kivi", "png-keep1", "jpeg-k8-int8"], [], tier_of=tier_of
+    )
     assert [c.name for c in built] == ["baseline", "own-kivi", "png-keep1", "jpeg-k8-int8"] and absent == []
-    assert built[1].description.startswith("a tier of the caller's;") and built[1].config["codec"] == repr(own.codec)
+    assert built[1].description.startswith("a tier of the caller's;") and built[1].config["codec"] == repr(
+        own.codec
+    )
     # each tier with its own attention: a decoded view has no context, the codes are applied around the run
     assert [c.config["attention"] for c in built[1:]] == ["materialized", "materialized", "codes"]
     assert built[1].context is None and built[3].context is not None
     # one attention for all, as --attention chooses it
-    built, _ = build_candidates(tiny_qwen3(), ["own-kivi", "png-keep1"], [], tier_of=tier_of, attention="codes")
+    built, _ = build_candidates(
+        tiny_qwen3(), ["own-kivi", "png-keep1"], [], tier_of=tier_of, attention="codes"
+    )
     assert [c.config["attention"] for c in built[1:]] == ["codes", "codes"]
     assert all(c.context is not None and "attention on the codes" in c.description for c in built[1:])
     assert "own-kivi" in FlashCodecHarness(registry).tiers() and "own-kivi" not in FlashCodecHarness().tiers()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import CODECS
 from flashcodec import CodecKVCache
 from flashcodec.attention import (
     codec_decode_attention,
@@ -13,7 +14,6 @@ from flashcodec.attention import (
 )
 from flashcodec.codecs import ChannelInt4Codec, KIVICodec, TokenIntCodec, make_codec
 from flashcodec.codecs.kivi import dequantize_zero, quantize_zero
-from conftest import CODECS
 from kvspec import KVConfigError, KVDataError, KVShapeError
 
 

@@ -61,9 +61,7 @@ def test_lossless_formats_are_bit_exact(fmt, dtype):
         assert payload < k.nbytes + v.nbytes
 
 
-@pytest.mark.parametrize(
-    "fmt,bound", [("kivi64r-k4v4-w64i8-s8", 0.1), ("kivi64r-k3v3-w64i8-s8z4", 0.25)]
-)
+@pytest.mark.parametrize("fmt,bound", [("kivi64r-k4v4-w64i8-s8", 0.1), ("kivi64r-k3v3-w64i8-s8z4", 0.25)])
 def test_tier_formats_shrink_and_stay_close(fmt, bound):
     k, v = gather_pages(pages(torch.bfloat16), [0, 1, 2, 3])
     coder = PagedKVCoder(fmt)

@@ -230,7 +230,9 @@ def test_bad_zero_bits(options, match):
 def test_the_s8_tiers_name_their_codecs():
     for name in ("kivi64r-k3v2-w0i8-s8z4", "kivi64r-k8v8-w32-s8", "kivi64r-k4v4-w64i8-s8"):
         t = TIERS[name]
-        assert t.codec.side_bits == 8 and t.attention == "codes" and tier(name, "materialized").codec == t.codec
+        assert (
+            t.codec.side_bits == 8 and t.attention == "codes" and tier(name, "materialized").codec == t.codec
+        )
     assert TIERS["kivi64r-k3v2-w0i8-s8z4"].codec.value_codec.zero_bits == 4
     assert TIERS["kivi64r-k8v8-w32-s8"].codec.window_bits is None
 

@@ -574,17 +574,19 @@ def noise_floor_candidate(model: Any) -> Candidate:
     )
 
 
-def _compare_main(argv: Sequence[str] | None) -> int:
+def _compare_main(argv: Sequence[str] | None, registry: Mapping[str, Tier] | None = None) -> int:
     reject_attention_in_names(sys.argv[1:] if argv is None else argv)
     with warnings.catch_warnings():
         # transformers' deprecation notes on cache kwargs would interleave with the progress bar
         warnings.simplefilter("ignore", FutureWarning)
-        return run_compare(FlashCodecHarness(), argv)
+        return run_compare(FlashCodecHarness(registry), argv)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``flashcodec compare`` / ``python -m flashcodec.compare``; returns the exit code."""
-    return run_cli(_compare_main, argv)
+def main(argv: Sequence[str] | None = None, *, registry: Mapping[str, Tier] | None = None) -> int:
+    """Entry point of ``flashcodec compare`` / ``python -m flashcodec.compare``; returns the exit
+    code. ``registry``: the tiers offered (default :data:`flashcodec.tiers.TIERS`; a benchmark
+    passes one holding its study configurations too)."""
+    return run_cli(lambda args: _compare_main(args, registry), argv)
 
 
 if __name__ == "__main__":

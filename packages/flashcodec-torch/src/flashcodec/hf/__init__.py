@@ -18,8 +18,8 @@ from .requirements import MIN_TRANSFORMERS, require_layer_api
 
 require_layer_api()
 
-from .cache import CODEC_LAYER_TYPES, FlashCodecCache, config_layer_types  # noqa: E402
 from .attention_choice import attending_on  # noqa: E402
+from .cache import CODEC_LAYER_TYPES, FlashCodecCache, config_layer_types  # noqa: E402
 from .calibrate import Calibration, calibrate  # noqa: E402
 from .codec_attention import apply_codec_attention, remove_codec_attention  # noqa: E402
 from .layer import FlashCodecLayer  # noqa: E402

@@ -176,7 +176,9 @@ def apply_flash_codec(
         per_layer=per_layer, check_finite=check_finite, initial_blocks=initial_blocks, step_raw=step_raw
     )
     attention = _chosen_attention(
-        attention, materialization_free, nothing_chosen=codec is None and not keyword_form and not codec_options
+        attention,
+        materialization_free,
+        nothing_chosen=codec is None and not keyword_form and not codec_options,
     )
     _check_model(model, "apply_flash_codec", needs_generate=True)
     config = getattr(model, "config", None)
@@ -212,7 +214,9 @@ def _chosen_attention(attention: object, materialization_free: object, *, nothin
         check_attention(attention)
     if materialization_free is not None and not isinstance(materialization_free, bool):
         raise KVConfigError(f"materialization_free must be True, False or None; got {materialization_free!r}")
-    from_flag = None if materialization_free is None else ("codes" if materialization_free else "materialized")
+    from_flag = (
+        None if materialization_free is None else ("codes" if materialization_free else "materialized")
+    )
     if attention is not None and from_flag is not None and attention != from_flag:
         raise KVConfigError(
             f"attention={attention!r} and materialization_free={materialization_free!r} disagree; pass one of them"
