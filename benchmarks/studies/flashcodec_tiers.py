@@ -4,10 +4,15 @@
 lost to one of them on the real model, or were steps towards them; the benchmark scripts that
 measured them (``benchmarks/flashcodec/*.py``) look their names up here, so their results files
 can be reproduced. Each row is a :class:`flashcodec.tiers.Tier` with the attention it was
-measured with; adding one is one row of ``_TABLE``.
+measured with; adding one is one row of ``_TABLE``. Run as a script, this file is ``flashcodec
+compare`` offering these configurations beside the package's tiers:
+
+    hatch run bench:python benchmarks/studies/flashcodec_tiers.py --tiers kivi64-k4v4-w64i8,kivi64r-k4v4-w64i8-s8
 """
 
 from __future__ import annotations
+
+import sys
 
 from flashcodec.codecs import (
     BlockCodec,
@@ -83,3 +88,9 @@ def study_tier(name: str, attention: str | None = None) -> Tier:
     """The tier or study configuration called ``name`` (:func:`flashcodec.tiers.tier` over
     :data:`ALL_TIERS`), with ``attention`` when given."""
     return registry_tier(name, attention, registry=ALL_TIERS)
+
+
+if __name__ == "__main__":
+    from flashcodec.compare import main
+
+    sys.exit(main(sys.argv[1:], registry=ALL_TIERS))

@@ -8,12 +8,18 @@ from the results file the block names (``benchmarks/results/flashcodec_<name>.js
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
+
+from flashcodec.tiers import RETIRED_ATTENTION_SUFFIX
 
 __all__ = [
     "BLOCKS",
     "Block",
+    "shown_name",
+    "row_attention",
+    "with_shown_names",
     "render_e2e",
     "render_lossless",
     "render_families",
@@ -33,6 +39,41 @@ def _table(header: str, align: str, rows: Iterable[str]) -> list[str]:
     return [header, "|" + "".join("---|" if a == "l" else "---:|" for a in align), *rows]
 
 
+#: how the docs say which attention a flashcodec tier ran with, after its name
+ATTENTION_WORDS = {"codes": "attention on the codes", "materialized": "attention on a decoded view"}
+
+
+def row_attention(row: dict[str, Any]) -> str | None:
+    """The attention a results row ran with (its ``attention`` or its config's; files written
+    before attention was a field say ``materialization_free``), None for a row that does not say."""
+    config = row.get("config") or {}
+    for source in (row, config):
+        if source.get("attention") in ATTENTION_WORDS:
+            return source["attention"]
+        if "materialization_free" in source:
+            return "codes" if source["materialization_free"] else "materialized"
+    return None
+
+
+def shown_name(name: str, attention: str | None = None) -> str:
+    """A flashcodec row's name as the docs show it: the tier's name and, when known, its attention
+    in words. A name recorded with the retired attention suffix is that tier on its codes."""
+    if name.endswith(RETIRED_ATTENTION_SUFFIX):
+        name, attention = name.removesuffix(RETIRED_ATTENTION_SUFFIX), "codes"
+    return f"{name} ({ATTENTION_WORDS[attention]})" if attention in ATTENTION_WORDS else name
+
+
+def with_shown_names(result: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a ``flashcodec compare`` result whose tier rows carry :func:`shown_name` (peers
+    and the baseline keep theirs), so kvbench's tables and the readings name the attention."""
+    out = copy.deepcopy(result)
+    for run in out.get("runs", []):
+        for row in run["rows"]:
+            if row.get("kind") == "tier":
+                row["name"] = shown_name(row["name"], row_attention(row))
+    return out
+
+
 def _from(results_file: str, date: str) -> str:
     """The line naming a block's results file and the date it was written."""
     return f"From `benchmarks/results/{results_file}` ({date[:10]}):"
@@ -40,9 +81,10 @@ def _from(results_file: str, date: str) -> str:
 
 def render_e2e(result: dict[str, Any]) -> list[str]:
     """Per configuration: decode speed, peaks, steady bytes and tokens against the baseline and,
-    for a ``-mf`` tier, against its materialized twin."""
+    for a tier attending on its codes, against the same tier attending on a decoded view."""
 
-    def row(name: str, r: dict[str, Any]) -> str:
+    def row(key: str, r: dict[str, Any]) -> str:
+        name = key if key == "baseline" else shown_name(r.get("tier", key), row_attention(r))
         match = r.get("token_match_vs_baseline")
         twin = r.get("tokens_equal_materialized")
         ratio = r.get("decode_peak_ratio_this_over_materialized")
@@ -55,7 +97,7 @@ def render_e2e(result: dict[str, Any]) -> list[str]:
 
     header = (
         "| configuration | decode tok/s | ms / token | peak (MiB) | decode peak (MiB) | steady (MiB) | "
-        "token match vs baseline | tokens = materialized twin | decode peak / twin's |"
+        "token match vs baseline | tokens = on a decoded view | decode peak / on a decoded view |"
     )
     rows = (row(name, r) for name, r in result["results"].items())
     return [_from("flashcodec_e2e.json", result["date"]), "", *_table(header, "l" * 9, rows)]
@@ -79,7 +121,7 @@ def _tier_table(result: dict[str, Any], results_file: str) -> list[str]:
             "| cache | bytes x raw | KL | top-1 | Δ ppl | bytes x hqq-q4 | KL x hqq-q4 | decode x hqq-q4 |",
             "lrrrrrrr",
             (
-                f"| `{r['name']}` | {r['resident_ratio_decode_mean']:.3f} | {_compare_row(r)} | "
+                f"| `{shown_name(r['name'], row_attention(r))}` | {r['resident_ratio_decode_mean']:.3f} | {_compare_row(r)} | "
                 f"{r['bytes_vs_hqq_q4']:.3f} | {r['kl_vs_hqq_q4']:.2f} | {r['decode_vs_hqq_q4']:.2f} |"
                 for r in rows
             ),
@@ -221,15 +263,24 @@ def render_reference_peer(result: dict[str, Any]) -> list[str]:
     the library's own byte count, KL and top-1; a refused setting with its error."""
     settings = result["settings"]
     agree = result["baselines_agree"]
+    # the summary rows name no attention; the runs' rows of the same names record it
+    ours = {r["name"]: r for run in result.get("runs", []) for r in run["rows"] if r.get("kind") == "tier"}
+
+    def name(r: dict[str, Any]) -> str:
+        return (
+            shown_name(r["name"], row_attention(ours[r["name"]]))
+            if r["side"] == "ours" and r["name"] in ours
+            else r["name"]
+        )
 
     def ratio(value: float | None) -> str:
         return "—" if value is None else f"{value:.3f}"
 
     def row(r: dict[str, Any]) -> str:
         if r["status"] != "measured":
-            return f"| `{r['name']}` | {r['side']} | {_cell(r['status'])} | | | | |"
+            return f"| `{name(r)}` | {r['side']} | {_cell(r['status'])} | | | | |"
         return (
-            f"| `{r['name']}` | {r['side']} | {ratio(r['resident_ratio_decode_mean'])} | "
+            f"| `{name(r)}` | {r['side']} | {ratio(r['resident_ratio_decode_mean'])} | "
             f"{ratio(r['resident_ratio'])} | {ratio(r['library_ratio'])} | {r['kl_mean']:.2e} | "
             f"{100 * r['top1_agreement']:.1f}% |"
         )

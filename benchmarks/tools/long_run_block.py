@@ -20,6 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from flashcodec_blocks import with_shown_names
 from kvbench.results import read_json
 
 FLASHCODEC_LONG_FILE = "compare_flashcodec_long.json"
@@ -28,8 +29,8 @@ PALU_LONG_RUN_FILE = "palu_real_model_long.json"
 #: the commands that wrote the two files (the flashcodec tiers are the README's default, its
 #: smallest tier at hqq 4-bit's KL and its 8-bit tier, beside the default they replaced)
 FLASHCODEC_COMMAND = (
-    "OMP_NUM_THREADS=1 hatch run bench:python -m flashcodec.compare --model smollm2-135m --tiers "
-    "kivi64r-k4v4-w64i8-s8-mf,kivi64r-k4v4-w64i8-mf,kivi64r-k3v2-w0i8-s8z4-mf,kivi64r-k8v8-w32-s8-mf "
+    "OMP_NUM_THREADS=1 hatch run bench:python benchmarks/studies/flashcodec_tiers.py --model smollm2-135m --tiers "
+    "kivi64r-k4v4-w64i8-s8,kivi64r-k4v4-w64i8,kivi64r-k3v2-w0i8-s8z4,kivi64r-k8v8-w32-s8 --attention codes "
     "--peers hf-hqq-q4,hf-hqq-q8 --noise-floor --windows 1 --context-tokens 192 --scored-tokens 64 "
     "--prompt-count 1 --new-tokens 8 --long-context 2048 --long-windows 16 --long-scored-tokens 256 "
     "--speed-rounds 1 --speed-steps 4 --no-memory-curve --json benchmarks/results/compare_flashcodec_long.json"
@@ -52,7 +53,7 @@ def _interval(pair: dict[str, Any] | None) -> str:
 
 
 def _flashcodec(result: dict[str, Any], reading) -> list[str]:
-    run = result["runs"][-1]
+    run = with_shown_names(result)["runs"][-1]
     rows = run["rows"]
     st = run["settings"]
     hqq = next(r for r in rows if r["name"] == HQQ4)

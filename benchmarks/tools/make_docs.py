@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from flashcodec_blocks import BLOCKS as FLASHCODEC_BLOCKS
+from flashcodec_blocks import row_attention, shown_name, with_shown_names
 from kvbench.report import LEGEND, format_bytes, render_markdown
 from kvbench.results import read_json
 from long_run_block import render_long_run
@@ -87,9 +88,9 @@ MECHANISMS = {
     "rotated and scored 256 tokens at a time with an online softmax, in plain MLX operations (no fused "
     "kernel). The bytes held shrink; each decode step still rebuilds every key, so its work grows with "
     "the context. mlx-lm's `QuantizedKVCache` attends on its quantized keys and values directly.",
-    "compare_flashcodec": "flashcodec's materialized tiers keep a decoded view of the whole history beside "
-    "their archive and attend over it; the `-mf` tier attends on the stored coefficients and releases "
-    "that view. transformers' `QuantizedCache` dequantizes its stored states at every step (its hqq and "
+    "compare_flashcodec": "a flashcodec tier with attention on a decoded view keeps that view of the whole "
+    "history beside its archive and attends over it; with attention on the codes it attends on the stored "
+    "codes and releases that view. transformers' `QuantizedCache` dequantizes its stored states at every step (its hqq and "
     "quanto backends keep the newest tokens, up to a residual length, in full precision; fp8 codes every "
     "token with one scale per tensor).",
 }
@@ -107,12 +108,16 @@ SPEED_BAND = 0.15
 
 
 def load_results(results_dir: Path = RESULTS) -> dict[str, dict[str, Any]]:
-    """``{stem: result}`` for every section whose JSON exists."""
-    return {
+    """``{stem: result}`` for every section whose JSON exists (flashcodec's tier rows named with
+    their attention, :func:`flashcodec_blocks.shown_name`)."""
+    out = {
         stem: read_json(results_dir / f"{stem}.json")
         for stem, _, _ in SECTIONS
         if (results_dir / f"{stem}.json").is_file()
     }
+    if "compare_flashcodec" in out:
+        out["compare_flashcodec"] = with_shown_names(out["compare_flashcodec"])
+    return out
 
 
 # --------------------------------------------------------------------------- reading rules
@@ -455,6 +460,11 @@ def render_passkey_block(results: dict[str, dict[str, Any]]) -> str:
         if label not in results:
             continue
         rows = results[label]["rows"]
+        if label == "flashcodec":  # tier rows named with their attention
+            rows = [
+                {**row, "name": shown_name(row["name"], row_attention(row))} if row["kind"] == "tier" else row
+                for row in rows
+            ]
         names = list(dict.fromkeys(row["name"] for row in rows))
         for name in names:
             by_length = {row["length"]: row for row in rows if row["name"] == name}

@@ -1,7 +1,7 @@
 """The passkey (needle) retrieval check of one package's tiers and peers beside the uncompressed cache.
 
     python benchmarks/tools/passkey.py --package flashcodec --model /tmp/smollm2-135m \\
-        --tiers chan64-int4-w64i8-mf,jpeg-k8-int8-mf --peers hf-hqq-q4,hf-hqq-q8
+        --tiers chan64-int4-w64i8,jpeg-k8-int8 --peers hf-hqq-q4,hf-hqq-q8
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 \\
     python benchmarks/tools/passkey.py --package palu --model /tmp/smollm2-135m --dtype float32 \\
         --lengths 1024,2048 --tiers palu-3bit --peers mlx-lm-q4,mlx-lm-q8
@@ -60,7 +60,11 @@ def _harness(package: str) -> Any:
     if package == "flashcodec":
         from flashcodec.compare import FlashCodecHarness
 
-        return FlashCodecHarness()
+        # the package's tiers and the study configurations (benchmarks/studies), each with its own attention
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "studies"))
+        from flashcodec_tiers import ALL_TIERS
+
+        return FlashCodecHarness(ALL_TIERS)
     from palu_mlx.compare import PaluHarness
 
     return PaluHarness()

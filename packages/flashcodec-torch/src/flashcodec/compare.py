@@ -48,7 +48,7 @@ from kvbench.results import CompareError, weights_digest
 from kvspec import KVSpecError
 
 from .codecs import BlockCodec, TurboQuantCodec
-from .tiers import ATTENTIONS, TIERS, Tier, check_attention
+from .tiers import ATTENTIONS, RETIRED_ATTENTION_SUFFIX, TIERS, Tier, check_attention
 from .tiers import tier as tier_named
 
 __all__ = [
@@ -470,7 +470,7 @@ def reject_attention_in_names(argv: Sequence[str]) -> None:
         if arg.startswith("--tiers="):
             value = arg.split("=", 1)[1]
         for name in (value or "").split(","):
-            if name.strip().endswith("-mf"):
+            if name.strip().endswith(RETIRED_ATTENTION_SUFFIX):
                 tier_named(name.strip())  # raises, naming the attention option
 
 

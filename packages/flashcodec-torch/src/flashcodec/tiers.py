@@ -37,6 +37,7 @@ from .codecs import BlockCodec, JPEGCodec, PNGCodec, RotatedKIVICodec
 __all__ = [
     "ATTENTIONS",
     "DEFAULT_TIER",
+    "RETIRED_ATTENTION_SUFFIX",
     "Tier",
     "TIERS",
     "check_attention",
@@ -49,15 +50,16 @@ __all__ = [
 #: what attention runs on: the stored codes, or a decoded (materialized) K/V view
 ATTENTIONS = ("codes", "materialized")
 
-# names once carried the attention as a suffix; a name ending in it gets an error naming the field
-_RETIRED_ATTENTION_SUFFIX = "-mf"
+#: the name suffix that once chose attention on the codes: a name ending in it gets an error naming
+#: the attention field, and results files written before the field existed are read with it
+RETIRED_ATTENTION_SUFFIX = "-mf"
 
 
 def _refuse_attention_suffix(name: str, what: str) -> None:
-    if name.endswith(_RETIRED_ATTENTION_SUFFIX):
+    if name.endswith(RETIRED_ATTENTION_SUFFIX):
         raise KVConfigError(
             f"{what} {name!r}: attention is no longer part of a tier's name; name the tier "
-            f"{name.removesuffix(_RETIRED_ATTENTION_SUFFIX)!r} and choose attention='codes' "
+            f"{name.removesuffix(RETIRED_ATTENTION_SUFFIX)!r} and choose attention='codes' "
             "(flashcodec compare --attention codes, apply_flash_codec(..., attention='codes'))"
         )
 
