@@ -5,7 +5,8 @@
 
 Calibrates the model twice on the same calibration text and tokens (``palu-mlx calibrate``
 with ``--weighting none`` and ``--weighting attention``, into a temporary directory), runs
-``palu-mlx compare --calibration FILE`` once per file with the same settings, and writes
+``palu-mlx compare --calibration FILE`` once per file with the same settings (through
+``benchmarks/studies/palu_tiers.py``, which offers the study configurations too), and writes
 ``benchmarks/results/palu_calibration_weighting.json``: the settings, each run's rows (the
 ``<tier>+cal`` candidates, the uncalibrated tiers and the peers, short and long context) and
 a table of the ``+cal`` rows side by side. Both compare runs score the same held-out windows
@@ -33,6 +34,8 @@ from kvbench.models import embedded_model_path
 from kvbench.results import environment_stamp, results_path, write_json
 
 WEIGHTINGS = ("none", "attention")
+#: ``palu-mlx compare`` offering the study configurations too (the default tiers are studies)
+STUDY_COMPARE = Path(__file__).resolve().parents[1] / "studies" / "palu_tiers.py"
 #: what the side-by-side table keeps of a row
 FIELDS = ("kv_bytes", "bits_per_element", "kl_mean", "kl_p99", "top1_agreement", "ppl_delta")
 
@@ -88,7 +91,7 @@ def calibrate_cmd(args: argparse.Namespace, model: str, weighting: str, out: Pat
 
 def compare_cmd(args: argparse.Namespace, model: str, calibration: Path, out: Path) -> list[str]:
     return [
-        sys.executable, "-m", "palu_mlx.compare", "--model", model, "--tiers", args.tiers,
+        sys.executable, str(STUDY_COMPARE), "--model", model, "--tiers", args.tiers,
         "--peers", args.peers, "--calibration", str(calibration), "--windows", str(args.windows),
         "--context-tokens", str(args.context_tokens), "--scored-tokens", str(args.scored_tokens),
         "--long-context", str(args.long_context), "--long-windows", str(args.long_windows),

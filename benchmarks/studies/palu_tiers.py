@@ -10,10 +10,17 @@ configuration it meant when it was measured.
 
     import sys; sys.path.insert(0, "benchmarks")
     from studies.palu_tiers import tier, tier_config
+
+Run as a script it is ``palu-mlx compare`` offering these configurations beside the package's:
+
+    hatch run bench:python benchmarks/studies/palu_tiers.py --tiers palu-2bit,palu-1bit --peers mlx-lm-q4
 """
 
 from __future__ import annotations
 
+import sys
+
+from palu_mlx.compare import main as compare_main
 from palu_mlx.config import KVCacheConfig
 from palu_mlx.tiers import (
     CALIBRATED_TIERS,
@@ -122,3 +129,7 @@ def tier_config(name: str, head_dim: int, calibration: str | None = None) -> KVC
     """The config of tier ``name`` (:func:`tier`) for a model with key head dim ``head_dim``, bound
     to ``calibration`` where it needs one (:meth:`palu_mlx.tiers.Tier.sized`)."""
     return tier(name).sized(head_dim, calibration)
+
+
+if __name__ == "__main__":
+    sys.exit(compare_main(sys.argv[1:], registry=ALL_TIERS))

@@ -104,3 +104,19 @@ def test_every_study_name_of_the_package_s_snapshot_is_the_configuration_it_was_
         coder = dict(as_measured[name]["coder"])
         assert type(config.coder_choice).__name__ == coder.pop("class"), name
         assert dataclasses.asdict(config.coder_choice) == coder, name
+
+
+def test_compare_runs_a_study_configuration_and_its_calibrated_twin(model_path):
+    # what benchmarks/palu/calibration_weighting.py runs: compare offering the studies too
+    from palu_mlx.builder import model_kv_dims
+    from palu_mlx.compare import PaluHarness, build_candidates, load_model
+
+    calibration = BENCH_DIR / "model" / "tiny-qwen3.palu-calibration.safetensors"
+    model, _, _ = load_model(str(model_path), "float32")
+    assert "palu-2bit" in PaluHarness(ALL_TIERS).tiers() and "palu-2bit" not in PaluHarness().tiers()
+    assert "palu-2bit+cal" not in PaluHarness(ALL_TIERS).tiers()  # runs only beside its tier
+    candidates, _ = build_candidates(model, ["palu-2bit"], [], str(calibration), registry=ALL_TIERS)
+    assert [c.name for c in candidates] == ["baseline", "palu-2bit", "palu-2bit+cal"]
+    assert candidates[1].config == dataclasses.asdict(tier_config("palu-2bit", model_kv_dims(model)[0]))
+    with pytest.raises(KVConfigError, match="'palu-2bit' is not a palu tier"):
+        build_candidates(model, ["palu-2bit"], [])  # the package's registry alone

@@ -47,7 +47,7 @@ from .builder import KVCacheBuilder, model_kv_dims
 from .config import KVCacheConfig
 from .peers import PEERS, PeerUnavailable, peer, resident_nbytes
 from .peers.mlx_lm_quant import PEER_BITS
-from .tiers import CALIBRATED_SUFFIX, CALIBRATED_TIERS, TIERS, tier
+from .tiers import CALIBRATED_SUFFIX, CALIBRATED_TIERS, TIERS, Tier, tier
 
 __all__ = [
     "PEER_BITS",
@@ -237,7 +237,11 @@ def _default_caches(model: Any) -> list[Any]:
 
 
 def build_candidates(
-    model: Any, tiers: Sequence[str], peers: Sequence[str], calibration: str | None = None
+    model: Any,
+    tiers: Sequence[str],
+    peers: Sequence[str],
+    calibration: str | None = None,
+    registry: Mapping[str, Tier] | None = None,
 ) -> tuple[list[Candidate], list[dict[str, str]]]:
     """Baseline, then the chosen tiers, then the chosen peers, each checked against the model;
     and ``{"name", "kind", "reason"}`` for each chosen peer that cannot run here
@@ -245,7 +249,9 @@ def build_candidates(
 
     With ``calibration`` (a ``palu-mlx calibrate`` file for this model) every tier with a
     calibrated twin in :data:`palu_mlx.tiers.CALIBRATED_TIERS` (those with a bit budget) also
-    runs calibrated, as ``<tier>+cal``, right after it.
+    runs calibrated, as ``<tier>+cal``, right after it. ``registry``: name -> :class:`Tier` to take
+    the tiers and their twins from (default :func:`palu_mlx.tiers.tier`, the package's; a benchmark
+    passes one holding its study configurations too).
     Raises CompareError (one line) when palu cannot serve the model.
     """
     head_dim, n_kv = model_kv_dims(model)
@@ -261,8 +267,17 @@ def build_candidates(
             {},
         )
     ]
+
+    def named(name: str) -> Tier:
+        if registry is None:
+            return tier(name)
+        if name not in registry:
+            raise KVConfigError(f"tier={name!r} is not a palu tier; allowed: {', '.join(registry)}")
+        return registry[name]
+
     for name in tiers:
-        config = tier_config(name, head_dim, n_kv)
+        entry = named(name)
+        config = entry.sized(head_dim)
         try:
             KVCacheBuilder.for_model(model, config)  # validate now, not after the baseline ran
         except KVConfigError as err:
@@ -271,14 +286,14 @@ def build_candidates(
             Candidate(
                 name,
                 "tier",
-                TIERS[name].description,
+                entry.description,
                 lambda config=config: KVCacheBuilder.for_model(model, config),
                 dataclasses.asdict(config),
             )
         )
-        twin = CALIBRATED_TIERS.get(name + CALIBRATED_SUFFIX)
+        twin = (CALIBRATED_TIERS if registry is None else registry).get(name + CALIBRATED_SUFFIX)
         if calibration is not None and twin is not None:
-            cal = tier_config(twin.name, head_dim, n_kv, calibration)
+            cal = twin.sized(head_dim, calibration)
             try:
                 KVCacheBuilder.for_model(model, cal)
             except KVConfigError as err:
@@ -361,13 +376,17 @@ class PaluHarness:
     dtypes = tuple(_DTYPES)
 
     def tiers(self) -> Mapping[str, str]:
-        return {name: tier.description for name, tier in TIERS.items()}
+        offered = TIERS if self.registry is None else self.registry
+        return {name: t.description for name, t in offered.items() if t.calibration is None}
 
     def peers(self) -> Mapping[str, str]:
         return {name: p.description for name, p in PEERS.items()}
 
-    def __init__(self) -> None:
+    def __init__(self, registry: Mapping[str, Tier] | None = None) -> None:
         self._calibration: str | None = None
+        #: the tiers offered, with their twins: None for the package's; a benchmark passes a registry
+        #: holding its study configurations too
+        self.registry = registry
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument(
@@ -393,7 +412,7 @@ class PaluHarness:
         return Loaded.with_tokenizer(MLXRunner(model, tokenizer), tokenizer, info, max_positions, model)
 
     def candidates(self, loaded: Loaded, tiers: Sequence[str], peers: Sequence[str]):
-        return build_candidates(loaded.handle, tiers, peers, self._calibration)
+        return build_candidates(loaded.handle, tiers, peers, self._calibration, self.registry)
 
     def noise_floor(self, loaded: Loaded) -> Candidate:
         return noise_floor_candidate(loaded.handle)
@@ -438,9 +457,11 @@ def noise_floor_candidate(model: Any) -> Candidate:
     )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``palu-mlx compare`` / ``python -m palu_mlx.compare``; returns the exit code."""
-    return run_cli(lambda a: run_compare(PaluHarness(), a), argv)
+def main(argv: Sequence[str] | None = None, *, registry: Mapping[str, Tier] | None = None) -> int:
+    """Entry point of ``palu-mlx compare`` / ``python -m palu_mlx.compare``; returns the exit code.
+    ``registry``: the tiers offered, with their ``+cal`` twins (default the package's,
+    :data:`~palu_mlx.tiers.TIERS`; a benchmark passes one holding its study configurations too)."""
+    return run_cli(lambda a: run_compare(PaluHarness(registry), a), argv)
 
 
 if __name__ == "__main__":
