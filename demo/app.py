@@ -99,16 +99,17 @@ def _chat_tab(backend: Backend, default_model: str | None) -> None:
             elem_id=f"{key}-cache",
             scale=2,
         )
-        if backend.has_materialization_free:
-            toggle = gr.Checkbox(
-                value=False,
-                label="materialization-free",
-                info="decode attention on the stored codes, no reconstructed K/V view",
-                elem_id=f"{key}-mf",
+        if backend.attention_choices:
+            attention = gr.Radio(
+                choices=[(label, value) for value, label in backend.attention_choices],
+                value=backend.default_attention,
+                label="attention",
+                info="on the stored codes (no decoded K/V view) or on a decoded view",
+                elem_id=f"{key}-attention",
                 scale=2,
             )
         else:
-            toggle = gr.State(False)
+            attention = gr.State(backend.default_attention)
         new_tokens = gr.Slider(
             # a reply ends earlier at the model's end-of-turn token
             1,
@@ -140,8 +141,10 @@ def _chat_tab(backend: Backend, default_model: str | None) -> None:
     note = gr.Markdown(STATS_NOTE.format(meter="measured with the runner's meter"), elem_id=f"{key}-note")
     state = gr.State(None)
 
-    def respond(text: str, model_text: str, picked: str, mf: bool, count: float, conv: Conversation | None):
-        setup = Setup(model=model_key(model_text), choice=picked, materialization_free=bool(mf))
+    def respond(
+        text: str, model_text: str, picked: str, attends: str, count: float, conv: Conversation | None
+    ):
+        setup = Setup(model=model_key(model_text), choice=picked, attention=attends)
         notice = ""
         if conv is None or conv.setup != setup:
             if conv is not None and conv.native_messages:
@@ -197,7 +200,7 @@ def _chat_tab(backend: Backend, default_model: str | None) -> None:
         return [], gr.Chatbot(value=[], label="compressed cache"), _table([], STATS_HEADERS), "", None
 
     outputs = [left, right, stats, status, state, message, note]
-    inputs = [message, model, choice, toggle, new_tokens, state]
+    inputs = [message, model, choice, attention, new_tokens, state]
     send.click(respond, inputs, outputs)
     message.submit(respond, inputs, outputs)
     clear.click(reset, None, [left, right, stats, status, state])

@@ -3,8 +3,8 @@
 A :class:`Backend` wraps the package's compare harness (``harness.load`` and
 ``harness.candidates``), so the app builds exactly the caches ``<package> compare`` builds. The
 two subclasses (:mod:`demo.flashcodec_backend`, :mod:`demo.palu_backend`) add what differs: the
-framework's memory counter, for flashcodec the materialization-free twin of a tier, for palu the
-dtype its model computes in. The base class turns a conversation into the prompt's tokens (the
+framework's memory counter, for flashcodec the choice of what a tier attends on (its codes or a
+decoded view), for palu the dtype its model computes in. The base class turns a conversation into the prompt's tokens (the
 model's chat template when it has one) and knows which tokens end a reply.
 """
 
@@ -27,8 +27,8 @@ __all__ = ["DemoError", "Backend", "check_fits", "model_key", "has_chat_template
 
 
 class DemoError(ValueError):
-    """A mistake the user can fix (empty prompt, too long a conversation, a toggle that does not
-    apply); its message is shown in the page."""
+    """A mistake the user can fix (empty prompt, too long a conversation, an attention choice that
+    does not apply); its message is shown in the page."""
 
 
 def check_fits(tokens: int, limit: int | None, what: str) -> None:
@@ -65,8 +65,11 @@ class Backend:
     closest_choice: str
     #: the compressed cache a new chat starts with
     default_choice: str
-    #: whether the materialization-free toggle applies to this package
-    has_materialization_free: bool = False
+    #: what the attention control offers (value, label), the first the default: ``tier`` is each
+    #: tier's own attention; empty where the package has no such choice
+    attention_choices: tuple[tuple[str, str], ...] = ()
+    #: the attention a conversation starts with (``tier``: each tier's own)
+    default_attention = "tier"
 
     def __init__(self, harness: Any, dtype: str):
         self.harness = harness
@@ -116,15 +119,17 @@ class Backend:
         """What the chat tab offers for the right panel."""
         return self.tier_names() + self.peer_names()
 
-    def resolve(self, choice: str, materialization_free: bool) -> str:
-        """The cache to build for ``choice`` with the toggle as given (DemoError when it does not apply)."""
+    def check_choice(self, choice: str, attention: str) -> None:
+        """DemoError unless ``choice`` is offered and ``attention`` applies to it (this package has
+        no attention choice: only ``tier``, each tier's own)."""
         if choice not in self.chat_choices():
             raise DemoError(f"unknown cache {choice!r}; pick one of: {', '.join(self.chat_choices())}")
-        if materialization_free:
-            raise DemoError(f"the materialization-free toggle does not apply to {self.title}")
-        return choice
+        if attention != "tier":
+            raise DemoError(f"the attention choice does not apply to {self.title}; got {attention!r}")
 
-    def candidates(self, loaded: Loaded, names: Sequence[str]) -> tuple[list[Candidate], list[dict]]:
+    def candidates(
+        self, loaded: Loaded, names: Sequence[str], attention: str = "tier"
+    ) -> tuple[list[Candidate], list[dict]]:
         """Baseline first, then the named tiers and peers that can run here, built by the harness;
         and the peers that cannot (``{"name", "kind", "reason"}``). CompareError when the model
         cannot take a tier."""
@@ -132,13 +137,17 @@ class Backend:
         peers = [n for n in self.peer_names() if n in names]
         return self.harness.candidates(loaded, tiers, peers)
 
-    def pair(self, loaded: Loaded, choice: str, materialization_free: bool) -> tuple[Candidate, Candidate]:
-        """``(native, compressed)`` candidates for one chat turn."""
-        name = self.resolve(choice, materialization_free)
-        built, absent = self.candidates(loaded, [name])
+    def pair(self, loaded: Loaded, choice: str, attention: str) -> tuple[Candidate, Candidate]:
+        """``(native, compressed)`` candidates for one chat turn: ``choice`` with ``attention``."""
+        self.check_choice(choice, attention)
+        built, absent = self.candidates(loaded, [choice], attention)
         if absent:
-            raise DemoError(f"{name} cannot run here: {absent[0]['reason']}")
+            raise DemoError(f"{choice} cannot run here: {absent[0]['reason']}")
         return built[0], built[1]
+
+    def cache_label(self, candidate: Candidate) -> str:
+        """How the page names the compressed cache of a turn (its name by default)."""
+        return candidate.name
 
     # ------------------------------------------------------------------ text
     def prompt_tokens(self, loaded: Loaded, messages: Sequence[Mapping[str, str]]) -> list[int]:

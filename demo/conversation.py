@@ -32,7 +32,7 @@ class Setup:
 
     model: str | None
     choice: str
-    materialization_free: bool
+    attention: str = "tier"  # "tier" (each tier's own), "codes" or "materialized"
 
 
 @dataclass
@@ -51,7 +51,7 @@ class TurnResult:
     native: SideStats
     compressed: SideStats
     match: TokenMatch
-    cache_name: str  # the cache actually built (with the toggle on, the tier's ``-mf`` name)
+    cache_name: str  # the cache actually built, as the page names it (a tier with its attention)
     native_ids: list[int]  # each side's prompt this turn (the whole conversation) + its reply
     compressed_ids: list[int]
     native_messages: list[dict[str, str]]  # each side's history after the turn
@@ -79,7 +79,7 @@ def run_turn(
     if new_tokens < 1:
         raise DemoError(f"new tokens must be at least 1; got {new_tokens}")
     loaded = backend.load(setup.model)
-    native, compressed = backend.pair(loaded, setup.choice, setup.materialization_free)
+    native, compressed = backend.pair(loaded, setup.choice, setup.attention)
     asked = {"role": "user", "content": message}
     histories = {
         "native": [*conversation.native_messages, asked],
@@ -104,7 +104,7 @@ def run_turn(
             stop,
             memory_now=lambda: backend.memory_now(loaded),
             on_token=lambda so_far, side=side: emit((side, backend.reply_text(loaded, so_far, stop))),
-            label="native" if side == "native" else candidate.name,
+            label="native" if side == "native" else backend.cache_label(candidate),
         )
         replies[side], stats[side] = tokens, side_stats
     texts = {side: backend.reply_text(loaded, replies[side], stop) for side in replies}
@@ -114,7 +114,7 @@ def run_turn(
         native=stats["native"],
         compressed=stats["compressed"],
         match=token_match(replies["native"], replies["compressed"]),
-        cache_name=compressed.name,
+        cache_name=backend.cache_label(compressed),
         native_ids=contexts["native"] + replies["native"],
         compressed_ids=contexts["compressed"] + replies["compressed"],
         native_messages=[*histories["native"], {"role": "assistant", "content": texts["native"]}],

@@ -8,9 +8,10 @@ import gc
 from pathlib import Path
 
 import torch
-from flashcodec.compare import FlashCodecHarness
-from flashcodec.tiers import MF_SUFFIX, TIERS
+from flashcodec.compare import ATTENTION_NOTES, FlashCodecHarness
+from flashcodec.tiers import TIERS
 from kvbench.cli import Loaded
+from kvbench.protocol import Candidate
 
 from .backend import Backend, DemoError
 
@@ -24,7 +25,12 @@ class FlashcodecBackend(Backend):
     # the tier under hqq 4-bit's bytes with the lowest KL on the real model (KIVI's split after a
     # fixed rotation of each head's channels, 8-bit scales and zero points)
     default_choice = "kivi64r-k4v4-w64i8-s8"
-    has_materialization_free = True
+    # the values are flashcodec compare's --attention choices
+    attention_choices = (
+        ("tier", "the tier's own"),
+        ("codes", "on the stored codes"),
+        ("materialized", "on a decoded view"),
+    )
 
     def __init__(self, dtype: str = "bfloat16", device: str | None = None):
         super().__init__(FlashCodecHarness(), dtype)
@@ -35,26 +41,31 @@ class FlashcodecBackend(Backend):
         return argparse.Namespace(model=model, dtype=self.dtype, device=self.device)
 
     def chat_choices(self) -> list[str]:
-        # each stored format once: materialization-free attention is the toggle, not a second entry
+        # each tier once: what it attends on is the attention control, not a second entry
         return list(TIERS) + self.peer_names()
 
-    def resolve(self, choice: str, materialization_free: bool) -> str:
+    def check_choice(self, choice: str, attention: str) -> None:
         if choice not in self.chat_choices():
             raise DemoError(f"unknown cache {choice!r}; pick one of: {', '.join(self.chat_choices())}")
-        if not materialization_free:
-            return choice
-        if choice not in TIERS:
+        allowed = [value for value, _ in self.attention_choices]
+        if attention not in allowed:
+            raise DemoError(f"attention must be one of {allowed}; got {attention!r}")
+        if attention != "tier" and choice not in TIERS:
             raise DemoError(
-                f"{choice} is not a flashcodec tier, so materialization-free attention does not apply; "
-                f"turn the toggle off or pick one of: {', '.join(TIERS)}"
+                f"{choice} is not a flashcodec tier, so the attention choice does not apply; "
+                f"choose the tier's own attention or pick one of: {', '.join(TIERS)}"
             )
-        return choice + MF_SUFFIX  # the tier with attention on the stored codes (flashcodec.tiers.tier)
 
-    def candidates(self, loaded: Loaded, names):
-        # a "-mf" name is a tier on the attention axis, listed by the harness or not
+    def candidates(self, loaded: Loaded, names, attention: str = "tier"):
         peers = [n for n in self.peer_names() if n in names]
-        tiers = [n for n in names if n not in peers and n.removesuffix(MF_SUFFIX) in TIERS]
-        return self.harness.candidates(loaded, tiers, peers)
+        tiers = [n for n in names if n in TIERS]
+        chosen = None if attention == "tier" else attention  # None: each tier's own
+        return self.harness.candidates(loaded, tiers, peers, attention=chosen)
+
+    def cache_label(self, candidate: Candidate) -> str:
+        # a tier's name and what it attends on, as the docs show it
+        attention = candidate.config.get("attention") if candidate.kind == "tier" else None
+        return f"{candidate.name} ({ATTENTION_NOTES[attention]})" if attention else candidate.name
 
     def memory_now(self, loaded: Loaded) -> int | None:
         device = torch.device(loaded.runner.device)

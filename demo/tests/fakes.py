@@ -129,7 +129,7 @@ class FakeBackend(Backend):
     def chat_choices(self) -> list[str]:
         return ["copy"]
 
-    def pair(self, loaded: Loaded, choice: str, materialization_free: bool) -> tuple[Candidate, Candidate]:
+    def pair(self, loaded: Loaded, choice: str, attention: str) -> tuple[Candidate, Candidate]:
         return candidate("baseline"), candidate(choice)
 
     def stop_tokens(self, loaded: Loaded) -> frozenset[int]:

@@ -23,28 +23,43 @@ def palu():
     return PaluBackend()
 
 
-def test_every_flashcodec_tier_is_reachable_from_the_chat_tab(flashcodec):
+def test_every_flashcodec_tier_is_offered_once(flashcodec):
     offered = flashcodec.chat_choices()
-    with_toggle = [flashcodec.resolve(n, True) for n in offered if n in flashcodec_tiers.TIERS]
-    reachable = set(offered) | set(with_toggle)
-    assert set(flashcodec_tiers.tier_names()) <= reachable  # every listed -mf name too
-    assert {"hf-hqq-q8", "hf-fp8"} <= reachable  # transformers' QuantizedCache peers
-    assert flashcodec.closest_choice in reachable and flashcodec.default_choice in reachable
-    assert not any(n.endswith("-mf") for n in offered)  # each stored format once
+    assert offered[: len(flashcodec_tiers.TIERS)] == list(flashcodec_tiers.TIERS)  # each tier once
+    assert {"hf-hqq-q8", "hf-fp8"} <= set(offered)  # transformers' QuantizedCache peers
+    assert flashcodec.closest_choice in offered and flashcodec.default_choice in offered
+    # the attention control offers compare's --attention choices, each tier's own first
+    from flashcodec.compare import ATTENTION_CHOICES
+
+    assert [value for value, _ in flashcodec.attention_choices] == list(ATTENTION_CHOICES)
+    assert flashcodec.default_attention == "tier"
 
 
-def test_the_toggle_is_the_attention_axis_of_the_same_tier(flashcodec):
-    assert flashcodec.resolve("jpeg-k8-int8", True) == "jpeg-k8-int8-mf"
-    assert flashcodec.resolve("jpeg-k2-int8", True) == "jpeg-k2-int8-mf"
-    assert flashcodec.resolve("jpeg-k2-int8", False) == "jpeg-k2-int8"
+@pytest.mark.parametrize("attention", ["tier", "codes", "materialized"])
+def test_every_tier_takes_every_attention(flashcodec, attention):
     for name in flashcodec_tiers.TIERS:
-        on = flashcodec_tiers.tier(flashcodec.resolve(name, True))
-        assert on.materialization_free and on.codec == flashcodec_tiers.TIERS[name].codec
+        flashcodec.check_choice(name, attention)  # no error
 
 
-def test_the_toggle_on_a_peer_is_a_message(flashcodec):
+def test_the_attention_choice_on_a_peer_or_a_bad_value_is_a_message(flashcodec):
     with pytest.raises(DemoError, match="hf-fp8 is not a flashcodec tier.*png-keep1"):
-        flashcodec.resolve("hf-fp8", True)
+        flashcodec.check_choice("hf-fp8", "codes")
+    flashcodec.check_choice("hf-fp8", "tier")  # a peer with its own attention is fine
+    with pytest.raises(DemoError, match=r"attention must be one of \['tier', 'codes', 'materialized'\]"):
+        flashcodec.check_choice("png-keep1", "mf")
+
+
+def test_a_tier_is_labelled_with_the_attention_it_was_built_with(flashcodec):
+    from kvbench.protocol import Candidate
+
+    def built(kind, attention):
+        return Candidate("jpeg-k8-int8", kind, "d", lambda: None, {"attention": attention})
+
+    assert flashcodec.cache_label(built("tier", "codes")) == "jpeg-k8-int8 (attention on the codes)"
+    assert flashcodec.cache_label(built("tier", "materialized")).startswith(
+        "jpeg-k8-int8 (attention on a decoded"
+    )
+    assert flashcodec.cache_label(built("peer", "codes")) == "jpeg-k8-int8"
 
 
 def test_palu_tab_offers_every_palu_tier_and_every_registered_peer(palu):
@@ -53,11 +68,11 @@ def test_palu_tab_offers_every_palu_tier_and_every_registered_peer(palu):
 
     assert palu.chat_choices() == [*TIERS, *PEERS]
     assert {"mlx-lm-q8", "mlx-lm-q4", "kivi-k4v4"} <= set(PEERS)
-    assert not palu.has_materialization_free
+    assert palu.attention_choices == ()
     with pytest.raises(DemoError, match="does not apply"):
-        palu.resolve("palu-3bit", True)
+        palu.check_choice(palu.default_choice, "codes")
     with pytest.raises(DemoError, match="unknown cache"):
-        palu.resolve("no-such-tier", False)
+        palu.check_choice("no-such-tier", "tier")
 
 
 def test_check_fits():

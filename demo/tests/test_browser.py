@@ -56,7 +56,10 @@ def test_flashcodec_chat_lossless_tier_matches_native(page):
     pick_cache(page, "flashcodec", "png-keep1")
     set_number(page, "flashcodec-new-tokens", NEW_TOKENS)
     send(page, "flashcodec", PROMPT)
-    native, compressed, rows = check_turn(page, "flashcodec", "png-keep1")
+    # png-keep1's own attention is on a decoded view
+    native, compressed, rows = check_turn(
+        page, "flashcodec", "png-keep1 (attention on a decoded (materialized) view)"
+    )
     # png-keep1 stores every delta exactly: on the embedded model its logits equal the native
     # cache's bit for bit (checked: max |difference| 0.0 over 32 greedy steps), so the text is equal
     assert compressed == native
@@ -70,20 +73,20 @@ def test_flashcodec_chat_lossless_tier_matches_native(page):
     assert second_context >= first_context + NEW_TOKENS, (rows[0], later[0])
     assert page.locator("#flashcodec-native [data-testid=user]").count() == 2
 
-    # a peer, toggle on: a message, nothing generated
+    # a peer, attention on the codes: a message, nothing generated
     pick_cache(page, "flashcodec", "hf-fp8")
-    page.locator("#flashcodec-mf input").check()
+    page.locator("#flashcodec-attention").get_by_label("on the stored codes").check()
     send(page, "flashcodec", PROMPT)
     assert "not a flashcodec tier" in wait_status(page, "flashcodec", "Error")
 
-    # a tier, toggle on: the turn runs jpeg-k8-int8-mf, its decode steps attend on the codes
+    # a tier, attention on the codes: its decode steps attend on the codes
     pick_cache(page, "flashcodec", "jpeg-k8-int8")
     send(page, "flashcodec", PROMPT)
-    _, _, rows = check_turn(page, "flashcodec", "jpeg-k8-int8-mf")
+    _, _, rows = check_turn(page, "flashcodec", "jpeg-k8-int8 (attention on the codes)")
     served = re.search(r"decode steps on codes: (\d+)", page.locator("#flashcodec-status").inner_text())
     layers = json.loads((embedded_model_path() / "config.json").read_text())["num_hidden_layers"]
     assert served and int(served.group(1)) == (NEW_TOKENS - 1) * layers  # every one-token call, every layer
-    page.locator("#flashcodec-mf input").uncheck()
+    page.locator("#flashcodec-attention").get_by_label("the tier's own").check()
 
 
 def test_palu_chat_and_user_errors(page, screenshot_dir: Path):

@@ -43,7 +43,7 @@ def test_generate_stops_at_a_stop_token_and_keeps_it():
 def test_a_turn_runs_native_then_compressed_and_extends_both_histories():
     backend = FakeBackend()
     events = []
-    setup = Setup(model=None, choice="copy", materialization_free=False)
+    setup = Setup(model=None, choice="copy")
     result = run_turn(backend, Conversation(setup=setup), setup, "ab cde", 3, events.append)
     sides = [side for side, _ in events]
     assert sides == ["native"] * 3 + ["compressed"] * 3  # one after the other, never interleaved
@@ -68,7 +68,7 @@ def test_a_turn_runs_native_then_compressed_and_extends_both_histories():
 def test_a_chat_template_renders_the_whole_conversation_each_turn():
     tokenizer = ChatTokenizer()
     backend = FakeBackend(tokenizer=tokenizer)
-    setup = Setup(model=None, choice="copy", materialization_free=False)
+    setup = Setup(model=None, choice="copy")
     first = run_turn(
         backend, Conversation(setup=setup), setup, "What is the capital of France?", 3, lambda _: None
     )
@@ -94,7 +94,7 @@ def test_a_chat_template_renders_the_whole_conversation_each_turn():
 
 def test_a_reply_ends_at_the_end_of_turn_token_which_the_history_leaves_out():
     backend = FakeBackend(tokenizer=ChatTokenizer())
-    setup = Setup(model=None, choice="copy", materialization_free=False)
+    setup = Setup(model=None, choice="copy")
     streamed = []
     # the prompt ends with the template's "<assistant>", token 3: the reply is 4 5 6, then 7 (the
     # fake's end-of-turn token) stops it
@@ -125,7 +125,7 @@ def test_an_empty_model_field_is_the_default_model():
 
 def test_user_mistakes_are_messages_not_crashes():
     backend = FakeBackend(max_positions=8)
-    setup = Setup(model=None, choice="copy", materialization_free=False)
+    setup = Setup(model=None, choice="copy")
     with pytest.raises(DemoError, match="prompt is empty"):
         run_turn(backend, Conversation(), setup, "  \n", 4, lambda _: None)
     with pytest.raises(DemoError, match="needs 10 positions but the model allows 8"):

@@ -24,14 +24,14 @@ def palu():
 
 
 def turn(backend, choice: str, message: str = "The history of the Python language", new_tokens: int = 6):
-    setup = Setup(model=TINY, choice=choice, materialization_free=False)
+    setup = Setup(model=TINY, choice=choice)
     return backend.worker.call(
         lambda: run_turn(backend, Conversation(), setup, message, new_tokens, lambda _: None)
     )
 
 
 def test_a_palu_turn_measures_both_sides(palu):
-    result = turn(palu, "palu-3bit")
+    result = turn(palu, palu.default_choice)
     for side in (result.native, result.compressed):
         assert side.new_tokens == 6 and side.kv_held > 0 and side.peak_bytes and side.peak_bytes > 0
         assert side.steady_bytes is not None and len(side.step_s) == 5
@@ -40,11 +40,11 @@ def test_a_palu_turn_measures_both_sides(palu):
 
 def test_a_prompt_longer_than_the_context_is_a_message(palu):
     with pytest.raises(DemoError, match="but the model allows 2048"):
-        turn(palu, "palu-3bit", message="word " * 2100)
+        turn(palu, palu.default_choice, message="word " * 2100)
 
 
 def test_a_model_path_that_does_not_exist_is_a_message(palu):
-    setup = Setup(model="/nonexistent/model-dir", choice="palu-3bit", materialization_free=False)
+    setup = Setup(model="/nonexistent/model-dir", choice=palu.default_choice)
     with pytest.raises(ValueError) as caught:
         palu.worker.call(lambda: run_turn(palu, Conversation(), setup, "hi", 2, lambda _: None))
     assert error_message(caught.value) == (
@@ -83,7 +83,7 @@ def test_a_model_whose_every_layer_slides_is_served_on_coded_windows(tmp_path):
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(source / name, tmp_path / name)
     backend = FlashcodecBackend(dtype="float32")
-    setup = Setup(model=str(tmp_path), choice="jpeg-k8-int8", materialization_free=False)
+    setup = Setup(model=str(tmp_path), choice="jpeg-k8-int8")
     result = backend.worker.call(
         lambda: run_turn(
             backend, Conversation(), setup, "The history of the Python language", 4, lambda _: None
@@ -124,7 +124,7 @@ def test_the_default_model_holds_a_conversation(package, default_model_dir):
         from demo.flashcodec_backend import FlashcodecBackend
 
         backend = FlashcodecBackend()
-    setup = Setup(model=None, choice=backend.closest_choice, materialization_free=False)
+    setup = Setup(model=None, choice=backend.closest_choice)
     loaded = backend.worker.call(lambda: backend.load(None))
     stop = backend.stop_tokens(loaded)
     assert loaded.runner.tokenizer.convert_tokens_to_ids("<|im_end|>") in stop
