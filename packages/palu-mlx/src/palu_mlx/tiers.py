@@ -192,9 +192,9 @@ class Tier:
 def palu_config(**fields) -> KVCacheConfig:
     """The base of every palu tier with ``fields`` set: the coder's codes alone, without a per-token
     scale, without exact first or newest tokens, weighed by squared error."""
-    # KVCacheConfig's defaults turn those on; a tier that uses one sets it in its own fields
-    # (SCALED; palu_relative_error=True in the "+rel" tiers), so a tier is exactly the
-    # configuration its fields spell out
+    # stated here rather than left to KVCacheConfig's defaults: a tier that uses one sets it in its
+    # own fields (SCALED; palu_relative_error=True in the "+rel" tiers), so a tier is exactly the
+    # configuration its fields spell out, whatever the defaults become
     fields = {
         "palu_token_scale": False,
         "palu_sink_tokens": 0,
