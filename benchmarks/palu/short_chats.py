@@ -28,8 +28,9 @@ from palu_mlx.models import model_kv_dims
 OUT = results_path("palu_short_chats.json")
 #: prompt lengths: a one-line question, a short turn, a few turns, a long context
 LENGTHS = (14, 101, 300, 1673)
-#: registry tiers measured beside the zero-argument default
-TIER_NAMES = ("rotation-4bit", "rotation-3.5bit")
+#: registry tiers measured beside the zero-argument default (the fitted palu-2.25bit-scaled+rel by
+#: name: the file's "palu default" row measured it when KVCacheConfig() was that tier)
+TIER_NAMES = ("rotation-4bit", "rotation-3.5bit", "palu-2.25bit-scaled+rel")
 
 
 def main(argv: list[str] | None = None) -> int:
