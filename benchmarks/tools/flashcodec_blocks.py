@@ -153,9 +153,9 @@ def render_families(result: dict[str, Any]) -> list[str]:
 
 
 def render_lossless(result: dict[str, Any]) -> list[str]:
-    """The exponent coder on the real model's K/V per dtype (group 64), then per group size:
-    bytes over the uncompressed cache's, exceptions, exactness, speed; then both saved coders
-    side by side, and the entropies the context coder's model was chosen from."""
+    """The exponent coder on the real model's K/V per dtype (group 64): bytes over the uncompressed
+    cache's, exceptions, exactness; then both saved coders side by side. (The results file also
+    holds every group size and the field entropies the context coder's model was chosen from.)"""
     labels = {"bfloat16": "bf16 (the model's)", "float16": "fp16 (the model run in fp16)"}
 
     def by_dtype(dtype: str, r: dict[str, Any]) -> str:
@@ -166,34 +166,11 @@ def render_lossless(result: dict[str, Any]) -> list[str]:
             f"{r['png_keep1']['held_ratio']:.3f} | {r['zlib6_raw_bytes']['ratio']:.3f} |"
         )
 
-    def by_group(dtype: str, group: str, c: dict[str, Any], r: dict[str, Any]) -> str:
-        return (
-            f"| {dtype} | {group} | {c['memory_ratio']:.3f} | {c['encode_mb_per_s']:.0f} | "
-            f"{c['decode_mb_per_s']:.0f} | {c['decode_whole_cache_in_steps']:.2f} | "
-            f"{r['zlib6_raw_bytes']['encode_seconds']:.1f} |"
-        )
-
     def side_by_side(dtype: str, row: dict[str, Any]) -> str:
         return (
             f"| {dtype} | {row['coder']} | {row['ratio']:.3f} | {row['encode_mb_per_s']:.1f} | "
             f"{row['decode_mb_per_s']:.1f} | {'yes' if row['bit_exact'] else 'no'} |"
         )
-
-    entropy_rows = (
-        ("exponent", "exponent, given nothing"),
-        ("exponent_given_channel", "exponent, given its channel"),
-        ("exponent_given_previous_token", "exponent, given the previous token's"),
-        ("exponent_given_previous_token_and_channel", "exponent, given the previous token's and the channel"),
-        ("exponent_given_neighbour_channel", "exponent, given the neighbouring channel's"),
-        ("sign_top2_mantissa_given_exponent", "sign + top 2 mantissa bits, given the exponent"),
-        ("sign_top2_mantissa_given_exponent_and_channel", "the same, given the exponent and the channel"),
-        ("sign_given_exponent_and_channel", "sign, given the exponent and the channel"),
-        ("sign_given_exponent_channel_and_previous_sign", "sign, given those and the previous token's sign"),
-        ("other_mantissa_bits_given_exponent", "other 5 mantissa bits, given the exponent"),
-    )
-
-    def by_entropy(key: str, label: str, h: dict[str, Any]) -> str:
-        return f"| {label} | {h['keys'][key]:.3f} | {h['values'][key]:.3f} |"
 
     runs = result["results"].items()
     lines = [
@@ -204,13 +181,6 @@ def render_lossless(result: dict[str, Any]) -> list[str]:
             "| bit-exact | `png-keep1` held | zlib 6 on the raw bytes |",
             "lrrrlrr",
             (by_dtype(dtype, r) for dtype, r in runs),
-        ),
-        "",
-        *_table(
-            "| K/V dtype | group (tokens) | in memory | encode (MB/s) | decode (MB/s) | decoding the whole cache, "
-            "in decode steps of the model | zlib 6 alone: encode (s) |",
-            "lrrrrrr",
-            (by_group(dtype, g, c, r) for dtype, r in runs for g, c in r["exponent_coder"].items()),
         ),
     ]
     compared = [(dtype, row) for dtype, r in runs for row in r.get("side_by_side", [])]
@@ -223,35 +193,6 @@ def render_lossless(result: dict[str, Any]) -> list[str]:
                 "| K/V dtype | coder | saved / uncompressed | encode (MB/s) | decode (MB/s) | bit-exact |",
                 "llrrrl",
                 (side_by_side(dtype, row) for dtype, row in compared),
-            ),
-        ]
-        spent = [(dtype, r["context_coder"]["bits_per_element"]) for dtype, r in runs if "context_coder" in r]
-        lines += [
-            "",
-            "What the context coder's range coder spent, bits an element of keys and values together:",
-            "",
-            *_table(
-                "| K/V dtype | exponent codes | sign + top 2 mantissa bits | other mantissa bits (raw) "
-                "| escaped exponents | channel maxima |",
-                "lrrrrr",
-                (
-                    f"| {dtype} | {b['exponent_words']:.3f} | {b['sign_words']:.3f} | {b['mantissa']:.0f} | "
-                    f"{b['escapes']:.4f} | {b['top']:.4f} |"
-                    for dtype, b in spent
-                ),
-            ),
-        ]
-    h = result["results"].get("bfloat16", {}).get("entropy")
-    if h:
-        lines += [
-            "",
-            "Empirical entropies of the bf16 cache's fields (bits an element, plug-in estimates: those "
-            "given the channel are optimistic, each channel holding only the cache's tokens):",
-            "",
-            *_table(
-                "| field | keys | values |",
-                "lrr",
-                (by_entropy(key, label, h) for key, label in entropy_rows),
             ),
         ]
     return lines
