@@ -179,16 +179,16 @@ def candidates(
     configs.update({name: tier_config(name, head_dim) for name in RELATIVE})
     for name, (source, bits) in OTHER_BITS.items():
         if source in configs:
-            configs[name] = dataclasses.replace(configs[source], palu_bits=bits)
+            configs[name] = configs[source].replace(palu_bits=bits)
     for name, (source, fields) in COMPACT_PARTS.items():
         if source in configs:
-            configs[name] = dataclasses.replace(configs[source], **fields)
+            configs[name] = configs[source].replace(**fields)
     out.update({name: entry(config) for name, config in configs.items()})
     for name, (source, fields) in ROTATION_ABLATION.items():
-        out[name] = entry(dataclasses.replace(tier_config(source, head_dim), **fields))
+        out[name] = entry(tier_config(source, head_dim).replace(**fields))
     base = tier_config("palu-3bit", head_dim)
     for name, fields in ABLATION.items():
-        config = dataclasses.replace(base, **fields)
+        config = base.replace(**fields)
         out[name] = (
             lambda config=config: KVCacheBuilder.for_model(model, config),
             dataclasses.asdict(config),

@@ -42,7 +42,7 @@ def rotation_caches(model: Any, recent: int, sinks: int, means: bool = True) -> 
     ``means``: each head's mean subtracted (RotationKVCache), else not (CalibratedKVCache)."""
     head_dim, heads = model_kv_dims(model)
     config = dataclasses.replace(
-        KVCacheConfig().for_head_dim(head_dim), palu_recent_tokens=recent, palu_sink_tokens=sinks
+        KVCacheConfig(method="palu").for_head_dim(head_dim), palu_recent_tokens=recent, palu_sink_tokens=sinks
     )
     rotaries = model_rotaries(model, head_dim) or [None] * len(model.layers)
     code = rotation_code(heads, head_dim)

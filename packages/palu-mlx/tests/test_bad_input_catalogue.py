@@ -339,7 +339,7 @@ CATALOGUE: dict[str, Bad] = {
             c, state=state_with(c, sink__keys=None, sink__values=None), meta=without(c, ("palu_sink_tokens",))
         ),
         kvspec.KVDataError,
-        r"config lacks the fields \['palu_sink_tokens'\]",
+        r"config lacks the keywords \['palu_sink_tokens'\]",
     ),
     "from_state: palu_group_size changed after the fit (fixed quantizers)": Bad(
         cache(FIXED),
@@ -357,7 +357,7 @@ CATALOGUE: dict[str, Bad] = {
         cache(FITTED),
         lambda c: restore(c, meta=with_settings(c, palu_hi_bit=8)),
         kvspec.KVDataError,
-        "palu_hi_bit=8, but the state's codes were made with palu_hi_bit=None",
+        "palu_hi_bit=8, but the state's codes were made with palu_hi_bit=4",
     ),
     "from_state: coded_with missing after the fit": Bad(
         cache(FIXED),

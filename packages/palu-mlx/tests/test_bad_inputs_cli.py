@@ -344,7 +344,7 @@ def test_every_palu_cache_class_the_builder_saves_is_registered_by_constructing_
     from palu_mlx.builder import _OURS
 
     assert not any(hasattr(mlx_cache, name) for name in _OURS)  # importing registers nothing
-    PaluKVCache(KVCacheConfig(head_dim=32))
+    PaluKVCache(KVCacheConfig(method="palu", head_dim=32))
     missing = [name for name, cls in _OURS.items() if getattr(mlx_cache, name, None) is not cls]
     print("missing", missing)
     """

@@ -83,7 +83,7 @@ def test_unit_weights_code_as_before():
         ({"palu_rank": 8, "palu_key_weight": 2.0}, "water-filling coder"),
         ({"palu_hi_bit": 4, "palu_sensitivity": "p.json"}, "water-filling coder"),
         ({"palu_sensitivity": "p.json", "palu_calibration": "c.safetensors"}, "allowed: one of them"),
-        ({"palu_key_weight": 2.0, "coder": WaterFilling(2.0, True, 3.0)}, "both set the weight"),
+        ({"palu_key_weight": 2.0, "coder": WaterFilling(2.0, True, 3.0)}, "palu_key_weight=2.0 both choose the coder"),
     ],
 )
 def test_config_refuses_bad_weights_and_profiles(fields, match):
@@ -232,7 +232,7 @@ def test_sensitivity_tiers_are_twins_of_the_scaled_bit_budget_tiers():
         if t.config.method == "palu"
         and t.config.palu_bits
         and t.config.palu_token_scale
-        and not t.config.palu_relative_error
+        and not t.config.relative_error
     ]
     # results files and docs read these names
     assert list(SENSITIVITY_TIERS) == ["palu-2bit-scaled+sens", "palu-1.75bit-compact+sens"]
@@ -267,7 +267,7 @@ def test_relative_error_keeps_bits_on_a_small_tensor():
     [
         ({"palu_relative_error": 1}, "palu_relative_error=1"),
         ({"palu_relative_error": True, "palu_hi_bit": 4}, "water-filling coder"),
-        ({"palu_relative_error": True, "coder": WaterFilling(2.0)}, "both choose the weighing"),
+        ({"palu_relative_error": True, "coder": WaterFilling(2.0)}, "both choose the coder"),
     ],
 )
 def test_relative_error_refuses_bad_values(fields, match):

@@ -52,15 +52,15 @@ def test_for_model_builds_one_palu_cache_per_layer(tiny_model):
 
 def test_for_model_rejects_wrong_head_dim_and_groups(tiny_model):
     with pytest.raises(KVConfigError, match="head_dim=64"):
-        KVCacheBuilder.for_model(tiny_model, KVCacheConfig(head_dim=64))
+        KVCacheBuilder.for_model(tiny_model, KVCacheConfig(method="palu", head_dim=64))
     with pytest.raises(KVConfigError, match="palu_n_head_groups=3"):
-        KVCacheBuilder.for_model(tiny_model, KVCacheConfig(head_dim=HEAD_DIM, palu_n_head_groups=3))
+        KVCacheBuilder.for_model(tiny_model, KVCacheConfig(method="palu", head_dim=HEAD_DIM, palu_n_head_groups=3))
 
 
 def test_full_rank_unquantized_reproduces_kvcache_greedy_tokens(tiny_model):
     prompt = list(range(3, 43))  # 40 tokens: the fit happens at the prefill
     baseline = greedy(tiny_model, prompt, 48, [KVCache() for _ in range(2)])
-    caches = KVCacheBuilder.for_model(tiny_model, KVCacheConfig(head_dim=HEAD_DIM, **FULL_RANK))
+    caches = KVCacheBuilder.for_model(tiny_model, KVCacheConfig(method="palu", head_dim=HEAD_DIM, **FULL_RANK))
     assert greedy(tiny_model, prompt, 48, caches) == baseline
     assert all(c.fitted for c in caches)
 
@@ -68,13 +68,13 @@ def test_full_rank_unquantized_reproduces_kvcache_greedy_tokens(tiny_model):
 def test_fit_during_decode_keeps_full_rank_tokens(tiny_model):
     prompt = [5, 9, 11]  # a 3-token prompt: exact until 32 tokens, then fit mid-decode
     baseline = greedy(tiny_model, prompt, 40, [KVCache() for _ in range(2)])
-    caches = KVCacheBuilder.for_model(tiny_model, KVCacheConfig(head_dim=HEAD_DIM, **FULL_RANK))
+    caches = KVCacheBuilder.for_model(tiny_model, KVCacheConfig(method="palu", head_dim=HEAD_DIM, **FULL_RANK))
     assert greedy(tiny_model, prompt, 40, caches) == baseline
     assert caches[0].fitted and caches[0].key_rank == HEAD_DIM
 
 
 def test_default_config_generates_finite_logits(tiny_model):
-    caches = KVCacheBuilder.for_model(tiny_model, KVCacheConfig(head_dim=HEAD_DIM))
+    caches = KVCacheBuilder.for_model(tiny_model, KVCacheConfig(method="palu", head_dim=HEAD_DIM))
     gen = generate_step(mx.array(list(range(3, 50))), tiny_model, max_tokens=40, prompt_cache=caches)
     for token, logprobs in gen:
         assert 0 <= int(token) < 256 and mx.all(mx.isfinite(logprobs)).item()
@@ -91,7 +91,7 @@ def test_chunked_prefill_fits_once_then_projects(tiny_model, monkeypatch):
     monkeypatch.setattr(
         fitting_module, "fit_group_projection", lambda x, *a: fits.append(x.shape) or real_fit(x, *a)
     )
-    caches = KVCacheBuilder.for_model(tiny_model, KVCacheConfig(head_dim=HEAD_DIM))
+    caches = KVCacheBuilder.for_model(tiny_model, KVCacheConfig(method="palu", head_dim=HEAD_DIM))
     tokens = greedy(tiny_model, list(range(3, 103)), 5, caches, prefill_step_size=40)  # chunks 40, 40, 19, 1
     assert len(tokens) == 5 and caches[0].offset == 105
     # one fit of keys and one of values per layer, on the first 40-token chunk only
@@ -100,11 +100,11 @@ def test_chunked_prefill_fits_once_then_projects(tiny_model, monkeypatch):
 
 def test_install_make_cache_gives_fresh_palu_caches(tiny_model):
     model = make_tiny_qwen3()
-    factory = KVCacheBuilder.install(model, KVCacheConfig(head_dim=HEAD_DIM))
+    factory = KVCacheBuilder.install(model, KVCacheConfig(method="palu", head_dim=HEAD_DIM))
     first, second = make_prompt_cache(model), make_prompt_cache(model)
     assert all(isinstance(c, PaluKVCache) for c in first) and first[0] is not second[0]
     assert factory is model.make_cache
-    KVCacheBuilder.install(model, KVCacheConfig(head_dim=HEAD_DIM, palu_rank=4))  # re-install does not nest
+    KVCacheBuilder.install(model, KVCacheConfig(method="palu", head_dim=HEAD_DIM, palu_rank=4))  # re-install does not nest
     assert make_prompt_cache(model)[0].config.palu_rank == 4
     assert len(greedy(model, list(range(3, 40)), 4, None)) == 4  # generate_step builds its own cache
 
@@ -119,7 +119,7 @@ def test_make_cache_lambda_returning_prebuilt_caches(tiny_model):
 
 
 def test_generate_and_stream_generate_accept_palu_prompt_cache(tiny_model, tokenizer):
-    caches = KVCacheBuilder.for_model(tiny_model, KVCacheConfig(head_dim=HEAD_DIM))
+    caches = KVCacheBuilder.for_model(tiny_model, KVCacheConfig(method="palu", head_dim=HEAD_DIM))
     text = mlx_lm.generate(
         tiny_model, tokenizer, prompt=list(range(3, 60)), max_tokens=12, prompt_cache=caches
     )
@@ -136,7 +136,7 @@ def test_generate_and_stream_generate_accept_palu_prompt_cache(tiny_model, token
 @pytest.mark.parametrize("fitted", [False, True], ids=["exact", "latent"])
 def test_prompt_cache_save_load_round_trip(tiny_model, tmp_path, fitted):
     prompt = list(range(3, 50 if fitted else 20))
-    caches = KVCacheBuilder.for_model(tiny_model, KVCacheConfig(head_dim=HEAD_DIM))
+    caches = KVCacheBuilder.for_model(tiny_model, KVCacheConfig(method="palu", head_dim=HEAD_DIM))
     greedy(tiny_model, prompt, 1, caches)
     path = str(tmp_path / "cache.safetensors")
     save_prompt_cache(path, caches, {"prompt": "test"})
@@ -150,7 +150,7 @@ def test_prompt_cache_save_load_round_trip(tiny_model, tmp_path, fitted):
 
 
 def test_save_load_mixed_with_mlx_lm_caches(tiny_model, tmp_path):
-    caches = [KVCache(), PaluKVCache(KVCacheConfig(head_dim=HEAD_DIM, palu_min_fit_tokens=8))]
+    caches = [KVCache(), PaluKVCache(KVCacheConfig(method="palu", head_dim=HEAD_DIM, palu_min_fit_tokens=8))]
     greedy(tiny_model, list(range(3, 30)), 1, caches)
     path = str(tmp_path / "mixed.safetensors")
     save_prompt_cache(path, caches)

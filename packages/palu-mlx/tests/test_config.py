@@ -5,13 +5,22 @@ from __future__ import annotations
 import pytest
 from kvspec import KVConfigError
 from palu_mlx import KVCacheConfig
+from palu_mlx.coders import Rotation
 from palu_mlx.config import DEFAULT_PALU_BITS
 
 
 def test_defaults():
+    # nothing asked: the rotation code at 3.5 bits (keys 4, values 3), the newest tokens in int8
+    default = KVCacheConfig()
+    assert default.method == "rotation" and default.coder == Rotation(3.5) and default.palu_bits == 3.5
+    assert (default.exact.sink, default.exact.recent, default.exact.recent_bits) == (4, 32, 8)
+    assert KVCacheConfig(head_dim=64).method == "rotation"
+    # a keyword only the fitted cache reads asks for it
+    assert KVCacheConfig(palu_bits=2.0).method == KVCacheConfig(palu_rank=8).method == "palu"
     cfg = KVCacheConfig(method="palu", head_dim=128)
     assert (cfg.palu_rank, cfg.palu_energy_threshold, cfg.palu_n_head_groups) == (None, None, None)
-    assert (cfg.palu_hi_bit, cfg.palu_lo_bit, cfg.palu_hi_fraction, cfg.palu_bits) == (None, None, None, None)
+    assert (cfg.palu_hi_bit, cfg.palu_lo_bit, cfg.palu_hi_fraction) == (None, None, None)
+    assert cfg.palu_bits == DEFAULT_PALU_BITS and cfg.exact.recent_bits == 16
     # nothing asked: water-filling at the default budget
     assert not cfg.uses_split and cfg.coder_bits == DEFAULT_PALU_BITS
     # any split field asks for the reference's split, the rest from REFERENCE_SPLIT
@@ -75,7 +84,7 @@ def test_json_round_trip():
 def test_the_palu_fields_choose_a_coder_object():
     from palu_mlx import HiLoSplit, WaterFilling
 
-    assert KVCacheConfig().coder_choice == WaterFilling(DEFAULT_PALU_BITS, token_scale=True)
+    assert KVCacheConfig(method="palu").coder_choice == WaterFilling(DEFAULT_PALU_BITS, token_scale=True)
     assert KVCacheConfig(palu_bits=1.5, palu_token_scale=False).coder_choice == WaterFilling(
         1.5, token_scale=False
     )
@@ -94,13 +103,17 @@ def test_coder_writes_its_fields_and_reads_back_the_same():
     split = KVCacheConfig(coder=HiLoSplit(hi_bit=8, lo_bit=4, hi_fraction=0.5), palu_rank=16)
     assert split == KVCacheConfig(palu_hi_bit=8, palu_lo_bit=4, palu_hi_fraction=0.5, palu_rank=16)
     assert split.uses_split and split.coder_choice == HiLoSplit(8, 4, 0.5)
-    # an init-only argument: not a field, so to_json / asdict / meta_state look as before
+    # the JSON form is the flat keywords, and reads back the same config
     assert "coder" not in split.to_json() and KVCacheConfig.from_json(split.to_json()) == split
     assert dataclasses.replace(split, head_dim=64).coder_choice == split.coder_choice
-    # replace() may change a choosing field: the old choice is not passed back in as coder=
-    assert dataclasses.replace(budget, palu_bits=3.0).coder_choice == WaterFilling(3.0, token_scale=False)
+    # replace() changes keywords, a choosing one included: the old choice is not kept
+    assert budget.replace(palu_bits=3.0).coder_choice == WaterFilling(3.0, token_scale=False)
     energy = KVCacheConfig(palu_energy_threshold=0.8)
-    assert dataclasses.replace(energy, palu_hi_bit=8).coder_choice == HiLoSplit(8, 2, 0.25)
+    assert energy.replace(palu_hi_bit=8).coder_choice == HiLoSplit(8, 2, 0.25)
+    # dataclasses.replace passes the coder back in: a choosing keyword beside it is refused, clearly
+    with pytest.raises(KVConfigError, match=r"config.replace\(palu_bits=...\)"):
+        dataclasses.replace(budget, palu_bits=3.0)
+    assert budget == KVCacheConfig(palu_bits=2.0, palu_token_scale=False)  # unchanged
     # a field that agrees with the coder is no conflict
     assert KVCacheConfig(coder=WaterFilling(3.0), palu_bits=3.0).coder_bits == 3.0
 
@@ -112,7 +125,7 @@ def test_coder_writes_its_fields_and_reads_back_the_same():
         ("water", {"palu_bits": 1.0}, "palu_bits=1.0 both choose the coder"),
         ("split", {"palu_bits": 2.0}, "palu_bits=2.0 both choose the coder"),
         ("split", {"palu_lo_bit": 1}, "palu_lo_bit=1 both choose the coder"),
-        ("text", {}, "coder='water-filling' must be None, palu_mlx.coders.WaterFilling or"),
+        ("text", {}, "coder='water-filling' must be None or one of palu_mlx.coders.Rotation"),
     ],
 )
 def test_a_coder_and_fields_that_disagree_are_refused(coder, fields, match):

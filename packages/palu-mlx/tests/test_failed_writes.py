@@ -72,4 +72,4 @@ def test_keys_returned_before_the_fit_are_copies():
 
 def test_palu_cache_refuses_an_allocation_policy_that_is_not_one():
     with pytest.raises(KVConfigError, match="allocation_policy must be a BitAllocationPolicy"):
-        PaluKVCache(KVCacheConfig(head_dim=64), allocation_policy="water")
+        PaluKVCache(KVCacheConfig(method="palu", head_dim=64), allocation_policy="water")

@@ -42,13 +42,13 @@ def reference(queries, cache: PaluKVCache, scale, mask):
 
 
 CONFIGS = {
-    "full-rank-16bit": KVCacheConfig(head_dim=D, palu_rank=D, palu_hi_bit=16, palu_lo_bit=16),
-    "hi-lo-split": KVCacheConfig(head_dim=D, palu_n_head_groups=2),
-    "water-filling-2bit": KVCacheConfig(head_dim=D, palu_bits=2.0, palu_n_head_groups=4),
+    "full-rank-16bit": KVCacheConfig(method="palu", head_dim=D, palu_rank=D, palu_hi_bit=16, palu_lo_bit=16),
+    "hi-lo-split": KVCacheConfig(method="palu", head_dim=D, palu_n_head_groups=2),
+    "water-filling-2bit": KVCacheConfig(method="palu", head_dim=D, palu_bits=2.0, palu_n_head_groups=4),
     "sinks-token-scale-2bit": KVCacheConfig(
         head_dim=D, palu_bits=2.0, palu_sink_tokens=3, palu_token_scale=True
     ),
-    "sinks-window-2bit": KVCacheConfig(head_dim=D, palu_bits=2.0, palu_sink_tokens=3, palu_recent_tokens=20),
+    "sinks-window-2bit": KVCacheConfig(method="palu", head_dim=D, palu_bits=2.0, palu_sink_tokens=3, palu_recent_tokens=20),
 }
 
 
@@ -121,7 +121,7 @@ def test_values_are_never_rebuilt():
 
 
 def test_an_unfitted_cache_offers_no_store_and_routes_to_mlx_sdpa():
-    cache = PaluKVCache(KVCacheConfig(head_dim=D))
+    cache = PaluKVCache(KVCacheConfig(method="palu", head_dim=D))
     k = planted_lowrank((1, 4, 5, D), rank=3)
     keys, values = cache.update_and_fetch(k, k)
     assert cache.latent_store() is None
@@ -138,7 +138,7 @@ def greedy(model, prompt, steps, caches) -> list[int]:
 
 def test_routed_model_matches_the_rebuilding_path_and_unroutes():
     model = make_tiny_qwen3(seed=3)
-    config = KVCacheConfig(head_dim=D, palu_bits=2.0, palu_n_head_groups=4)
+    config = KVCacheConfig(method="palu", head_dim=D, palu_bits=2.0, palu_n_head_groups=4)
     prompt = list(range(5, 125))
     unroute_attention(model)  # other tests' models (same family) may have routed it
     assert qwen3.scaled_dot_product_attention is mlx_base.scaled_dot_product_attention
@@ -156,7 +156,7 @@ def test_routed_model_matches_the_rebuilding_path_and_unroutes():
 
 def test_uninstall_unroutes_and_a_model_without_layers_is_not_routed():
     model = make_tiny_qwen3(seed=4)
-    KVCacheBuilder.install(model, KVCacheConfig(head_dim=D))
+    KVCacheBuilder.install(model, KVCacheConfig(method="palu", head_dim=D))
     assert qwen3.scaled_dot_product_attention is routed_sdpa
     KVCacheBuilder.uninstall(model)
     assert qwen3.scaled_dot_product_attention is mlx_base.scaled_dot_product_attention

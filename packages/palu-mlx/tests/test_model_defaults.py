@@ -10,6 +10,7 @@ from kvspec import KVConfigError
 from mlx_lm.models import llama
 from mlx_lm.models.cache import KVCache
 from palu_helpers import make_tiny_qwen3
+from palu_mlx.rotation_code import RotationKVCache
 from palu_mlx import KVCacheBuilder, KVCacheConfig, PaluKVCache
 from palu_mlx.tiers import tier
 
@@ -45,7 +46,8 @@ def _greedy(model, caches, prompt: mx.array, steps: int) -> list[int]:
 
 
 def test_the_zero_argument_config_is_the_default_tier():
-    assert KVCacheConfig() == tier("palu-2.25bit-scaled+rel").config
+    assert KVCacheConfig() == tier("rotation-3.5bit").config
+    assert KVCacheConfig(method="palu") == tier("palu-2.25bit-scaled+rel").config
 
 
 @pytest.mark.parametrize(
@@ -57,20 +59,21 @@ def test_the_zero_argument_config_takes_the_model_s_dims(make, head_dim, n_kv):
     model = make()
     assert (model.args.head_dim is None) is (make is _smol)
     prompt = mx.array(list(range(3, 3 + 3 * head_dim)))  # more than head_dim tokens: fitted at the prefill
-    caches = KVCacheBuilder.for_model(model, KVCacheConfig())
-    assert all(type(c) is PaluKVCache for c in caches)
-    # the config each cache holds is the default with the model's head dim, and nothing else changed
-    assert {c.config for c in caches} == {dataclasses.replace(KVCacheConfig(), head_dim=head_dim)}
-    tokens = _greedy(model, caches, prompt, 4)
-    assert all(c.fitted for c in caches)
-    assert all(c._key_proj.n_groups == c._value_proj.n_groups == n_kv for c in caches)
-    assert len(tokens) == 4 and all(0 <= t < model.args.vocab_size for t in tokens)
-    # the same through install (mlx-lm building its own caches)
-    KVCacheBuilder.install(model, KVCacheConfig())
-    try:
-        assert all(type(c) is PaluKVCache and c.config.head_dim == head_dim for c in model.make_cache())
-    finally:
-        KVCacheBuilder.uninstall(model)
+    for config, kind in ((KVCacheConfig(), RotationKVCache), (KVCacheConfig(method="palu"), PaluKVCache)):
+        caches = KVCacheBuilder.for_model(model, config)
+        assert all(type(c) is kind for c in caches)
+        # the config each cache holds is the given one with the model's head dim, nothing else changed
+        assert {c.config for c in caches} == {dataclasses.replace(config, head_dim=head_dim)}
+        tokens = _greedy(model, caches, prompt, 4)
+        assert len(tokens) == 4 and all(0 <= t < model.args.vocab_size for t in tokens)
+        # one projection (rotation) per KV head, the model's count
+        assert all(c._key_proj.mean.shape[0] == c._value_proj.mean.shape[0] == n_kv for c in caches)
+        # the same through install (mlx-lm building its own caches)
+        KVCacheBuilder.install(model, config)
+        try:
+            assert all(type(c) is kind and c.config.head_dim == head_dim for c in model.make_cache())
+        finally:
+            KVCacheBuilder.uninstall(model)
 
 
 def test_the_readme_s_model_args_head_dim_works_when_the_args_leave_it_unset():

@@ -41,9 +41,9 @@ def reference(queries, cache: PaluKVCache, scale, mask):
 
 
 CONFIGS = {
-    "2bit-per-head": KVCacheConfig(head_dim=D, palu_bits=2.0, palu_n_head_groups=4),
-    "2bit-two-groups": KVCacheConfig(head_dim=D, palu_bits=2.0, palu_n_head_groups=2),
-    "default-tier": KVCacheConfig(head_dim=D),  # 2.5 bits, token scale, 4 sinks, 32 newest exact
+    "2bit-per-head": KVCacheConfig(method="palu", head_dim=D, palu_bits=2.0, palu_n_head_groups=4),
+    "2bit-two-groups": KVCacheConfig(method="palu", head_dim=D, palu_bits=2.0, palu_n_head_groups=2),
+    "default-tier": KVCacheConfig(method="palu", head_dim=D),  # 2.5 bits, token scale, 4 sinks, 32 newest exact
     "3bit-scale-no-window": KVCacheConfig(
         head_dim=D, palu_bits=3.0, palu_token_scale=True, palu_sink_tokens=0, palu_recent_tokens=0
     ),
@@ -127,7 +127,7 @@ def test_unpack_reads_exactly_the_codes_the_coder_wrote(token_scale, seed):
 def test_far_positions_rotate_like_the_model():
     """Keys thousands of tokens in: the tables (float64 angles, split as chunk start plus offset)
     against the reference's RoPE (float32 angles) stay within the same bound."""
-    config = KVCacheConfig(head_dim=D, palu_bits=3.0, palu_sink_tokens=0, palu_recent_tokens=0)
+    config = KVCacheConfig(method="palu", head_dim=D, palu_bits=3.0, palu_sink_tokens=0, palu_recent_tokens=0)
     cache = filled(config, rotary(), tokens=4200)
     q = mx.random.normal((1, 8, 1, D), key=mx.random.key(8))
     packed = latent_attention(q, cache.latent_store(), 0.2, None)
@@ -138,7 +138,7 @@ def test_far_positions_rotate_like_the_model():
 
 
 def test_packed_argument_checks():
-    cache = filled(replace(CONFIGS["2bit-per-head"], palu_bits=None, palu_hi_bit=4), rotary())
+    cache = filled(CONFIGS["2bit-per-head"].replace(palu_bits=None, palu_hi_bit=4), rotary())
     store = cache.latent_store()  # the reference's mixed-bit coder: no packed rows
     assert store.packed_keys is None
     q = mx.random.normal((1, 8, 1, D), key=mx.random.key(9))

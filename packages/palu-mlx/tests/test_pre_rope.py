@@ -77,7 +77,7 @@ def test_cache_codes_keys_before_rope():
     pre = planted_lowrank((1, 4, 96, 32), rank=4, seed=3)
     rotated = rope(pre)
     values = planted_lowrank((1, 4, 96, 32), rank=4, seed=4)
-    config = KVCacheConfig(head_dim=32, palu_energy_threshold=0.999, palu_hi_bit=16, palu_lo_bit=16)
+    config = KVCacheConfig(method="palu", head_dim=32, palu_energy_threshold=0.999, palu_hi_bit=16, palu_lo_bit=16)
     post, pre_path = PaluKVCache(config), PaluKVCache(config, rotary=probe_rotary(rope, 32))
     for start in range(0, 96, 32):  # three chunks: fit on the first, project the others
         sl = slice(start, start + 32)
@@ -89,15 +89,15 @@ def test_cache_codes_keys_before_rope():
 
 def test_rejects_a_rotary_of_another_type():
     with pytest.raises(KVConfigError, match="rotary"):
-        PaluKVCache(KVCacheConfig(), rotary="rope")
+        PaluKVCache(KVCacheConfig(method="palu"), rotary="rope")
 
 
 def test_for_model_gives_every_layer_its_rotary(tiny_model):
-    caches = KVCacheBuilder.for_model(tiny_model, KVCacheConfig(head_dim=HEAD_DIM))
+    caches = KVCacheBuilder.for_model(tiny_model, KVCacheConfig(method="palu", head_dim=HEAD_DIM))
     assert all(isinstance(c.rotary, Rotary) for c in caches)
     assert not hasattr(caches[0], "bits")  # mlx-lm would send it to its quantized attention
     assert "pre-RoPE" in repr(caches[0])
-    off = KVCacheBuilder.for_model(tiny_model, KVCacheConfig(head_dim=HEAD_DIM, palu_pre_rope=False))
+    off = KVCacheBuilder.for_model(tiny_model, KVCacheConfig(method="palu", head_dim=HEAD_DIM, palu_pre_rope=False))
     assert all(c.rotary is None for c in off)
 
 
@@ -147,8 +147,8 @@ def test_install_then_uninstall_leaves_the_model_exactly_as_it_was():
     params = {k: np.array(v) for k, v in tree_flatten(model.parameters())}
     tokens = mx.array([list(range(3, 40))])
     logits = model(tokens)
-    KVCacheBuilder.install(model, KVCacheConfig(head_dim=HEAD_DIM))
-    KVCacheBuilder.install(model, KVCacheConfig(head_dim=HEAD_DIM, palu_rank=4))  # twice: no nesting
+    KVCacheBuilder.install(model, KVCacheConfig(method="palu", head_dim=HEAD_DIM))
+    KVCacheBuilder.install(model, KVCacheConfig(method="palu", head_dim=HEAD_DIM, palu_rank=4))  # twice: no nesting
     assert isinstance(make_prompt_cache(model)[0], PaluKVCache)
     assert KVCacheBuilder.uninstall(model) is True
     assert KVCacheBuilder.uninstall(model) is False
@@ -167,7 +167,7 @@ def test_uninstall_restores_a_users_own_make_cache():
         return own
 
     model.make_cache = users_factory
-    KVCacheBuilder.install(model, KVCacheConfig(head_dim=HEAD_DIM))
+    KVCacheBuilder.install(model, KVCacheConfig(method="palu", head_dim=HEAD_DIM))
     assert make_prompt_cache(model)[0] is not own[0]
     KVCacheBuilder.uninstall(model)
     assert model.make_cache is users_factory

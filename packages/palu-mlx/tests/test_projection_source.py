@@ -9,6 +9,7 @@ import json
 import pytest
 from cache_snapshots import D, array_bytes, build, kv, snapshot
 from kvspec import KVConfigError, KVDataError, KVShapeError
+from palu_mlx.config import KEYWORDS
 from palu_mlx import CalibratedKVCache, KVCacheConfig, PaluKVCache
 from palu_mlx.projection_source import FitAtPrefill, FromCalibration
 
@@ -63,7 +64,7 @@ def test_the_calibration_source_checks_its_dims_and_arguments():
         CalibratedKVCache.from_state(cache.state, allocation_policy=object())
 
 
-CONFIG_FIELDS = sorted(f.name for f in dataclasses.fields(KVCacheConfig))
+CONFIG_FIELDS = sorted(KEYWORDS)
 
 
 @pytest.mark.parametrize("kind", ["palu-fixed", "palu-exact", "calibrated"])
@@ -72,7 +73,7 @@ def test_a_state_whose_config_lacks_a_field_is_refused_naming_it(kind, dropped):
     cache = build(kind)
     settings, runtime = cache.meta_state
     config = json.loads(settings)
-    assert set(config) == set(CONFIG_FIELDS)  # meta_state names every field
+    assert set(config) == set(CONFIG_FIELDS)  # meta_state names every keyword
     del config[dropped]
-    with pytest.raises(KVDataError, match=rf"meta_state config lacks the fields \['{dropped}'\]"):
+    with pytest.raises(KVDataError, match=rf"meta_state config lacks the keywords \['{dropped}'\]"):
         type(cache).from_state(cache.state, (json.dumps(config), runtime))

@@ -27,6 +27,9 @@ from test_pre_rope_families import COMMON, build_family
 #: a tiny gemma3: a sliding layer of window 16 (heads of 32) beside a full-attention one
 GEMMA = {"head_dim": 32, "query_pre_attn_scalar": 32, "sliding_window": 16, "sliding_window_pattern": 2}
 
+#: the fitted cache's default config: its short windows take the rotation code
+PALU = KVCacheConfig(method="palu")
+
 
 @pytest.mark.parametrize("dim", [64, 128, 96])
 def test_the_rotation_is_orthonormal_and_a_hadamard_matrix_for_powers_of_two(dim):
@@ -61,17 +64,17 @@ def test_the_code_round_trips_within_a_four_bit_error_and_holds_a_row_in_d_half_
 
 def test_short_windows_take_the_rotation_code_long_ones_a_fitted_projection():
     assert not fits_window(FIT_WINDOW_PER_DIM * 64 - 1, 64) and fits_window(FIT_WINDOW_PER_DIM * 64, 64)
-    cfg = window_config(KVCacheConfig(), 128, 0)
+    cfg = window_config(PALU, 128, 0)
     assert (cfg.palu_sink_tokens, cfg.palu_recent_tokens) == (0, 8)
     model = build_family("gemma3_text", COMMON, GEMMA)
-    caches = KVCacheBuilder.for_model(model, KVCacheConfig())
+    caches = KVCacheBuilder.for_model(model, PALU)
     sliding, full = caches[0], caches[1]
     assert type(sliding) is RotatingPaluKVCache and type(sliding.cache) is RotationKVCache
     assert type(full) is PaluKVCache
-    # one rotation for every layer and for keys and values: held once
-    assert (
-        sliding.cache._key_proj is sliding.cache._value_proj is rotation_code(*_heads_dim(model)).projection
-    )
+    # the codes are built from the first update, one rotation for every layer, keys and values
+    model(mx.array([list(range(3, 40))]), cache=caches)
+    shared = rotation_code(*_heads_dim(model)).projection
+    assert sliding.cache._key_proj.basis is sliding.cache._value_proj.basis is shared.basis
 
 
 def _heads_dim(model):
@@ -84,7 +87,7 @@ def _heads_dim(model):
 def test_a_short_window_stays_close_to_mlx_lm_and_saves_and_loads(tmp_path):
     model = build_family("gemma3_text", COMMON, GEMMA)
     prompt = mx.array(list(range(3, 90)))
-    ours, theirs = KVCacheBuilder.for_model(model, KVCacheConfig()), make_prompt_cache(model)
+    ours, theirs = KVCacheBuilder.for_model(model, PALU), make_prompt_cache(model)
     a = model(prompt[None], cache=ours)[0, -1].astype(mx.float32)
     b = model(prompt[None], cache=theirs)[0, -1].astype(mx.float32)
     p, q = mx.softmax(b), (a - mx.logsumexp(a)) - (b - mx.logsumexp(b))
@@ -100,13 +103,13 @@ def test_a_short_window_stays_close_to_mlx_lm_and_saves_and_loads(tmp_path):
 
 def test_the_means_are_fitted_on_the_first_update_and_kept_with_the_state():
     model = build_family("gemma3_text", COMMON, GEMMA)
-    caches = KVCacheBuilder.for_model(model, KVCacheConfig())
+    caches = KVCacheBuilder.for_model(model, PALU)
     inner = caches[0].cache
     shared = rotation_code(*_heads_dim(model)).projection
     bad = mx.zeros((1, 2, 3, 5))  # a head dim the code cannot take
     with pytest.raises(KVShapeError):
         inner.update_and_fetch(bad, bad)
-    assert inner._key_proj is shared and inner.offset == 0  # nothing fitted by a refused update
+    assert inner._key_proj is None and inner.offset == 0  # nothing built by a refused update
     model(mx.array([list(range(3, 40))]), cache=caches)
     assert inner._key_proj.basis is shared.basis  # the rotation stays the shared one
     assert float(mx.abs(inner._key_proj.mean.astype(mx.float32)).max().item()) > 0
@@ -130,8 +133,8 @@ def test_method_rotation_is_checked_where_it_is_given():
     ):
         with pytest.raises(KVConfigError, match=match):
             KVCacheConfig(method="rotation", **bad)
-    with pytest.raises(KVConfigError, match="for_model"):
-        KVCacheBuilder.make_layer_cache(KVCacheConfig(method="rotation"))
+    # without a model the codes are built from the first update
+    assert type(KVCacheBuilder.make_layer_cache(KVCacheConfig(method="rotation"))) is RotationKVCache
 
 
 @pytest.mark.parametrize("bits", [4, 8])

@@ -251,6 +251,6 @@ def test_a_state_without_these_options_is_refused_not_read_with_defaults():
     for name in ("palu_token_scale", "palu_sink_tokens", "palu_recent_tokens"):
         del settings[name]
     with pytest.raises(
-        KVDataError, match="lacks the fields .'palu_recent_tokens', 'palu_sink_tokens', 'palu_token_scale'."
+        KVDataError, match="lacks the keywords .'palu_recent_tokens', 'palu_sink_tokens', 'palu_token_scale'."
     ):
         PaluKVCache.from_state(cache.state, (json.dumps(settings), runtime))

@@ -29,7 +29,6 @@ stored through their own ``state`` / ``from_state`` the way mlx-lm does it.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import os
@@ -111,17 +110,19 @@ class KVCacheBuilder:
         rotary: Rotary | None = None,
         shard: HeadShard | None = None,
     ) -> PaluKVCache | NaiveQuantKVCache:
-        """One layer's cache for ``config`` (``method`` "palu" or "naive"); ``rotary``: pre-RoPE keys;
+        """One layer's cache for ``config``; ``rotary``: pre-RoPE keys;
         ``shard``: this rank's heads under tensor parallel (:mod:`palu_mlx.distributed`)."""
         _check_config(config)
         check_policy(allocation_policy)
         if config.method == "naive":
             return NaiveQuantKVCache(config.naive_bits, config.naive_group_size, config.palu_check_finite)
         if config.method == "rotation":
-            raise KVConfigError(
-                "method='rotation' caches are built per model (its head count sets the rotation): use "
-                "KVCacheBuilder.for_model or install, or palu_mlx.rotation_code.rotation_cache"
-            )
+            if shard is not None:
+                raise KVConfigError(
+                    "method='rotation' under tensor parallel: each rank would rotate its own heads; "
+                    "allowed here: method='palu'"
+                )
+            return rotation_cache(config, None, None, None, rotary)  # built from the first update
         return PaluKVCache(config, allocation_policy, rotary, shard)
 
     @staticmethod
@@ -195,13 +196,9 @@ class KVCacheBuilder:
         defaults = default_caches(model)
         replaceable = (mlx_cache.KVCache, *_OUR_CLASSES)
         if config.method == "rotation":
-            if n_kv is None or head_dim is None:
-                raise KVConfigError(
-                    "method='rotation' needs the model's KV head count and head dim, which its args do not "
-                    "give; allowed here: method='palu'"
-                )
+            # the codes are built from each layer's first update: its heads and dims are the layer's own
             made = [
-                rotation_cache(config, n_kv, head_dim, head_dim, _at(rotaries, i))
+                rotation_cache(config, None, None, None, _at(rotaries, i))
                 if type(c) in replaceable or type(c) is mlx_cache.RotatingKVCache
                 else None
                 for i, c in enumerate(defaults)
@@ -221,7 +218,7 @@ class KVCacheBuilder:
                 else None
                 for i, c in enumerate(defaults)
             ]
-        short = _short_window_code(config, n_kv if shard is None else shard.heads, head_dim)
+        short = _short_window_code(config, head_dim)
         caches = [
             _placed(
                 c, palu, max_kv_size, None if short is None else functools.partial(short, _at(rotaries, i))
@@ -304,8 +301,7 @@ def _layer_configs(model: nn.Module, config: KVCacheConfig, n_layers: int) -> li
     profile.check_model(model)
     coders = profile.allocate(config.coder_bits, config.palu_token_scale)
     return [
-        dataclasses.replace(
-            config,
+        config.replace(
             palu_sensitivity=None,
             palu_bits=coder.bits,
             palu_key_weight=coder.key_weight,
@@ -355,18 +351,19 @@ def _rotaries(model: nn.Module, config: KVCacheConfig, head_dim: int | None) -> 
 
 
 def _short_window_code(
-    config: KVCacheConfig, heads: int | None, head_dim: int | None
+    config: KVCacheConfig, head_dim: int | None
 ) -> Callable[[Rotary | None, int, int], Any] | None:
-    """``(rotary, window, keep) -> cache`` for the windows too short to pay for a fitted projection,
-    and every window of a ``method="rotation"`` config (None when that code cannot be built: the
-    naive method, unknown head counts or dims)."""
-    if config.method not in ("palu", "rotation") or heads is None or head_dim is None:
+    """``(rotary, window, keep) -> cache`` for the windows too short to pay for a fitted projection
+    (a ``method="palu"`` config on a model of known ``head_dim``) and every window of a
+    ``method="rotation"`` config; None for the naive method."""
+    if config.method not in ("palu", "rotation"):
         return None
 
     def make(rotary: Rotary | None, window: int, keep: int) -> Any:
-        if config.method == "palu" and fits_window(window, head_dim):
+        if config.method == "palu" and (head_dim is None or fits_window(window, head_dim)):
             return None
-        return rotation_cache(window_config(config, window, keep), heads, head_dim, head_dim, rotary)
+        # the codes are built from the window's first update: its heads and dims are the layer's own
+        return rotation_cache(window_config(config, window, keep), None, None, None, rotary)
 
     return make
 

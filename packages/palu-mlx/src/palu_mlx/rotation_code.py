@@ -23,15 +23,15 @@ states save and load as calibrated ones do, the means among their arrays.
 from __future__ import annotations
 
 import dataclasses
-import math
 from functools import lru_cache
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from kvspec import KVConfigError, KVDataError
+from kvspec import KVConfigError, KVDataError, KVShapeError
 
 from .calibrated import CalibratedKVCache
+from .coders.rotation import Rotation
 from .coders.fixed import GAUSSIAN_STEP, FixedQuantCoder
 from .config import KVCacheConfig
 from .lowrank import GroupProjection
@@ -148,6 +148,8 @@ class RotationSource(FromCalibration):
     def check_dims(self, h: int, d: int, dv: int, rotary: Rotary | None) -> None:
         if self.key is not None:
             super().check_dims(h, d, dv, rotary)
+        elif rotary is not None and rotary.dims > d:  # codes not built yet: only the RoPE to check
+            raise KVShapeError(f"keys head dim {d} is smaller than the RoPE dims {rotary.dims}")
 
     def saved_arrays(self, projection, coder) -> dict[str, mx.array]:
         return {} if projection is None else super().saved_arrays(projection, coder)
@@ -241,19 +243,26 @@ def rotation_bits(config: KVCacheConfig) -> tuple[int, int]:
     """Bits per rotated channel of keys and of values: ``palu_bits`` of a ``method="rotation"``
     config (a half, 3.5, gives keys 4 and values 3), else :data:`ROTATION_BITS` for both (a palu
     config's bit budget is spent on fitted channels, not these)."""
-    if config.method == "rotation" and config.palu_bits is not None:
-        bits = float(config.palu_bits)
-        return math.ceil(bits), math.floor(bits)
+    if isinstance(config.coder, Rotation):
+        return config.coder.key_bits, config.coder.value_bits
     return ROTATION_BITS, ROTATION_BITS
 
 
 def rotation_cache(
-    config: KVCacheConfig, heads: int, key_dim: int, value_dim: int, rotary: Rotary | None
+    config: KVCacheConfig,
+    heads: int | None,
+    key_dim: int | None,
+    value_dim: int | None,
+    rotary: Rotary | None,
 ) -> RotationKVCache:
     """A layer cache coding with :func:`rotation_code` at :func:`rotation_bits`: ``config`` with its
-    per-token scale on (the steps are relative to it) and its exact tokens as given."""
+    per-token scale on (the steps are relative to it) and its exact tokens as given. ``heads`` or a
+    dim None: the codes are built at the first update from its shape (what a model's own layers
+    give, whatever its args say)."""
     key_bits, value_bits = rotation_bits(config)
-    config = dataclasses.replace(config, palu_token_scale=True, palu_calibration=None)
+    config = config.replace(palu_token_scale=True, palu_calibration=None)
+    if heads is None or key_dim is None or value_dim is None:
+        return RotationKVCache(config, rotary=rotary)
     return RotationKVCache(
         config, rotation_code(heads, key_dim, key_bits), rotation_code(heads, value_dim, value_bits), rotary
     )

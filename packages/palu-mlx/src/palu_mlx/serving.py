@@ -251,21 +251,26 @@ def palu_config(
 
 
 def describe(config: KVCacheConfig) -> str:
-    """One line naming a config's bits, weighing, per-token scales, exact tokens and calibration, for logs."""
-    if config.palu_calibration is not None:
-        how = f"calibrated from {config.palu_calibration}"
+    """One line naming a config's code, bits, weighing, per-token scales, exact tokens and calibration, for logs."""
+    if config.method == "rotation":
+        coder = config.coder
+        bits = f"{coder.key_bits} bits per rotated key channel and {coder.value_bits} per value channel"
+        parts, how = [bits], "a fixed rotation, nothing fitted but each head's mean"
     else:
-        how = "projections fitted per sequence"
-    bits = config.coder_bits
-    parts = [f"{bits:g} code bits per element" if bits is not None else "rank / hi-lo split"]
-    if bits is not None:
-        parts.append(
-            "keys and values weighed by " + ("relative" if config.relative_error else "squared") + " error"
-        )
-    if getattr(config, "palu_token_scale", False):
+        if config.palu_calibration is not None:
+            how = f"calibrated from {config.palu_calibration}"
+        else:
+            how = "projections fitted per sequence"
+        bits = config.coder_bits
+        parts = [f"{bits:g} code bits per element" if bits is not None else "rank / hi-lo split"]
+        if bits is not None:
+            parts.append(
+                "keys and values weighed by " + ("relative" if config.relative_error else "squared") + " error"
+            )
+    if config.palu_token_scale and not config.uses_split:
         parts.append("per-token scales")
-    sink, recent = getattr(config, "palu_sink_tokens", 0), getattr(config, "palu_recent_tokens", 0)
-    if getattr(config, "palu_recent_bits", 16) == 8 and recent:
+    sink, recent = config.palu_sink_tokens, config.palu_recent_tokens
+    if config.palu_recent_bits == 8 and recent:
         parts.append(f"first {sink} tokens exact, newest {recent} in int8")
     elif sink or recent:
         parts.append(f"first {sink} and newest {recent} tokens exact")

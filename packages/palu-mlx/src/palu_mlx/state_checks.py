@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import numbers
 from collections.abc import Mapping
-from dataclasses import fields
 from typing import Any
 
 import mlx.core as mx
@@ -28,7 +27,7 @@ import numpy as np
 from kvspec import KVDataError, KVSpecError
 from mlx.utils import tree_flatten
 
-from .config import KVCacheConfig
+from .config import KEYWORDS, KVCacheConfig
 from .integrity import digest
 from .layer import SUPPORTED_DTYPES, dtype_from_name, dtype_name
 from .mixed_bit import Segment, validate_segments
@@ -156,14 +155,14 @@ def parse_meta_state(meta_state: Any, owner: str) -> tuple[dict[str, Any], dict[
 
 
 def read_config(settings: dict[str, Any], owner: str) -> KVCacheConfig:
-    """The :class:`KVCacheConfig` saved in meta_state; it must name every field (a state written by
-    :attr:`meta_state` does), so a field dropped from it cannot silently take its default."""
+    """The :class:`KVCacheConfig` saved in meta_state; it must name every keyword (a state written by
+    :attr:`meta_state` does), so a keyword dropped from it cannot silently take its default."""
     if isinstance(settings, dict):
-        missing = sorted({f.name for f in fields(KVCacheConfig)} - set(settings))
+        missing = sorted(set(KEYWORDS) - set(settings))
         if missing:
             raise KVDataError(
-                f"{owner}: meta_state config lacks the fields {missing}; a saved state names every "
-                "KVCacheConfig field"
+                f"{owner}: meta_state config lacks the keywords {missing}; a saved state names every "
+                "KVCacheConfig keyword"
             )
     try:
         return KVCacheConfig.from_json(json.dumps(settings))
