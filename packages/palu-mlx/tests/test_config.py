@@ -17,6 +17,8 @@ def test_defaults():
     assert KVCacheConfig(head_dim=64).method == "rotation"
     # a keyword only the fitted cache reads asks for it
     assert KVCacheConfig(palu_bits=2.0).method == KVCacheConfig(palu_rank=8).method == "palu"
+    # ... given a value of its own: a keyword passed at its default asks for nothing
+    assert KVCacheConfig(palu_bits=None, palu_calibration=None, palu_group_size=32).method == "rotation"
     cfg = KVCacheConfig(method="palu", head_dim=128)
     assert (cfg.palu_rank, cfg.palu_energy_threshold, cfg.palu_n_head_groups) == (None, None, None)
     assert (cfg.palu_hi_bit, cfg.palu_lo_bit, cfg.palu_hi_fraction) == (None, None, None)

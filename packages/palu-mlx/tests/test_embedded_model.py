@@ -102,7 +102,7 @@ def test_prompt_longer_than_one_prefill_chunk(embedded, monkeypatch):
     # fitted once per layer and tensor, on the first 128-token chunk; later chunks were projected
     assert fits == [128] * (2 * len(model.layers))
     fits.clear()
-    caches = KVCacheBuilder.for_model(model, KVCacheConfig(head_dim=head_dim))
+    caches = KVCacheBuilder.for_model(model, KVCacheConfig(method="palu", head_dim=head_dim))
     gen = generate_step(mx.array(prompt), model, max_tokens=16, prompt_cache=caches, prefill_step_size=128)
     assert all(mx.all(mx.isfinite(lp)).item() for _, lp in gen)
     assert fits == [128] * (2 * len(model.layers)) and caches[0].offset == len(prompt) + 16

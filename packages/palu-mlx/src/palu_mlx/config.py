@@ -88,8 +88,8 @@ KEYWORDS: dict[str, Any] = {
     "naive_bits": 2,
     "naive_group_size": 64,
 }
-#: keywords only the fitted latent cache reads: naming one (or ``coder=`` a fitted coder) without a
-#: ``method`` asks for ``method="palu"``
+#: keywords only the fitted latent cache reads: one given a value other than its default (or ``coder=``
+#: a fitted coder) without a ``method`` asks for ``method="palu"``
 _FITTED_ONLY = (
     "palu_rank", "palu_energy_threshold", "palu_n_head_groups", "palu_hi_bit", "palu_lo_bit",
     "palu_hi_fraction", "palu_group_size", "palu_quantize_values", "palu_bits", "palu_calibration",
@@ -139,9 +139,9 @@ class KVCacheConfig:
 
     The flat keywords (read back as properties of the same names):
 
-    - ``method``: ``"rotation"``, ``"palu"`` or ``"naive"``; left out, a config naming any keyword
-      only the fitted cache reads (``palu_bits``, ``palu_rank``, ``palu_calibration`` ...) or a fitted
-      ``coder=`` is ``"palu"``, and one naming none is ``"rotation"``.
+    - ``method``: ``"rotation"``, ``"palu"`` or ``"naive"``; left out, a config giving any keyword
+      only the fitted cache reads (``palu_bits``, ``palu_rank``, ``palu_calibration`` ...) a value
+      other than its default, or a fitted ``coder=``, is ``"palu"``, and any other is ``"rotation"``.
     - ``palu_bits``: the rotation code's bits per rotated channel, in halves from 2 to 8 (3.5: keys 4,
       values 3; None: 3.5); the fitted cache's average code bits per element (a number in ``(0, 8]``,
       water-filling; None: :data:`DEFAULT_PALU_BITS` unless the split is asked for).
@@ -206,7 +206,8 @@ class KVCacheConfig:
             _take_coder(coder, given)
         k = SimpleNamespace(**{**KEYWORDS, **given})
         if k.method is None:
-            k.method = "palu" if any(name in given for name in _FITTED_ONLY) else "rotation"
+            named = [name for name in _FITTED_ONLY if given.get(name) not in (None, KEYWORDS[name])]
+            k.method = "palu" if named else "rotation"
         if k.palu_recent_bits is None and k.method in _RECENT_BITS:
             k.palu_recent_bits = _RECENT_BITS[k.method]
         _check(k)
