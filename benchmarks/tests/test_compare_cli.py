@@ -103,8 +103,10 @@ def test_json_has_every_field_as_a_measured_number(run, model_path):
 
 
 def test_flashcodec_compare_refuses_an_attention_suffix_and_names_the_option(capsys):
+    from flashcodec.tiers import RETIRED_ATTENTION_SUFFIX as SUFFIX
+
     main = _main("flashcodec.compare")
-    for argv in (["--tiers", "png-keep1,jpeg-k2-int8-mf"], ["--tiers=kivi64r-k4v4-w64i8-s8-mf"]):
+    for argv in (["--tiers", f"png-keep1,jpeg-k2-int8{SUFFIX}"], [f"--tiers=kivi64r-k4v4-w64i8-s8{SUFFIX}"]):
         assert main([*argv, "--quiet"]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "no longer part of a tier's name" in err[0] and "--attention codes" in err[0]

@@ -10,7 +10,15 @@ from conftest import CODECS, random_walk
 from flashcodec import CodecKVCache, JPEGCodec, PNGCodec, Tier
 from flashcodec.codecs import RotatedKIVICodec
 from flashcodec.kvspec_adapter import FlashCodecAdapter, conformance_tiers
-from flashcodec.tiers import ATTENTIONS, DEFAULT_TIER, TIERS, make_registry, tier, tier_names
+from flashcodec.tiers import (
+    ATTENTIONS,
+    DEFAULT_TIER,
+    RETIRED_ATTENTION_SUFFIX,
+    TIERS,
+    make_registry,
+    tier,
+    tier_names,
+)
 from kvspec import KVConfigError
 
 #: the registry, the default first: (name, the attention it is measured with)
@@ -53,15 +61,15 @@ def test_attention_is_a_field_the_lookup_sets(name, attention):
     assert tier(name) is TIERS[name]  # no attention given: the tier's own
 
 
-@pytest.mark.parametrize("name", ["kivi64r-k4v4-w64i8-s8-mf", "png-keep1-mf", "jpeg-k4-mf"])
-def test_an_mf_name_says_to_choose_the_attention(name):
+@pytest.mark.parametrize("name", ["kivi64r-k4v4-w64i8-s8", "png-keep1", "jpeg-k4"])
+def test_a_name_with_the_retired_attention_suffix_says_to_choose_the_attention(name):
     with pytest.raises(KVConfigError, match=r"no longer part of a tier's name.*attention='codes'"):
-        tier(name)
+        tier(name + RETIRED_ATTENTION_SUFFIX)
 
 
 def test_a_tier_cannot_be_named_with_the_retired_suffix():
     with pytest.raises(KVConfigError, match="attention is no longer part"):
-        Tier("a-mf", "x", PNGCodec())
+        Tier("a" + RETIRED_ATTENTION_SUFFIX, "x", PNGCodec())
 
 
 def test_a_registry_refuses_a_repeated_name_and_a_non_tier():

@@ -176,7 +176,7 @@ def tier_names() -> list[str]:
 def tier(name: str, attention: str | None = None, *, registry: Mapping[str, Tier] | None = None) -> Tier:
     """The tier called ``name`` in ``registry`` (default :data:`TIERS`), with ``attention`` when
     given (one of :data:`ATTENTIONS`; None keeps the tier's own). ``KVConfigError`` (a
-    ``ValueError``) listing the names otherwise; a name with the retired ``-mf`` suffix gets one
+    ``ValueError``) listing the names otherwise; a name with :data:`RETIRED_ATTENTION_SUFFIX` gets one
     saying to choose the attention instead."""
     tiers = TIERS if registry is None else registry
     if isinstance(name, str) and name in tiers:
