@@ -83,7 +83,10 @@ def test_unit_weights_code_as_before():
         ({"palu_rank": 8, "palu_key_weight": 2.0}, "water-filling coder"),
         ({"palu_hi_bit": 4, "palu_sensitivity": "p.json"}, "water-filling coder"),
         ({"palu_sensitivity": "p.json", "palu_calibration": "c.safetensors"}, "allowed: one of them"),
-        ({"palu_key_weight": 2.0, "coder": WaterFilling(2.0, True, 3.0)}, "palu_key_weight=2.0 both choose the coder"),
+        (
+            {"palu_key_weight": 2.0, "coder": WaterFilling(2.0, True, 3.0)},
+            "palu_key_weight=2.0 both choose the coder",
+        ),
     ],
 )
 def test_config_refuses_bad_weights_and_profiles(fields, match):

@@ -54,13 +54,17 @@ def test_for_model_rejects_wrong_head_dim_and_groups(tiny_model):
     with pytest.raises(KVConfigError, match="head_dim=64"):
         KVCacheBuilder.for_model(tiny_model, KVCacheConfig(method="palu", head_dim=64))
     with pytest.raises(KVConfigError, match="palu_n_head_groups=3"):
-        KVCacheBuilder.for_model(tiny_model, KVCacheConfig(method="palu", head_dim=HEAD_DIM, palu_n_head_groups=3))
+        KVCacheBuilder.for_model(
+            tiny_model, KVCacheConfig(method="palu", head_dim=HEAD_DIM, palu_n_head_groups=3)
+        )
 
 
 def test_full_rank_unquantized_reproduces_kvcache_greedy_tokens(tiny_model):
     prompt = list(range(3, 43))  # 40 tokens: the fit happens at the prefill
     baseline = greedy(tiny_model, prompt, 48, [KVCache() for _ in range(2)])
-    caches = KVCacheBuilder.for_model(tiny_model, KVCacheConfig(method="palu", head_dim=HEAD_DIM, **FULL_RANK))
+    caches = KVCacheBuilder.for_model(
+        tiny_model, KVCacheConfig(method="palu", head_dim=HEAD_DIM, **FULL_RANK)
+    )
     assert greedy(tiny_model, prompt, 48, caches) == baseline
     assert all(c.fitted for c in caches)
 
@@ -68,7 +72,9 @@ def test_full_rank_unquantized_reproduces_kvcache_greedy_tokens(tiny_model):
 def test_fit_during_decode_keeps_full_rank_tokens(tiny_model):
     prompt = [5, 9, 11]  # a 3-token prompt: exact until 32 tokens, then fit mid-decode
     baseline = greedy(tiny_model, prompt, 40, [KVCache() for _ in range(2)])
-    caches = KVCacheBuilder.for_model(tiny_model, KVCacheConfig(method="palu", head_dim=HEAD_DIM, **FULL_RANK))
+    caches = KVCacheBuilder.for_model(
+        tiny_model, KVCacheConfig(method="palu", head_dim=HEAD_DIM, **FULL_RANK)
+    )
     assert greedy(tiny_model, prompt, 40, caches) == baseline
     assert caches[0].fitted and caches[0].key_rank == HEAD_DIM
 
@@ -104,7 +110,9 @@ def test_install_make_cache_gives_fresh_palu_caches(tiny_model):
     first, second = make_prompt_cache(model), make_prompt_cache(model)
     assert all(isinstance(c, PaluKVCache) for c in first) and first[0] is not second[0]
     assert factory is model.make_cache
-    KVCacheBuilder.install(model, KVCacheConfig(method="palu", head_dim=HEAD_DIM, palu_rank=4))  # re-install does not nest
+    KVCacheBuilder.install(
+        model, KVCacheConfig(method="palu", head_dim=HEAD_DIM, palu_rank=4)
+    )  # re-install does not nest
     assert make_prompt_cache(model)[0].config.palu_rank == 4
     assert len(greedy(model, list(range(3, 40)), 4, None)) == 4  # generate_step builds its own cache
 

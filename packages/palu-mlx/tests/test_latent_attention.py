@@ -48,7 +48,9 @@ CONFIGS = {
     "sinks-token-scale-2bit": KVCacheConfig(
         head_dim=D, palu_bits=2.0, palu_sink_tokens=3, palu_token_scale=True
     ),
-    "sinks-window-2bit": KVCacheConfig(method="palu", head_dim=D, palu_bits=2.0, palu_sink_tokens=3, palu_recent_tokens=20),
+    "sinks-window-2bit": KVCacheConfig(
+        method="palu", head_dim=D, palu_bits=2.0, palu_sink_tokens=3, palu_recent_tokens=20
+    ),
 }
 
 

@@ -10,8 +10,8 @@ from kvspec import KVConfigError
 from mlx_lm.models import llama
 from mlx_lm.models.cache import KVCache
 from palu_helpers import make_tiny_qwen3
-from palu_mlx.rotation_code import RotationKVCache
 from palu_mlx import KVCacheBuilder, KVCacheConfig, PaluKVCache
+from palu_mlx.rotation_code import RotationKVCache
 from palu_mlx.tiers import tier
 
 #: a SmolLM2-like llama: ``head_dim`` unset in its args (the model takes hidden / heads = 48)

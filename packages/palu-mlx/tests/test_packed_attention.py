@@ -43,7 +43,9 @@ def reference(queries, cache: PaluKVCache, scale, mask):
 CONFIGS = {
     "2bit-per-head": KVCacheConfig(method="palu", head_dim=D, palu_bits=2.0, palu_n_head_groups=4),
     "2bit-two-groups": KVCacheConfig(method="palu", head_dim=D, palu_bits=2.0, palu_n_head_groups=2),
-    "default-tier": KVCacheConfig(method="palu", head_dim=D),  # 2.5 bits, token scale, 4 sinks, 32 newest exact
+    "default-tier": KVCacheConfig(
+        method="palu", head_dim=D
+    ),  # 2.5 bits, token scale, 4 sinks, 32 newest exact
     "3bit-scale-no-window": KVCacheConfig(
         head_dim=D, palu_bits=3.0, palu_token_scale=True, palu_sink_tokens=0, palu_recent_tokens=0
     ),

@@ -77,7 +77,9 @@ def test_cache_codes_keys_before_rope():
     pre = planted_lowrank((1, 4, 96, 32), rank=4, seed=3)
     rotated = rope(pre)
     values = planted_lowrank((1, 4, 96, 32), rank=4, seed=4)
-    config = KVCacheConfig(method="palu", head_dim=32, palu_energy_threshold=0.999, palu_hi_bit=16, palu_lo_bit=16)
+    config = KVCacheConfig(
+        method="palu", head_dim=32, palu_energy_threshold=0.999, palu_hi_bit=16, palu_lo_bit=16
+    )
     post, pre_path = PaluKVCache(config), PaluKVCache(config, rotary=probe_rotary(rope, 32))
     for start in range(0, 96, 32):  # three chunks: fit on the first, project the others
         sl = slice(start, start + 32)
@@ -97,7 +99,9 @@ def test_for_model_gives_every_layer_its_rotary(tiny_model):
     assert all(isinstance(c.rotary, Rotary) for c in caches)
     assert not hasattr(caches[0], "bits")  # mlx-lm would send it to its quantized attention
     assert "pre-RoPE" in repr(caches[0])
-    off = KVCacheBuilder.for_model(tiny_model, KVCacheConfig(method="palu", head_dim=HEAD_DIM, palu_pre_rope=False))
+    off = KVCacheBuilder.for_model(
+        tiny_model, KVCacheConfig(method="palu", head_dim=HEAD_DIM, palu_pre_rope=False)
+    )
     assert all(c.rotary is None for c in off)
 
 
@@ -148,7 +152,9 @@ def test_install_then_uninstall_leaves_the_model_exactly_as_it_was():
     tokens = mx.array([list(range(3, 40))])
     logits = model(tokens)
     KVCacheBuilder.install(model, KVCacheConfig(method="palu", head_dim=HEAD_DIM))
-    KVCacheBuilder.install(model, KVCacheConfig(method="palu", head_dim=HEAD_DIM, palu_rank=4))  # twice: no nesting
+    KVCacheBuilder.install(
+        model, KVCacheConfig(method="palu", head_dim=HEAD_DIM, palu_rank=4)
+    )  # twice: no nesting
     assert isinstance(make_prompt_cache(model)[0], PaluKVCache)
     assert KVCacheBuilder.uninstall(model) is True
     assert KVCacheBuilder.uninstall(model) is False

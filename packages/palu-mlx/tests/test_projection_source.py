@@ -3,14 +3,13 @@ projections, its states keep their own layout, and a state's config must name ev
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
 from cache_snapshots import D, array_bytes, build, kv, snapshot
 from kvspec import KVConfigError, KVDataError, KVShapeError
+from palu_mlx import CalibratedKVCache, PaluKVCache
 from palu_mlx.config import KEYWORDS
-from palu_mlx import CalibratedKVCache, KVCacheConfig, PaluKVCache
 from palu_mlx.projection_source import FitAtPrefill, FromCalibration
 
 

@@ -53,7 +53,9 @@ def test_the_command_writes_the_profile_beside_the_model(embedded_path, tmp_path
     head_dim = profile.model["head_dim"]
     caches = KVCacheBuilder.for_model(model, KVCacheConfig(head_dim=head_dim, palu_sensitivity=str(written)))
     assert len(caches) == len(model.layers)
-    assert sum(c.config.palu_bits for c in caches) == pytest.approx(KVCacheConfig(method="palu").coder_bits * len(caches))
+    assert sum(c.config.palu_bits for c in caches) == pytest.approx(
+        KVCacheConfig(method="palu").coder_bits * len(caches)
+    )
     # --out and --bits
     out = tmp_path / "elsewhere.json"
     assert cli_main(["sensitivity", "--model", str(model_dir), "--out", str(out), "--bits", "3", *FAST]) == 0

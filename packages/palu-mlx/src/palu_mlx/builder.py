@@ -58,6 +58,7 @@ from .rope import Rotary, model_rotaries
 from .rotating import RotatingPaluKVCache
 from .rotation_code import RotationKVCache, fits_window, rotation_cache, window_config
 from .state_checks import STATE_META
+from .tiers import CALIBRATED_SUFFIX, CALIBRATED_TIERS, TIERS, tier
 
 __all__ = [
     "KVCacheBuilder",
@@ -126,13 +127,56 @@ class KVCacheBuilder:
         return PaluKVCache(config, allocation_policy, rotary, shard)
 
     @staticmethod
+    def config_for(
+        model: nn.Module, choice: KVCacheConfig | str | None = None, calibration: str | None = None
+    ) -> KVCacheConfig:
+        """The config ``choice`` means for ``model``: the one rule every entry point (``for_model``,
+        ``install``, ``palu-mlx compare`` / ``generate`` / ``server``, the benchmarks) applies.
+
+        ``choice``: None, ``KVCacheConfig()`` (the default tier, :data:`~palu_mlx.tiers.DEFAULT_TIER`;
+        with ``calibration``, the fitted cache's default calibrated);
+        a tier name (:data:`~palu_mlx.tiers.TIERS`, its ``+cal`` / ``+sens`` twins), sized for the
+        model by :meth:`~palu_mlx.tiers.Tier.sized`; or a :class:`KVCacheConfig`, taking the model's
+        head dim where it leaves it None. ``calibration``: the model's ``palu-mlx calibrate`` file
+        (or sensitivity profile) for a tier that needs one; given to a tier that takes none, the
+        tier's calibrated twin ``<tier>+cal`` runs. Raises ``KVConfigError`` naming what is allowed.
+        """
+        head_dim, _ = model_kv_dims(model)
+        if choice is None:  # the default tier; with a file, the fitted cache's default calibrated
+            choice = KVCacheConfig(palu_calibration=calibration)
+            calibration = None
+        if isinstance(choice, KVCacheConfig):
+            if calibration is not None:
+                choice = choice.replace(palu_calibration=calibration)
+            return choice.for_head_dim(head_dim)
+        if not isinstance(choice, str):
+            raise KVConfigError(
+                f"choice={choice!r} must be None, a tier name or a KVCacheConfig; tiers: {', '.join(TIERS)}"
+            )
+        named = tier(choice)
+        if calibration is not None and named.calibration is None:
+            twin = CALIBRATED_TIERS.get(choice + CALIBRATED_SUFFIX)
+            if twin is None:
+                allowed = ", ".join(name.removesuffix(CALIBRATED_SUFFIX) for name in CALIBRATED_TIERS)
+                raise KVConfigError(
+                    f"tier {choice!r} with --calibration {calibration!r}: the tier has no calibrated twin; "
+                    f"allowed: {allowed}"
+                )
+            named = twin
+        if head_dim is None:
+            raise KVConfigError(f"tier {choice!r}: the model's head dim cannot be read from its args")
+        return named.sized(head_dim, calibration)
+
+    @staticmethod
     def for_model(
         model: nn.Module,
-        config: KVCacheConfig,
+        config: KVCacheConfig | str | None = None,
         allocation_policy: BitAllocationPolicy | None = None,
         max_kv_size: int | None = None,
+        calibration: str | None = None,
     ) -> list[Any]:
-        """One cache per layer of ``model``.
+        """One cache per layer of ``model``, for ``config``: None (the default tier), a tier name or
+        a :class:`KVCacheConfig`, with ``calibration`` where a tier takes one (:meth:`config_for`).
 
         Layers whose default cache is mlx-lm's plain ``KVCache`` get a palu cache; layers whose
         default is a ``RotatingKVCache`` (sliding windows) get a
@@ -150,6 +194,8 @@ class KVCacheBuilder:
         head dim or its KV head count is not divisible by ``palu_n_head_groups`` (the
         default, None, takes one group per KV head and fits every model).
         """
+        check_model(model)
+        config = KVCacheBuilder.config_for(model, config, calibration)
         caches = KVCacheBuilder._build(model, config, allocation_policy, None, max_kv_size)
         route_attention(model)
         return caches
@@ -234,15 +280,18 @@ class KVCacheBuilder:
     @staticmethod
     def install(
         model: nn.Module,
-        config: KVCacheConfig,
+        config: KVCacheConfig | str | None = None,
         allocation_policy: BitAllocationPolicy | None = None,
+        calibration: str | None = None,
     ) -> Callable[[], list[Any]]:
         """Set ``model.make_cache`` to build fresh palu caches on every call; returns that factory.
 
-        Validates ``config`` against the model first (see :meth:`for_model`); the pre-RoPE
-        decision (and its warning) is taken once, here. Nothing but ``make_cache`` changes;
-        :meth:`uninstall` undoes it.
+        ``config`` and ``calibration`` as in :meth:`for_model` (:meth:`config_for`). Validates the
+        config against the model first; the pre-RoPE decision (and its warning) is taken once,
+        here. Nothing but ``make_cache`` changes; :meth:`uninstall` undoes it.
         """
+        check_model(model)
+        config = KVCacheBuilder.config_for(model, config, calibration)
         rotaries = _rotaries(model, config, model_kv_dims(model)[0])
         KVCacheBuilder._build(model, config, allocation_policy, rotaries)
         route_attention(model)

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import gc
 import re
 import sys
@@ -288,7 +287,7 @@ def build_candidates(
                 "tier",
                 entry.description,
                 lambda config=config: KVCacheBuilder.for_model(model, config),
-                dataclasses.asdict(config),
+                config.keywords(),
             )
         )
         twin = (CALIBRATED_TIERS if registry is None else registry).get(name + CALIBRATED_SUFFIX)
@@ -304,7 +303,7 @@ def build_candidates(
                     "tier",
                     twin.with_calibration(calibration).description,
                     lambda cal=cal: KVCacheBuilder.for_model(model, cal),
-                    dataclasses.asdict(cal),
+                    cal.keywords(),
                 )
             )
     absent: list[dict[str, str]] = []

@@ -199,7 +199,9 @@ class KVCacheConfig:
         for name, part, kind in (("fitting", fitting, Fitting), ("exact", exact, ExactTokens),
                                  ("side", side, SideInformation)):  # fmt: skip
             if part is not None and not isinstance(part, kind):
-                raise KVConfigError(f"{name}={part!r} must be None or a palu_mlx.config_parts.{kind.__name__}")
+                raise KVConfigError(
+                    f"{name}={part!r} must be None or a palu_mlx.config_parts.{kind.__name__}"
+                )
             for key, value in _part_keywords(part).items():
                 given.setdefault(key, value)
         if coder is not None:
@@ -219,9 +221,13 @@ class KVCacheConfig:
             Fitting(k.palu_rank, k.palu_energy_threshold, k.palu_n_head_groups, k.palu_min_fit_tokens,
                     k.palu_calibration, k.palu_sensitivity),
         )  # fmt: skip
-        object.__setattr__(self, "exact", ExactTokens(k.palu_sink_tokens, k.palu_recent_tokens, k.palu_recent_bits))
         object.__setattr__(
-            self, "side", SideInformation(k.palu_group_size, k.palu_basis_bits, k.palu_scale_bits, k.palu_fill_rows)
+            self, "exact", ExactTokens(k.palu_sink_tokens, k.palu_recent_tokens, k.palu_recent_bits)
+        )
+        object.__setattr__(
+            self,
+            "side",
+            SideInformation(k.palu_group_size, k.palu_basis_bits, k.palu_scale_bits, k.palu_fill_rows),
         )
         object.__setattr__(self, "quantize_values", k.palu_quantize_values)
         object.__setattr__(self, "pre_rope", k.palu_pre_rope)
@@ -246,7 +252,9 @@ class KVCacheConfig:
         return KVCacheConfig(**{**self.keywords(), **changes})
 
     palu_rank = property(lambda self: self.fitting.rank, doc="Fitting.rank")
-    palu_energy_threshold = property(lambda self: self.fitting.energy_threshold, doc="Fitting.energy_threshold")
+    palu_energy_threshold = property(
+        lambda self: self.fitting.energy_threshold, doc="Fitting.energy_threshold"
+    )
     palu_n_head_groups = property(lambda self: self.fitting.n_head_groups, doc="Fitting.n_head_groups")
     palu_min_fit_tokens = property(lambda self: self.fitting.min_fit_tokens, doc="Fitting.min_fit_tokens")
     palu_calibration = property(lambda self: self.fitting.calibration, doc="Fitting.calibration")
@@ -272,7 +280,9 @@ class KVCacheConfig:
 
     palu_token_scale = property(lambda self: self._water("token_scale", True), doc="WaterFilling.token_scale")
     palu_key_weight = property(lambda self: self._water("key_weight", 1.0), doc="WaterFilling.key_weight")
-    palu_value_weight = property(lambda self: self._water("value_weight", 1.0), doc="WaterFilling.value_weight")
+    palu_value_weight = property(
+        lambda self: self._water("value_weight", 1.0), doc="WaterFilling.value_weight"
+    )
     palu_relative_error = property(lambda self: self._water("relative", None), doc="WaterFilling.relative")
 
     def _split_field(self, name: str) -> Any:
@@ -286,7 +296,9 @@ class KVCacheConfig:
         doc="NaiveQuant.bits",
     )
     naive_group_size = property(
-        lambda self: self.coder.group_size if isinstance(self.coder, NaiveQuant) else KEYWORDS["naive_group_size"],
+        lambda self: (
+            self.coder.group_size if isinstance(self.coder, NaiveQuant) else KEYWORDS["naive_group_size"]
+        ),
         doc="NaiveQuant.group_size",
     )
 
@@ -302,7 +314,9 @@ class KVCacheConfig:
         if not isinstance(coder, WaterFilling):
             return coder
         relative = coder.relative
-        if relative is None and (self.fitting.calibration is not None or self.fitting.sensitivity is not None):
+        if relative is None and (
+            self.fitting.calibration is not None or self.fitting.sensitivity is not None
+        ):
             relative = False
         resolved = dataclasses.replace(coder, relative=relative)
         return dataclasses.replace(resolved, relative=resolved.relative_error)
@@ -402,7 +416,17 @@ class KVCacheConfig:
 
 
 #: the dataclass fields (the objects), besides ``method``, that the constructor takes by name
-_FIELDS = ("method", "head_dim", "coder", "fitting", "exact", "side", "quantize_values", "pre_rope", "check_finite")
+_FIELDS = (
+    "method",
+    "head_dim",
+    "coder",
+    "fitting",
+    "exact",
+    "side",
+    "quantize_values",
+    "pre_rope",
+    "check_finite",
+)
 
 
 def _part_keywords(part: Any) -> dict[str, Any]:
@@ -417,7 +441,11 @@ def _part_keywords(part: Any) -> dict[str, Any]:
             "palu_sensitivity": part.sensitivity,
         }
     if isinstance(part, ExactTokens):
-        return {"palu_sink_tokens": part.sink, "palu_recent_tokens": part.recent, "palu_recent_bits": part.recent_bits}
+        return {
+            "palu_sink_tokens": part.sink,
+            "palu_recent_tokens": part.recent,
+            "palu_recent_bits": part.recent_bits,
+        }
     if isinstance(part, SideInformation):
         return {
             "palu_group_size": part.group_size,
@@ -441,7 +469,11 @@ def _take_coder(coder: Any, given: dict[str, Any]) -> None:
         }
     elif isinstance(coder, HiLoSplit):
         method = "palu"
-        owned = {"palu_hi_bit": coder.hi_bit, "palu_lo_bit": coder.lo_bit, "palu_hi_fraction": coder.hi_fraction}
+        owned = {
+            "palu_hi_bit": coder.hi_bit,
+            "palu_lo_bit": coder.lo_bit,
+            "palu_hi_fraction": coder.hi_fraction,
+        }
     elif isinstance(coder, Rotation):
         method, owned = "rotation", {"palu_bits": coder.bits}
     elif isinstance(coder, NaiveQuant):
@@ -487,7 +519,9 @@ def _coder_of(k: SimpleNamespace) -> Rotation | WaterFilling | HiLoSplit | Naive
               for n in ("palu_hi_bit", "palu_lo_bit", "palu_hi_fraction"))
         )  # fmt: skip
     bits = DEFAULT_PALU_BITS if k.palu_bits is None else k.palu_bits
-    return WaterFilling(bits, k.palu_token_scale, k.palu_key_weight, k.palu_value_weight, k.palu_relative_error)
+    return WaterFilling(
+        bits, k.palu_token_scale, k.palu_key_weight, k.palu_value_weight, k.palu_relative_error
+    )
 
 
 def _check(k: SimpleNamespace) -> None:
@@ -499,9 +533,7 @@ def _check(k: SimpleNamespace) -> None:
             f"head_dim={k.head_dim!r} must be a positive integer (the model's head dim) or None"
         )
     if k.palu_rank is not None and (
-        not _is_int(k.palu_rank)
-        or k.palu_rank < 1
-        or (k.head_dim is not None and k.palu_rank > k.head_dim)
+        not _is_int(k.palu_rank) or k.palu_rank < 1 or (k.head_dim is not None and k.palu_rank > k.head_dim)
     ):
         raise KVConfigError(
             f"palu_rank={k.palu_rank!r} must be None or an integer in [1, head_dim={k.head_dim}]"
@@ -509,9 +541,7 @@ def _check(k: SimpleNamespace) -> None:
     t = k.palu_energy_threshold
     if t is not None and (not _is_real(t) or not math.isfinite(t) or not 0.0 < t <= 1.0):
         raise KVConfigError(f"palu_energy_threshold={t!r} must be None or a number in (0, 1]")
-    if k.palu_n_head_groups is not None and (
-        not _is_int(k.palu_n_head_groups) or k.palu_n_head_groups < 1
-    ):
+    if k.palu_n_head_groups is not None and (not _is_int(k.palu_n_head_groups) or k.palu_n_head_groups < 1):
         raise KVConfigError(
             f"palu_n_head_groups={k.palu_n_head_groups!r} must be None (one group per KV head) "
             "or a positive integer (the number of head groups; the layer's KV head count must be "
@@ -535,15 +565,11 @@ def _check(k: SimpleNamespace) -> None:
         raise KVConfigError(f"palu_bits={b!r} must be None or a number in (0, 8] (code bits per element)")
     if isinstance(k.palu_calibration, os.PathLike):
         k.palu_calibration = os.fspath(k.palu_calibration)
-    if k.palu_calibration is not None and (
-        not isinstance(k.palu_calibration, str) or not k.palu_calibration
-    ):
+    if k.palu_calibration is not None and (not isinstance(k.palu_calibration, str) or not k.palu_calibration):
         raise KVConfigError(f"palu_calibration={k.palu_calibration!r} must be None or a file path")
     if isinstance(k.palu_sensitivity, os.PathLike):
         k.palu_sensitivity = os.fspath(k.palu_sensitivity)
-    if k.palu_sensitivity is not None and (
-        not isinstance(k.palu_sensitivity, str) or not k.palu_sensitivity
-    ):
+    if k.palu_sensitivity is not None and (not isinstance(k.palu_sensitivity, str) or not k.palu_sensitivity):
         raise KVConfigError(
             f"palu_sensitivity={k.palu_sensitivity!r} must be None or a file path (a sensitivity profile)"
         )
@@ -562,8 +588,7 @@ def _check(k: SimpleNamespace) -> None:
         not _is_int(k.palu_min_fit_tokens) or k.palu_min_fit_tokens < 1
     ):
         raise KVConfigError(
-            f"palu_min_fit_tokens={k.palu_min_fit_tokens!r} must be None (= head_dim) "
-            "or a positive integer"
+            f"palu_min_fit_tokens={k.palu_min_fit_tokens!r} must be None (= head_dim) or a positive integer"
         )
     if not isinstance(k.palu_check_finite, bool):
         raise KVConfigError(f"palu_check_finite={k.palu_check_finite!r} must be True or False")
@@ -606,9 +631,7 @@ def _check(k: SimpleNamespace) -> None:
         )
     if k.naive_group_size not in (32, 64, 128) or not _is_int(k.naive_group_size):
         raise KVConfigError(f"naive_group_size={k.naive_group_size!r} must be 32, 64 or 128")
-    weighted = (k.palu_key_weight, k.palu_value_weight) != (1.0, 1.0) or bool(
-        k.palu_relative_error
-    )
+    weighted = (k.palu_key_weight, k.palu_value_weight) != (1.0, 1.0) or bool(k.palu_relative_error)
     if (weighted or k.palu_sensitivity is not None) and _chooses_split(k):
         raise KVConfigError(
             "palu_sensitivity, palu_relative_error and the palu_key_weight / palu_value_weight water-filling "

@@ -31,8 +31,8 @@ import numpy as np
 from kvspec import KVConfigError, KVDataError, KVShapeError
 
 from .calibrated import CalibratedKVCache
-from .coders.rotation import Rotation
 from .coders.fixed import GAUSSIAN_STEP, FixedQuantCoder
+from .coders.rotation import Rotation
 from .config import KVCacheConfig
 from .lowrank import GroupProjection
 from .mixed_bit import BitAllocationPolicy

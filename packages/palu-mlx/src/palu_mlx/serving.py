@@ -22,9 +22,9 @@ from typing import Any
 
 from kvspec import KVConfigError
 
-from .builder import model_kv_dims
-from .config import DEFAULT_PALU_BITS, KVCacheConfig
-from .tiers import CALIBRATED_SUFFIX, CALIBRATED_TIERS, TIERS
+from .builder import KVCacheBuilder
+from .config import KVCacheConfig
+from .tiers import DEFAULT_TIER, TIERS
 
 __all__ = [
     "ModelNameError",
@@ -131,7 +131,8 @@ def add_palu_arguments(parser: argparse.ArgumentParser, kv_users: bool = False) 
         type=_bits,
         default=None,
         metavar="BITS",
-        help=f"code bits per K/V element, by water-filling (default: palu's default, {DEFAULT_PALU_BITS})",
+        help="code bits per K/V element of the fitted latent cache, by water-filling (default: the "
+        f"default tier, {DEFAULT_TIER})",
     )
     choice.add_argument(
         "--palu-tier",
@@ -207,11 +208,10 @@ def palu_config(
     (default 1) sequences of ``--kv-context`` tokens (default: the model's max position embeddings,
     else 4096) in that memory; ``report`` (if given) gets its one-line summary.
 
-    A tier is the registry's, sized for the model by :meth:`~palu_mlx.tiers.Tier.for_head_dim`
-    (as ``palu-mlx compare`` runs it); with ``--calibration`` its calibrated twin ``<tier>+cal``.
-    Otherwise ``KVCacheConfig(palu_bits=...)`` with the model's head dim (one projection per KV
-    head). Raises ``KVConfigError`` for an unknown tier, a tier with no calibrated twin given a
-    calibration, or a calibration that is not a file.
+    Otherwise ``--palu-tier`` (or ``KVCacheConfig(palu_bits=...)`` for ``--palu-bits``, or the
+    default tier) with ``--calibration``, as :meth:`KVCacheBuilder.config_for` reads them, the rule
+    ``palu-mlx compare`` and the Python API share. Raises ``KVConfigError`` for an unknown tier, a
+    tier with no calibrated twin given a calibration, or a calibration that is not a file.
     """
     check_palu_arguments(args)
     memory = getattr(args, "kv_memory", None)
@@ -223,31 +223,19 @@ def palu_config(
         if report is not None:
             report(made.summary())
         return made.config
-    head_dim, _ = model_kv_dims(model)
     tier_name = getattr(args, "palu_tier", None)
     calibration = getattr(args, "calibration", None)
     if calibration is not None and not os.path.isfile(calibration):
         raise KVConfigError(
             f"--calibration {calibration!r} is not a file; make one with `palu-mlx calibrate`"
         )
-    if tier_name is None:
-        config = KVCacheConfig(palu_bits=getattr(args, "palu_bits", None), palu_calibration=calibration)
-        return config.for_head_dim(head_dim)
-    if tier_name not in TIERS:
+    if tier_name is not None and tier_name not in TIERS:
         raise KVConfigError(f"--palu-tier {tier_name!r} is not a palu tier; allowed: {', '.join(TIERS)}")
-    chosen = TIERS[tier_name]
-    if calibration is not None:
-        twin = CALIBRATED_TIERS.get(tier_name + CALIBRATED_SUFFIX)
-        if twin is None:
-            allowed = ", ".join(name.removesuffix(CALIBRATED_SUFFIX) for name in CALIBRATED_TIERS)
-            raise KVConfigError(
-                f"--palu-tier {tier_name!r} with --calibration: the tier has no calibrated twin; "
-                f"allowed: {allowed}"
-            )
-        chosen = twin.with_calibration(calibration)
-    if head_dim is None:
-        raise KVConfigError(f"--palu-tier {tier_name!r}: the model's head dim cannot be read from its args")
-    return chosen.for_head_dim(head_dim)
+    bits = getattr(args, "palu_bits", None)
+    choice = (
+        tier_name if tier_name is not None else KVCacheConfig(palu_bits=bits) if bits is not None else None
+    )
+    return KVCacheBuilder.config_for(model, choice, calibration)
 
 
 def describe(config: KVCacheConfig) -> str:
@@ -265,7 +253,9 @@ def describe(config: KVCacheConfig) -> str:
         parts = [f"{bits:g} code bits per element" if bits is not None else "rank / hi-lo split"]
         if bits is not None:
             parts.append(
-                "keys and values weighed by " + ("relative" if config.relative_error else "squared") + " error"
+                "keys and values weighed by "
+                + ("relative" if config.relative_error else "squared")
+                + " error"
             )
     if config.palu_token_scale and not config.uses_split:
         parts.append("per-token scales")
