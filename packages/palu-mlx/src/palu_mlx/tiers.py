@@ -142,7 +142,7 @@ class Tier:
         rank = config.palu_rank
         if rank is not None:
             rank = head_dim if self.full_rank else min(rank, head_dim)
-        return dataclasses.replace(config, palu_rank=rank).for_head_dim(head_dim)
+        return config.replace(palu_rank=rank).for_head_dim(head_dim)
 
     def sized(self, head_dim: int, calibration: str | None = None) -> KVCacheConfig:
         """The config this tier runs as on a model whose key head dim is ``head_dim``, bound to
@@ -179,13 +179,13 @@ class Tier:
             return dataclasses.replace(
                 self,
                 description=f"{description}; bits per layer from the sensitivity profile {Path(path).name}",
-                config=dataclasses.replace(self.config, palu_sensitivity=path),
+                config=self.config.replace(palu_sensitivity=path),
             )
         description = self.description.removesuffix(_UNBOUND_NOTE)
         return dataclasses.replace(
             self,
             description=f"{description}; calibrated ({Path(path).name}): fixed projections and quantizers",
-            config=dataclasses.replace(self.config, palu_calibration=path),
+            config=self.config.replace(palu_calibration=path),
         )
 
 
