@@ -39,7 +39,6 @@ not in the bytes held, as weights are not. ``+sens`` tiers read the model's sens
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import json
 import sys
@@ -115,7 +114,7 @@ def candidates(
         config = tier_config(name, head_dim, profile)
         out[name] = lambda config=config: KVCacheBuilder.for_model(model, config)
         if calibration is not None:
-            cal = dataclasses.replace(config, palu_calibration=calibration)
+            cal = config.replace(palu_calibration=calibration)
             out[f"{name}+cal"] = lambda cal=cal: KVCacheBuilder.for_model(model, cal)
     return out
 
