@@ -51,6 +51,7 @@ from .calibration.file import Calibration
 from .config import KVCacheConfig
 from .distributed import HeadShard, head_shard
 from .integrity import CHECKSUM_KEY, digest
+from .json_text import parse_json_text
 from .layer import register_cache_classes
 from .mixed_bit import BitAllocationPolicy, check_policy
 from .models import check_model, default_caches, model_kv_dims, original_make_cache
@@ -591,15 +592,7 @@ def load_prompt_cache(file_name: str, return_metadata: bool = False) -> Any:
 
 
 def _parse_json(file_name: str, meta: dict[str, str], field: str, kind: type) -> Any:
-    try:
-        value = json.loads(meta[field])
-    except json.JSONDecodeError as exc:
-        raise KVDataError(f"{file_name}: metadata {field!r} is not valid JSON ({exc})") from None
-    if not isinstance(value, kind):
-        raise KVDataError(
-            f"{file_name}: metadata {field!r} must be a JSON {kind.__name__}; got {type(value).__name__}"
-        )
-    return value
+    return parse_json_text(meta[field], kind, f"{file_name}: metadata {field!r}", KVDataError)
 
 
 def _load_layer(file_name: str, i: int, entry: Any, state: dict[str, mx.array]) -> Any:

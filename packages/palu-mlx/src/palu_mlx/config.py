@@ -30,6 +30,7 @@ from .coders.naive import NaiveQuant
 from .coders.rotation import DEFAULT_ROTATION_BITS, ROTATION_BITS_ALLOWED, Rotation
 from .coders.water_filling import DEFAULT_PALU_BITS, WaterFilling, is_weight
 from .config_parts import DEFAULT_RECENT_TOKENS, DEFAULT_SINK_TOKENS, ExactTokens, Fitting, SideInformation
+from .json_text import parse_json_text
 from .mixed_bit import PACKABLE_BITS, UNQUANTIZED_BITS
 
 __all__ = [
@@ -111,6 +112,16 @@ def _is_int(value: Any) -> bool:
 
 def _is_real(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _or_reference_split(keyword: str) -> property:
+    """A read-only property: the flat ``keyword``, or its :data:`REFERENCE_SPLIT` value when unset."""
+
+    def read(config: KVCacheConfig) -> float:
+        value = getattr(config, keyword)
+        return REFERENCE_SPLIT[keyword] if value is None else value
+
+    return property(read, doc=f"``{keyword}``, or the reference's {REFERENCE_SPLIT[keyword]} when unset.")
 
 
 @dataclass(frozen=True, init=False)
@@ -202,7 +213,7 @@ class KVCacheConfig:
                 raise KVConfigError(
                     f"{name}={part!r} must be None or a palu_mlx.config_parts.{kind.__name__}"
                 )
-            for key, value in _part_keywords(part).items():
+            for key, value in _keywords_of(part).items():
                 given.setdefault(key, value)
         if coder is not None:
             _take_coder(coder, given)
@@ -339,29 +350,10 @@ class KVCacheConfig:
         hi/lo split and the naive baseline."""
         return self.palu_bits
 
-    def _split(self, name: str) -> float:
-        value = getattr(self, name)
-        return REFERENCE_SPLIT[name] if value is None else value
-
-    @property
-    def energy_threshold(self) -> float:
-        """``palu_energy_threshold``, or the reference's 0.90 when unset."""
-        return self._split("palu_energy_threshold")
-
-    @property
-    def hi_bit(self) -> int:
-        """``palu_hi_bit``, or the reference's 4 when unset."""
-        return self._split("palu_hi_bit")
-
-    @property
-    def lo_bit(self) -> int:
-        """``palu_lo_bit``, or the reference's 2 when unset."""
-        return self._split("palu_lo_bit")
-
-    @property
-    def hi_fraction(self) -> float:
-        """``palu_hi_fraction``, or the reference's 0.25 when unset."""
-        return self._split("palu_hi_fraction")
+    energy_threshold = _or_reference_split("palu_energy_threshold")
+    hi_bit = _or_reference_split("palu_hi_bit")
+    lo_bit = _or_reference_split("palu_lo_bit")
+    hi_fraction = _or_reference_split("palu_hi_fraction")
 
     def for_head_dim(self, head_dim: int | None) -> KVCacheConfig:
         """This config for a model whose key head dim is ``head_dim`` (None: unknown).
@@ -401,14 +393,7 @@ class KVCacheConfig:
     @classmethod
     def from_json(cls, text: str) -> KVCacheConfig:
         """Inverse of :meth:`to_json`; unknown keys, invalid JSON or values raise ``KVConfigError``."""
-        if not isinstance(text, str):
-            raise KVConfigError(f"KVCacheConfig.from_json needs a JSON string; got {type(text).__name__}")
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise KVConfigError(f"KVCacheConfig.from_json: the text is not valid JSON ({exc})") from None
-        if not isinstance(data, dict):
-            raise KVConfigError(f"KVCacheConfig.from_json needs a JSON object; got {type(data).__name__}")
+        data = parse_json_text(text, dict, "KVCacheConfig.from_json's text", KVConfigError)
         unknown = sorted(set(data) - set(KEYWORDS))
         if unknown:
             raise KVConfigError(f"unknown KVCacheConfig keywords {unknown}; known: {sorted(KEYWORDS)}")
@@ -429,59 +414,64 @@ _FIELDS = (
 )
 
 
-def _part_keywords(part: Any) -> dict[str, Any]:
-    """The flat keywords a :class:`Fitting`, :class:`ExactTokens` or :class:`SideInformation` says."""
-    if isinstance(part, Fitting):
-        return {
-            "palu_rank": part.rank,
-            "palu_energy_threshold": part.energy_threshold,
-            "palu_n_head_groups": part.n_head_groups,
-            "palu_min_fit_tokens": part.min_fit_tokens,
-            "palu_calibration": part.calibration,
-            "palu_sensitivity": part.sensitivity,
-        }
-    if isinstance(part, ExactTokens):
-        return {
-            "palu_sink_tokens": part.sink,
-            "palu_recent_tokens": part.recent,
-            "palu_recent_bits": part.recent_bits,
-        }
-    if isinstance(part, SideInformation):
-        return {
-            "palu_group_size": part.group_size,
-            "palu_basis_bits": part.basis_bits,
-            "palu_scale_bits": part.scale_bits,
-            "palu_fill_rows": part.fill_rows,
-        }
+#: per part object and coder, each flat keyword it holds and the attribute that holds it
+_KEYWORD_ATTRIBUTES: dict[type, dict[str, str]] = {
+    Fitting: {
+        "palu_rank": "rank",
+        "palu_energy_threshold": "energy_threshold",
+        "palu_n_head_groups": "n_head_groups",
+        "palu_min_fit_tokens": "min_fit_tokens",
+        "palu_calibration": "calibration",
+        "palu_sensitivity": "sensitivity",
+    },
+    ExactTokens: {
+        "palu_sink_tokens": "sink",
+        "palu_recent_tokens": "recent",
+        "palu_recent_bits": "recent_bits",
+    },
+    SideInformation: {
+        "palu_group_size": "group_size",
+        "palu_basis_bits": "basis_bits",
+        "palu_scale_bits": "scale_bits",
+        "palu_fill_rows": "fill_rows",
+    },
+    WaterFilling: {
+        "palu_bits": "bits",
+        "palu_token_scale": "token_scale",
+        "palu_key_weight": "key_weight",
+        "palu_value_weight": "value_weight",
+        "palu_relative_error": "relative",
+    },
+    HiLoSplit: {"palu_hi_bit": "hi_bit", "palu_lo_bit": "lo_bit", "palu_hi_fraction": "hi_fraction"},
+    Rotation: {"palu_bits": "bits"},
+    NaiveQuant: {"naive_bits": "bits", "naive_group_size": "group_size"},
+}
+#: the method each coder is
+_CODER_METHODS: dict[type, str] = {
+    WaterFilling: "palu",
+    HiLoSplit: "palu",
+    Rotation: "rotation",
+    NaiveQuant: "naive",
+}
+
+
+def _keywords_of(part: Any) -> dict[str, Any]:
+    """The flat keywords a part (:class:`Fitting`, :class:`ExactTokens`, :class:`SideInformation`)
+    or a coder says; none for anything else (None)."""
+    for kind, attributes in _KEYWORD_ATTRIBUTES.items():
+        if isinstance(part, kind):
+            return {keyword: getattr(part, attribute) for keyword, attribute in attributes.items()}
     return {}
 
 
 def _take_coder(coder: Any, given: dict[str, Any]) -> None:
     """Write ``coder``'s keywords into ``given``: each keyword it owns must be unset or agree."""
-    if isinstance(coder, WaterFilling):
-        method = "palu"
-        owned = {
-            "palu_bits": coder.bits,
-            "palu_token_scale": coder.token_scale,
-            "palu_key_weight": coder.key_weight,
-            "palu_value_weight": coder.value_weight,
-            "palu_relative_error": coder.relative,
-        }
-    elif isinstance(coder, HiLoSplit):
-        method = "palu"
-        owned = {
-            "palu_hi_bit": coder.hi_bit,
-            "palu_lo_bit": coder.lo_bit,
-            "palu_hi_fraction": coder.hi_fraction,
-        }
-    elif isinstance(coder, Rotation):
-        method, owned = "rotation", {"palu_bits": coder.bits}
-    elif isinstance(coder, NaiveQuant):
-        method, owned = "naive", {"naive_bits": coder.bits, "naive_group_size": coder.group_size}
-    else:
+    method = next((method for kind, method in _CODER_METHODS.items() if isinstance(coder, kind)), None)
+    if method is None:
         raise KVConfigError(
             f"coder={coder!r} must be None or one of palu_mlx.coders.Rotation, WaterFilling, HiLoSplit, NaiveQuant"
         )
+    owned = _keywords_of(coder)
     if given.get("method", method) != method:
         raise KVConfigError(f"coder={coder!r} is method={method!r}; got method={given['method']!r}")
     # the energy threshold is the fitting's: it chooses the split only when no coder is given

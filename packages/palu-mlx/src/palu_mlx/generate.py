@@ -38,6 +38,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from .json_text import parse_json_text
+
 __all__ = ["generate_main"]
 
 _PALU_FORMAT = "palu-mlx.prompt-cache.v1"
@@ -62,16 +64,7 @@ def _conversation_digest(metadata: dict[str, Any]) -> str:
 
 
 def _json_field(metadata: dict[str, Any], key: str, default: str, kind: type, what: str) -> Any:
-    text = metadata.get(key, default)
-    if not isinstance(text, str):
-        raise _BadFile(f"metadata {key!r} must be a JSON text ({what}); got {type(text).__name__}")
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise _BadFile(f"metadata {key!r} is not valid JSON ({exc}); it must be {what}") from None
-    if not isinstance(value, kind):
-        raise _BadFile(f"metadata {key!r} must be {what}; got {type(value).__name__}")
-    return value
+    return parse_json_text(metadata.get(key, default), kind, f"metadata {key!r}", _BadFile, what)
 
 
 def _read_conversation(

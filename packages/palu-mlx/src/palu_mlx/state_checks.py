@@ -29,6 +29,7 @@ from mlx.utils import tree_flatten
 
 from .config import KEYWORDS, KVCacheConfig
 from .integrity import digest
+from .json_text import parse_json_text
 from .layer import SUPPORTED_DTYPES, dtype_from_name, dtype_name
 from .mixed_bit import Segment, validate_segments
 
@@ -137,20 +138,7 @@ def parse_meta_state(meta_state: Any, owner: str) -> tuple[dict[str, Any], dict[
         )
     out = []
     for i, what in enumerate(("settings", "runtime")):
-        text = meta_state[i]
-        if not isinstance(text, str):
-            raise KVDataError(
-                f"{owner}: meta_state[{i}] ({what}) must be a JSON string; got {type(text).__name__}"
-            )
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise KVDataError(f"{owner}: meta_state[{i}] ({what}) is not valid JSON: {exc}") from None
-        if not isinstance(value, dict):
-            raise KVDataError(
-                f"{owner}: meta_state[{i}] ({what}) must be a JSON object; got {type(value).__name__}"
-            )
-        out.append(value)
+        out.append(parse_json_text(meta_state[i], dict, f"{owner}: meta_state[{i}] ({what})", KVDataError))
     return out[0], out[1]
 
 
