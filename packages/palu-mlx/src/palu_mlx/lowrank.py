@@ -16,7 +16,7 @@ at 16 bits and is upcast when used).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import mlx.core as mx
 import numpy as np
@@ -73,8 +73,27 @@ def check_projection_arrays(
         raise shape_error(f"{owner}: decoder must have the basis' shape {basis.shape}; got {decoder.shape}")
 
 
+class _GroupBasisSizes:
+    """``n_groups`` (G), ``dim`` (D) and ``rank`` (r) of a projection whose basis is held as a
+    ``[G, D, r]`` array: the field ``_basis_field`` names (a packed basis is held as codes)."""
+
+    _basis_field: ClassVar[str]
+
+    @property
+    def n_groups(self) -> int:
+        return getattr(self, self._basis_field).shape[0]
+
+    @property
+    def dim(self) -> int:
+        return getattr(self, self._basis_field).shape[1]
+
+    @property
+    def rank(self) -> int:
+        return getattr(self, self._basis_field).shape[2]
+
+
 @dataclass(frozen=True)
-class GroupProjection:
+class GroupProjection(_GroupBasisSizes):
     """Shared per-group projections of one tensor (keys or values) of one layer.
 
     Attributes:
@@ -91,21 +110,10 @@ class GroupProjection:
     mean: mx.array
     singular_values: mx.array
     decoder: mx.array | None = None
+    _basis_field = "basis"
 
     def __post_init__(self) -> None:
         check_projection_arrays("GroupProjection", self.arrays(), scale="singular_values", heads="G")
-
-    @property
-    def n_groups(self) -> int:
-        return self.basis.shape[0]
-
-    @property
-    def dim(self) -> int:
-        return self.basis.shape[1]
-
-    @property
-    def rank(self) -> int:
-        return self.basis.shape[2]
 
     def astype(self, dtype: mx.Dtype) -> GroupProjection:
         """The same projection stored in ``dtype`` (math stays float32: arrays are upcast at use)."""
@@ -150,7 +158,7 @@ BASIS_BITS: tuple[int, ...] = (16, 8)
 
 
 @dataclass(frozen=True)
-class PackedProjection:
+class PackedProjection(_GroupBasisSizes):
     """A :class:`GroupProjection` whose basis is held as int8 codes with one scale per column.
 
     A per-sequence basis of full rank is ``G x D x r`` 16-bit numbers per tensor and layer, whatever
@@ -171,6 +179,7 @@ class PackedProjection:
     codes: mx.array
     column_scales: mx.array
     mean: mx.array
+    _basis_field = "codes"
 
     def __post_init__(self) -> None:
         codes = self.codes
@@ -214,18 +223,6 @@ class PackedProjection:
         """The :class:`GroupProjection` these codes stand for (float32 basis; built at each use, not held)."""
         basis = self.codes.astype(mx.float32) * self.column_scales.astype(mx.float32)[:, None, :]
         return GroupProjection(basis=basis, mean=self.mean, singular_values=self.column_scales)
-
-    @property
-    def n_groups(self) -> int:
-        return self.codes.shape[0]
-
-    @property
-    def dim(self) -> int:
-        return self.codes.shape[1]
-
-    @property
-    def rank(self) -> int:
-        return self.codes.shape[2]
 
     #: no separate decoder: the unpacked basis rebuilds
     decoder = None
