@@ -49,7 +49,6 @@ q4's (``vs_q4``).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import hashlib
 import json
 import sys
@@ -151,17 +150,17 @@ def candidates(
         config = tier_config(tier, head_dim)
         out[tier] = (
             lambda config=config: KVCacheBuilder.for_model(model, config),
-            dataclasses.asdict(config),
+            config.keywords(),
         )
         if calibration is not None and tier in CALIBRATED:
-            cal = dataclasses.replace(config, palu_calibration=calibration)
+            cal = config.replace(palu_calibration=calibration)
             out[f"{tier}+cal"] = (
                 lambda cal=cal: KVCacheBuilder.for_model(model, cal),
-                dataclasses.asdict(cal),
+                cal.keywords(),
             )
 
     def entry(config: KVCacheConfig) -> tuple[Callable[[], list[Any]], dict]:
-        row = dataclasses.asdict(config)
+        row = config.keywords()
         if config.palu_sensitivity is not None:
             layers = [c.config for c in KVCacheBuilder.for_model(model, config)]
             row.update(
@@ -191,7 +190,7 @@ def candidates(
         config = base.replace(**fields)
         out[name] = (
             lambda config=config: KVCacheBuilder.for_model(model, config),
-            dataclasses.asdict(config),
+            config.keywords(),
         )
     return out
 
