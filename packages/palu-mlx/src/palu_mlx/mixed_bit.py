@@ -34,7 +34,7 @@ import heapq
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import mlx.core as mx
 import numpy as np
@@ -143,6 +143,15 @@ def check_policy(allocation_policy: object) -> None:
         )
 
 
+def _check_coder_width(name: str, bits: Any, may_drop: bool = False) -> None:
+    """Raise ``KVConfigError`` unless ``bits`` is one of :data:`CODER_BITS` (or 0, dropping the
+    channels, where ``may_drop``)."""
+    allowed = (0, *CODER_BITS) if may_drop else CODER_BITS
+    if not _is_int(bits) or bits not in allowed:
+        shown = f"0 (drop), {CODER_BITS}" if may_drop else f"{CODER_BITS}"
+        raise KVConfigError(f"{name}={bits!r} is not a coder width; allowed: {shown}")
+
+
 def _merge(segments: list[Segment]) -> tuple[Segment, ...]:
     merged: list[Segment] = []
     for seg in segments:
@@ -164,12 +173,8 @@ class FixedSplitPolicy:
     hi_fraction: float
 
     def __post_init__(self) -> None:
-        if not _is_int(self.hi_bit) or self.hi_bit not in CODER_BITS:
-            raise KVConfigError(f"hi_bit={self.hi_bit!r} is not a coder width; allowed: {CODER_BITS}")
-        if not _is_int(self.lo_bit) or self.lo_bit not in (0, *CODER_BITS):
-            raise KVConfigError(
-                f"lo_bit={self.lo_bit!r} is not a coder width; allowed: 0 (drop), {CODER_BITS}"
-            )
+        _check_coder_width("hi_bit", self.hi_bit)
+        _check_coder_width("lo_bit", self.lo_bit, may_drop=True)
         f = self.hi_fraction
         if not _is_real(f) or not math.isfinite(f) or not 0.0 <= f <= 1.0:
             raise KVConfigError(f"hi_fraction={f!r} must be a number in [0, 1]")
@@ -188,8 +193,7 @@ class UniformPolicy:
     bits: int
 
     def __post_init__(self) -> None:
-        if not _is_int(self.bits) or self.bits not in CODER_BITS:
-            raise KVConfigError(f"bits={self.bits!r} is not a coder width; allowed: {CODER_BITS}")
+        _check_coder_width("bits", self.bits)
 
     def allocate(self, singular_values: np.ndarray) -> tuple[Segment, ...]:
         return _merge([Segment(0, int(_singular_values(singular_values).shape[-1]), self.bits)])
