@@ -39,7 +39,8 @@ def default_compute_dtype() -> str:
 class PaluBackend(Backend):
     key = "palu"
     title = "palu-mlx (mlx-lm)"
-    closest_choice = "full-rank-fp16"
+    # the registry's tier with the lowest KL on the real model (a fixed rotation, 4-bit codes)
+    closest_choice = "rotation-4bit"
     # the tier KVCacheConfig()'s defaults are (no file; relative-error weighing, per-token scales,
     # exact first and newest tokens)
     default_choice = "palu-2.25bit-scaled+rel"

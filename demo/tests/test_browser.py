@@ -91,10 +91,10 @@ def test_flashcodec_chat_lossless_tier_matches_native(page):
 
 def test_palu_chat_and_user_errors(page, screenshot_dir: Path):
     open_tab(page, "palu-mlx (mlx-lm)")
-    pick_cache(page, "palu", "full-rank-fp16")
+    pick_cache(page, "palu", "rotation-4bit")
     set_number(page, "palu-new-tokens", NEW_TOKENS)
     send(page, "palu", PROMPT)
-    check_turn(page, "palu", "full-rank-fp16")
+    check_turn(page, "palu", "rotation-4bit")
 
     # a model path that does not exist: a readable message in the page
     missing = "/nonexistent/model-dir"
@@ -113,8 +113,8 @@ def test_palu_chat_and_user_errors(page, screenshot_dir: Path):
 def test_full_comparison_draws_bars(page, screenshot_dir: Path):
     open_tab(page, "Full comparison")
     page.locator("#cmp-package").get_by_text("palu", exact=True).click()
-    keep = {"full-rank-fp16", "palu-3bit", "mlx-lm-q4"}
-    page.locator("#cmp-caches").get_by_text("palu-3bit", exact=True).wait_for()  # palu's caches listed
+    keep = {"rotation-4bit", "palu-2bit-scaled", "mlx-lm-q4"}
+    page.locator("#cmp-caches").get_by_text("palu-2bit-scaled", exact=True).wait_for()  # palu's caches listed
     boxes = page.locator("#cmp-caches label")
     for i in range(boxes.count()):
         box = boxes.nth(i)
@@ -125,7 +125,7 @@ def test_full_comparison_draws_bars(page, screenshot_dir: Path):
     page.locator("#cmp-run").click()
     wait_status(page, "cmp", "kvbench protocol")
     rows = table(page, "cmp-table", COMPARISON_HEADERS)
-    assert [row["cache"] for row in rows] == ["baseline", "full-rank-fp16", "palu-3bit", "mlx-lm-q4"]
+    assert [row["cache"] for row in rows] == ["baseline", "rotation-4bit", "palu-2bit-scaled", "mlx-lm-q4"]
     for row in rows:
         assert NUMBER.search(row["decode tok/s"]) and NUMBER.search(row["NLL"]), row
     assert page.locator("#cmp-plot img").count() == 1

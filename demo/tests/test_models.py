@@ -55,9 +55,9 @@ def test_a_model_path_that_does_not_exist_is_a_message(palu):
 def test_the_comparison_runs_kvbench_protocol_on_the_prompt(palu):
     prompt = "The history of the Python language"
     rows, absent = palu.worker.call(
-        lambda: compare_on_prompt(palu, TINY, prompt, 4, ["r16-fp16"], speed_rounds=1)
+        lambda: compare_on_prompt(palu, TINY, prompt, 4, [palu.closest_choice], speed_rounds=1)
     )
-    assert [r["name"] for r in rows] == ["baseline", "r16-fp16"] and absent == []
+    assert [r["name"] for r in rows] == ["baseline", palu.closest_choice] and absent == []
     # the scored window: the prompt, then 4 tokens of the baseline's own continuation
     assert rows[0]["kv_tokens"] == len(palu.worker.call(lambda: palu.load(TINY).encode_prompt(prompt))) + 4
     assert rows[0]["positions_scored"] == 4 and rows[0]["kl_mean"] == 0.0
