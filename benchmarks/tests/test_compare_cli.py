@@ -191,7 +191,7 @@ def test_docs_match_the_committed_results():
     [
         (
             "palu_mlx.cli",
-            ["reference-default", "r8-4bit"],
+            ["reference-default", "rotation-3.5bit"],
             "generate, server, compare, calibrate, sensitivity",
         ),
         ("flashcodec.cli", ["png-keep1", "jpeg-k2-int8"], "compare"),
