@@ -278,6 +278,44 @@ def test_bad_arguments_are_rejected_before_anything_changes():
     assert ca.codec_attention_modules(model) == [] and get_flash_codec_patch(model) is None
 
 
+@pytest.mark.parametrize(
+    "kwargs, on_codes",
+    [
+        ({}, True),  # the default tier is measured on its codes
+        ({"attention": "materialized"}, False),
+        (
+            {"codec": TIERS["png-keep1"].codec},
+            False,
+        ),  # a chosen codec: a decoded view, as the reference has it
+        ({"codec": TIERS["png-keep1"].codec, "attention": "codes"}, True),
+        (
+            {"mode": "jpeg", "keep_freqs": 2, "materialization_free": True},
+            True,
+        ),  # the reference's name for it
+    ],
+)
+def test_apply_flash_codec_attends_where_attention_says(kwargs, on_codes):
+    model = tiny("qwen3")
+    apply_flash_codec(model, **kwargs)
+    try:
+        assert bool(ca.codec_attention_modules(model)) == on_codes
+    finally:
+        remove_flash_codec(model)
+    assert ca.codec_attention_modules(model) == []
+
+
+@pytest.mark.parametrize("attention", ["codes", "materialized"])
+def test_attending_on_switches_for_the_block_only(attention):
+    model = tiny("qwen3")
+    with attending_on(model, attention) as stats:
+        assert bool(ca.codec_attention_modules(model)) == (attention == "codes")
+        assert (stats is None) == (attention == "materialized")
+    assert ca.codec_attention_modules(model) == []
+    with pytest.raises(KVConfigError, match="attention must be one of"):
+        with attending_on(model, "mf"):
+            pass
+
+
 def test_a_dynamic_cache_step_after_coded_steps_is_untouched():
     # mixing caches across calls: each call decides on its own cache
     model = tiny("qwen3")
