@@ -152,7 +152,7 @@ class KVCacheBuilder:
             return choice.for_head_dim(head_dim)
         if not isinstance(choice, str):
             raise KVConfigError(
-                f"choice={choice!r} must be None, a tier name or a KVCacheConfig; tiers: {', '.join(TIERS)}"
+                f"config must be a KVCacheConfig, a tier name or None; got {choice!r} (tiers: {', '.join(TIERS)})"
             )
         named = tier(choice)
         if calibration is not None and named.calibration is None:
