@@ -247,7 +247,7 @@ def add_intervals(rows: dict[str, dict], positions: dict[str, dict[str, np.ndarr
 
 def add_protocol_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of this protocol (model, window, step, the files the calibrated candidates read),
-    shared with the scripts that follow it (``byte_breakdown.py``)."""
+    shared with the scripts that follow it (``benchmarks/studies/palu_byte_breakdown.py``)."""
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--scored", type=int, default=256)

@@ -1,6 +1,6 @@
 """palu-mlx reconstruction error per bit on the kvspec test vectors, beside naive uniform quantization.
 
-    hatch run bench:python benchmarks/palu/reconstruction.py
+    hatch run bench:python benchmarks/studies/palu_reconstruction.py
 
 Writes ``benchmarks/results/palu_reconstruction.json``: relative Frobenius error of K and V
 against bits per element for every palu tier that needs no file (:data:`palu_mlx.tiers.TIERS`, then the
@@ -44,7 +44,7 @@ def stamp() -> dict:
     """Machine, versions, date and the command line, so every figure can be traced to its run."""
     return {
         **environment_stamp(["palu-mlx", "kvcache-spec", "mlx", "mlx-lm", "numpy"]),
-        "command": " ".join(["python benchmarks/palu/reconstruction.py", *sys.argv[1:]]),
+        "command": " ".join(["python benchmarks/studies/palu_reconstruction.py", *sys.argv[1:]]),
     }
 
 

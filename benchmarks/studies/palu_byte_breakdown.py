@@ -1,8 +1,8 @@
 """Where a palu cache's bytes go on the real model: codes, per-token scales, basis, sinks, recent rows.
 
-    hatch run bench:python benchmarks/palu/byte_breakdown.py \\
+    hatch run bench:python benchmarks/studies/palu_byte_breakdown.py \\
         --sensitivity ~/.cache/kvbench/models/smollm2-135m.palu-sensitivity.json
-    hatch run bench:python benchmarks/palu/byte_breakdown.py --only palu-2.25bit-scaled+rel
+    hatch run bench:python benchmarks/studies/palu_byte_breakdown.py --only palu-2.25bit-scaled+rel
 
 Writes ``benchmarks/results/palu_byte_breakdown.json``. On Linux preload OpenBLAS
 (``LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3``).
@@ -47,7 +47,7 @@ from palu_mlx.cache import PaluKVCache
 from palu_mlx.coders.fixed import FixedQuantCoder
 from palu_mlx.compare import load_model
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "palu"))
 import real_model  # noqa: E402  (the candidates and protocol this breakdown follows)
 
 OUT = results_path("palu_byte_breakdown.json")
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
             r["x_q4"] = None if q4 is None else {k: v / q4["held_bytes"] for k, v in r["parts"].items()}
             r["bytes_x_q4"] = None if q4 is None else r["held_bytes"] / q4["held_bytes"]
         result.update(environment_stamp(["palu-mlx", "kvbench", "mlx", "mlx-lm"]))
-        result["command"] = " ".join(["python benchmarks/palu/byte_breakdown.py", *(argv or sys.argv[1:])])
+        result["command"] = " ".join(["python benchmarks/studies/palu_byte_breakdown.py", *(argv or sys.argv[1:])])
         write_json(args.out, result)
         shown = {k: round(v, 4) for k, v in (row["x_q4"] or {}).items()}
         print(json.dumps({"name": name, "bytes_x_q4": row["bytes_x_q4"], "x_q4": shown}))

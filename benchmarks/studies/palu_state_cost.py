@@ -1,7 +1,7 @@
 """What reading palu-mlx caches' ``state`` costs during a long prefill on the real model.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 \\
-      hatch run mlx:python benchmarks/serving/palu_state_cost.py
+      hatch run mlx:python benchmarks/studies/palu_state_cost.py
 
 Writes ``benchmarks/results/palu_state_cost.json``. mlx-lm's ``generate_step`` evaluates
 ``[c.state for c in prompt_cache]`` after every prefill chunk (2,048 tokens by default), and a
@@ -113,8 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(row), flush=True)
         rows.append(row)
     doc = {
-        "script": "benchmarks/serving/palu_state_cost.py",
-        "command": "python benchmarks/serving/palu_state_cost.py "
+        "script": "benchmarks/studies/palu_state_cost.py",
+        "command": "python benchmarks/studies/palu_state_cost.py "
         + " ".join(sys.argv[1:] if argv is None else argv),
         "written": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "model": info,
