@@ -202,7 +202,9 @@ def main(argv: list[str] | None = None) -> int:
             r["x_q4"] = None if q4 is None else {k: v / q4["held_bytes"] for k, v in r["parts"].items()}
             r["bytes_x_q4"] = None if q4 is None else r["held_bytes"] / q4["held_bytes"]
         result.update(environment_stamp(["palu-mlx", "kvbench", "mlx", "mlx-lm"]))
-        result["command"] = " ".join(["python benchmarks/studies/palu_byte_breakdown.py", *(argv or sys.argv[1:])])
+        result["command"] = " ".join(
+            ["python benchmarks/studies/palu_byte_breakdown.py", *(argv or sys.argv[1:])]
+        )
         write_json(args.out, result)
         shown = {k: round(v, 4) for k, v in (row["x_q4"] or {}).items()}
         print(json.dumps({"name": name, "bytes_x_q4": row["bytes_x_q4"], "x_q4": shown}))
