@@ -170,11 +170,11 @@ CASES: list[dict[str, Any]] = [
     {"kind": "generate", "model": "smollm2-135m", "dtype": "bfloat16"},
     {"kind": "generate", "model": "smollm2-135m", "dtype": "float32"},
     {"kind": "offload", "model": "tiny-qwen3", "dtype": "float32", "format": "raw"},
-    {"kind": "offload", "model": "tiny-qwen3", "dtype": "float32", "format": "kivi64r-k4v4-w64i8"},
+    {"kind": "offload", "model": "tiny-qwen3", "dtype": "float32", "format": "kivi64r-k4v4-w64i8-s8"},
     {"kind": "offload", "model": "smollm2-135m", "dtype": "bfloat16", "format": "raw"},
     {"kind": "offload", "model": "smollm2-135m", "dtype": "bfloat16", "format": "exponent"},
-    {"kind": "offload", "model": "smollm2-135m", "dtype": "bfloat16", "format": "kivi64r-k4v4-w64i8"},
-    {"kind": "offload", "model": "smollm2-135m", "dtype": "bfloat16", "format": "kivi64r-k3v3-w64i8"},
+    {"kind": "offload", "model": "smollm2-135m", "dtype": "bfloat16", "format": "kivi64r-k4v4-w64i8-s8"},
+    {"kind": "offload", "model": "smollm2-135m", "dtype": "bfloat16", "format": "kivi64r-k3v3-w64i8-s8z4"},
 ]
 
 
