@@ -97,7 +97,8 @@ _DEMO_CUT = dict(
 )  # fmt: skip
 DEMO = {
     # MLX on this class of CPU: 1,152-token windows (1,024 context + 128 scored); --full runs 2,048
-    "palu-mlx": ("palu-2.25bit-scaled+rel", "mlx-lm-q4,mlx-lm-q8", _sizes(**_DEMO_CUT, long_context="1152")),
+    # palu: its default tier (palu_mlx.tiers.DEFAULT_TIER), beside mlx-lm q4 and q8
+    "palu-mlx": ("rotation-3.5bit", "mlx-lm-q4,mlx-lm-q8", _sizes(**_DEMO_CUT, long_context="1152")),
     "flashcodec": (
         "kivi64r-k4v4-w64i8-s8,kivi64r-k3v2-w0i8-s8z4,kivi64r-k8v8-w32-s8",
         "hf-hqq-q4,hf-hqq-q8",
