@@ -20,8 +20,8 @@ Two protocols:
   int8) and the scored tokens run in one forward over the decoded cache (their own K/V exact);
   bytes are the cache's held bytes at the context length. Writes ``flashcodec_rotated_quick.json``.
 
-    OMP_NUM_THREADS=1 nice -n 10 hatch run bench:python benchmarks/flashcodec/rotated_tiers.py
-    OMP_NUM_THREADS=1 nice -n 10 hatch run bench:python benchmarks/flashcodec/rotated_tiers.py --quick
+    OMP_NUM_THREADS=1 nice -n 10 hatch run bench:python benchmarks/studies/flashcodec_rotated_tiers.py
+    OMP_NUM_THREADS=1 nice -n 10 hatch run bench:python benchmarks/studies/flashcodec_rotated_tiers.py --quick
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "flashcodec"))  # common.py
 from common import (
     ALL_TIERS,
     add_window_options,
@@ -159,7 +161,7 @@ def run_compare(names: list[str], out: Path, model: str | None, long_windows: in
     t0 = time.perf_counter()
     result = compare_result(cli, main=compare_main(extra))
     result["command"] = (
-        f"python benchmarks/flashcodec/rotated_tiers.py --tiers {','.join(names)} --long-windows {long_windows}"
+        f"python benchmarks/studies/flashcodec_rotated_tiers.py --tiers {','.join(names)} --long-windows {long_windows}"
     )
     result["compare_args"] = cli
     result["candidates"] = {n: _describe(n, _codec(n)) for n in names}
@@ -206,7 +208,7 @@ def run_quick(names: list[str], args: argparse.Namespace) -> None:
         rows,
         model=args.model or "smollm2-135m",
         protocol="one forward of the scored tokens over the decoded cache (see the script's docstring)",
-        command="python benchmarks/flashcodec/rotated_tiers.py --quick " + " ".join(sys.argv[1:]),
+        command="python benchmarks/studies/flashcodec_rotated_tiers.py --quick " + " ".join(sys.argv[1:]),
     )
 
 

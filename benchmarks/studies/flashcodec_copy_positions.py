@@ -17,7 +17,7 @@ nbits=4)`` and the flashcodec tiers named by ``--tiers``, each with its own atte
 configurations' is on the codes, :func:`flashcodec.hf.attending_on`); bf16, the embedded model, 18 windows of 2,048 tokens of the
 held-out text (all it holds), the last 512 of each scored: 9,216 positions.
 
-    hatch run bench:python benchmarks/flashcodec/copy_positions.py   # results/flashcodec_copy_positions.json
+    hatch run bench:python benchmarks/studies/flashcodec_copy_positions.py   # results/flashcodec_copy_positions.json
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "flashcodec"))  # common.py
 from common import log_probs, model_and_text, stamp, study_tier, tier_list
 from flashcodec.hf import FlashCodecCache, attending_on
 from kvbench.models import embedded_model_path

@@ -20,7 +20,7 @@ metadata per element at ``D = 64`` for the archived part (window not counted).
 kivi tiers' codes); 2 and 3 bits (no codec stores them) a plain asymmetric quantizer with fp16
 scale and zero point.
 
-    OMP_NUM_THREADS=1 hatch run bench:python benchmarks/flashcodec/kv_recipes.py
+    OMP_NUM_THREADS=1 hatch run bench:python benchmarks/studies/flashcodec_kv_recipes.py
     # writes benchmarks/results/flashcodec_kv_recipes.json
 """
 
@@ -30,8 +30,11 @@ import argparse
 import math
 import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "flashcodec"))  # common.py
 from common import add_window_options, exact_windows, save_window_result, score_replaced_kv
 from flashcodec.codecs.kivi import dequantize_zero, quantize_zero
 from kvbench.results import results_path

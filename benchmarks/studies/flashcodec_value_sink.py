@@ -11,7 +11,7 @@ bf16, windows of 1,792 prefilled + 256 scored tokens decoded one at a time, atte
 codes, hqq 4/8-bit in the same run). The candidates are study configurations
 (``benchmarks/studies/flashcodec_tiers.py``); neither beat its tier enough to join the registry.
 
-    OMP_NUM_THREADS=1 nice -n 10 hatch run bench:python benchmarks/flashcodec/value_sink.py --long-windows 2
+    OMP_NUM_THREADS=1 nice -n 10 hatch run bench:python benchmarks/studies/flashcodec_value_sink.py --long-windows 2
     # writes benchmarks/results/flashcodec_value_sink_2w.json
 """
 
@@ -22,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "flashcodec"))  # common.py
 from common import compare_result, study_tier
 from kvbench.results import results_path
 from real_tiers import compare_cli, write_summary
@@ -52,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     cli = compare_cli(names, args.model, args.long_windows)
     t0 = time.perf_counter()
     result = compare_result(cli, args.compare_json)
-    result["command"] = "python benchmarks/flashcodec/value_sink.py " + " ".join(
+    result["command"] = "python benchmarks/studies/flashcodec_value_sink.py " + " ".join(
         [f"--long-windows {args.long_windows}", *([f"--model {args.model}"] if args.model else [])]
     )
     result["compare_args"] = cli

@@ -21,7 +21,7 @@ runs with residual_length 128 (its default) and 8 (about flashcodec's raw tail o
 Part 2 (``compare``, unless ``--no-compare``): ``flashcodec compare`` with the chosen tiers beside
 hf-hqq-q4 at reduced sizes (the command is recorded), its rows copied here.
 
-    hatch run bench:python benchmarks/flashcodec/int4_study.py   # writes results/flashcodec_int4_study.json
+    hatch run bench:python benchmarks/studies/flashcodec_int4_study.py   # writes results/flashcodec_int4_study.json
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "flashcodec"))  # common.py
 from common import compare_result, log_probs, model_and_text, stamp
 from flashcodec import JPEGCodec
 from flashcodec.codecs import MixedJPEGCodec, ZeroPointJPEGCodec

@@ -12,7 +12,7 @@ tier's perplexity with hqq's on the same positions (bootstrap interval). Bytes (
 and both averaged over the first window's decode positions) are measured from the tensors each
 cache holds.
 
-    hatch run bench:python benchmarks/flashcodec/window_compare.py   # results/flashcodec_window_compare.json
+    hatch run bench:python benchmarks/studies/flashcodec_window_compare.py   # results/flashcodec_window_compare.json
 """
 
 from __future__ import annotations

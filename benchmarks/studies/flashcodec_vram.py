@@ -24,7 +24,7 @@ The flatness claim is a ratio measured in one run: ``step_median(S) / step_media
 ``step_min(S) / step_min(S_min)`` stay near 1 (the min is the least noise-sensitive on a shared
 machine), and the blocks decoded per step stay at most 2, while re-decoding grows with S.
 
-    hatch run torch:python benchmarks/flashcodec/vram.py   # writes results/flashcodec_vram.json
+    hatch run torch:python benchmarks/studies/flashcodec_vram.py   # writes results/flashcodec_vram.json
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "flashcodec"))  # common.py
 from common import random_walk, stamp, tier_list
 from common import study_tier as tier
 from flashcodec import CodecKVCache

@@ -9,7 +9,7 @@ each chosen tier under each attention ``--attention`` asks for (default both), t
 ``<tier>+<attention>`` (raw step) and ``<tier>+<attention>+coded-step``; everything else (the
 protocol, windows, peers, bytes, speed) is the compare command's.
 
-    OMP_NUM_THREADS=1 hatch run bench:python benchmarks/flashcodec/step_raw.py   # results/flashcodec_step_raw.json
+    OMP_NUM_THREADS=1 hatch run bench:python benchmarks/studies/flashcodec_step_raw.py   # results/flashcodec_step_raw.json
 
 Other options go to the compare command (e.g. ``--long-windows 2``; the last of a repeated one wins).
 """
@@ -21,6 +21,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "flashcodec"))  # common.py
 from common import ALL_TIERS, ATTENTION_OPTIONS, attention_list, long_run_args, study_tier
 from flashcodec.tiers import ATTENTIONS
 from kvbench.results import results_path

@@ -15,7 +15,7 @@ PSNR = 10 log10(max|x|^2 / MSE) over the whole tensor (peak = the signal's large
 an exact tier has MSE 0 and is reported as ``psnr_db: null, exact: true``. Cosine is over the
 flattened tensor in float64.
 
-    hatch run torch:python benchmarks/flashcodec/reconstruct.py   # writes results/flashcodec_reconstruct.json
+    hatch run torch:python benchmarks/studies/flashcodec_reconstruct.py   # writes results/flashcodec_reconstruct.json
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "flashcodec"))  # common.py
 from common import random_walk, stamp
 from flashcodec import CodecKVCache, PNGCodec, dct_matrix, delta_variance_ratio
 from flashcodec.codecs import BlockCodec

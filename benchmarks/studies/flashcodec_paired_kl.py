@@ -12,7 +12,7 @@ Candidates: flashcodec tier names (each with its own attention, or the one ``--a
 chooses, applied as compare applies it) and ``hf-hqq-q8`` / ``hf-hqq-q4`` (transformers'
 ``QuantizedCache``, as compare builds them).
 
-    OMP_NUM_THREADS=1 nice -n 10 hatch run bench:python benchmarks/flashcodec/paired_kl.py \\
+    OMP_NUM_THREADS=1 nice -n 10 hatch run bench:python benchmarks/studies/flashcodec_paired_kl.py \\
         --candidates kivi64r-k8v8-w32-s8,hf-hqq-q8
     # writes benchmarks/results/flashcodec_paired_kl.json
 """
@@ -23,8 +23,11 @@ import argparse
 import contextlib
 import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "flashcodec"))  # common.py
 from common import log_probs, model_and_text, stamp, study_tier
 from flashcodec.compare import PEERS
 from kvbench.models import resolve_model
@@ -124,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
             "context_tokens": args.context,
             "scored_tokens": args.scored,
             "positions": int(next(iter(kls.values())).numel()) if kls else 0,
-            "command": "python benchmarks/flashcodec/paired_kl.py " + " ".join(argv or sys.argv[1:]),
+            "command": "python benchmarks/studies/flashcodec_paired_kl.py " + " ".join(argv or sys.argv[1:]),
             "rows": [
                 {
                     "name": n,

@@ -17,7 +17,7 @@ underrated (the scored tokens see each other exactly), so window sizes are judge
 ``flashcodec compare`` (``real_tiers.py``). ``bits`` is codes plus side information per archived
 element (the tail not counted).
 
-    OMP_NUM_THREADS=1 nice -n 10 hatch run bench:python benchmarks/flashcodec/lowbit_study.py
+    OMP_NUM_THREADS=1 nice -n 10 hatch run bench:python benchmarks/studies/flashcodec_lowbit_study.py
     # writes benchmarks/results/flashcodec_lowbit_study.json
 """
 
@@ -28,8 +28,11 @@ import math
 import sys
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "flashcodec"))  # common.py
 from common import exact_windows, score_replaced_kv, stamp
 from flashcodec.codecs.rotated import hadamard_rotation
 from flashcodec.codecs.tail import Uint8Tail
@@ -227,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
             "context_tokens": args.context,
             "scored_tokens": args.scored,
             "log_steps": LOG_STEPS,
-            "command": "python benchmarks/flashcodec/lowbit_study.py " + " ".join(argv or sys.argv[1:]),
+            "command": "python benchmarks/studies/flashcodec_lowbit_study.py "
+            + " ".join(argv or sys.argv[1:]),
             "rows": rows,
         },
     )
