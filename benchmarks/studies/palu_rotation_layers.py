@@ -54,6 +54,16 @@ NOTE = (
 )
 #: the width a tensor is measured at, and the other tensor's meanwhile (near exact)
 MEASURED_BITS, OTHER_BITS = 3, 8
+#: the token counts of the measurement (``measure-*``: one window) and of the check (``windows`` of
+#: ``context`` + ``scored`` tokens read ``step`` at a time), as kvbench's real-model protocol runs them
+SIZES = {
+    "measure-context": 512,
+    "measure-scored": 64,
+    "context": 2048,
+    "scored": 256,
+    "windows": 2,
+    "step": 32,
+}
 #: averages the allocation is checked at, beside the uniform tier of the same average
 AVERAGES = {3.0: (3, 3), 3.5: (4, 3), 4.0: (4, 4)}
 
@@ -92,12 +102,8 @@ def allocate(costs: np.ndarray, average: float, low: int = 2, high: int = 8) -> 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--measure-context", type=int, default=512)
-    parser.add_argument("--measure-scored", type=int, default=64)
-    parser.add_argument("--context", type=int, default=2048)
-    parser.add_argument("--scored", type=int, default=256)
-    parser.add_argument("--windows", type=int, default=2)
-    parser.add_argument("--step", type=int, default=32)
+    for option, default in SIZES.items():
+        parser.add_argument(f"--{option}", type=int, default=default)
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args(argv)
 
