@@ -144,3 +144,34 @@ def tiny_model(
 def tiny_qwen3(seed: int = 0, dtype: torch.dtype = torch.float32, max_positions: int = 512):
     """A random 2-layer Qwen3 (4 query / 2 KV heads of 16), the same weights for the same seed."""
     return tiny_model("qwen3", seed, dtype, max_positions=max_positions)
+
+
+def assert_same_generation_on_the_codes(codec):
+    """Greedy generation (2 prompts of 70 tokens, 12 new) on :func:`tiny_qwen3` with a
+    ``FlashCodecCache`` of ``codec``, once decoding then attending and once with attention on the
+    codes; asserts both give the same tokens and logits (within 1e-4 of the largest) and that every
+    decode step ran on the codes. Returns the cache of the run on the codes. Needs transformers."""
+    pytest.importorskip("transformers")
+    from flashcodec.hf import FlashCodecCache, apply_codec_attention, remove_codec_attention
+
+    model = tiny_qwen3()
+    ids = torch.randint(3, 128, (2, 70), generator=torch.Generator().manual_seed(0))
+    run = dict(
+        max_new_tokens=12,
+        min_new_tokens=12,
+        do_sample=False,
+        return_dict_in_generate=True,
+        output_scores=True,
+    )
+    base = model.generate(ids, cache=FlashCodecCache.from_config(model.config, codec=codec), **run)
+    stats = apply_codec_attention(model, backend="torch")
+    try:
+        cache = FlashCodecCache.from_config(model.config, codec=codec)
+        coded = model.generate(ids, cache=cache, **run)
+    finally:
+        remove_codec_attention(model)
+    assert stats.coded == 11 * 2 and stats.fallbacks == {}
+    assert torch.equal(coded.sequences, base.sequences)
+    for a, b in zip(coded.scores, base.scores, strict=True):
+        assert (a - b).abs().max() <= 1e-4 * b.abs().max()
+    return cache

@@ -316,27 +316,6 @@ def test_triton_kernel_matches_the_reference_under_the_interpreter():
 
 def test_transformers_decode_on_the_codes_equals_the_materialized_path():
     """apply_codec_attention on a tiny random Qwen3: the same tokens and logits as decoding then attending."""
-    pytest.importorskip("transformers")
-    from conftest import tiny_qwen3
-    from flashcodec.hf import FlashCodecCache, apply_codec_attention, remove_codec_attention
+    from conftest import assert_same_generation_on_the_codes
 
-    model = tiny_qwen3()
-    ids = torch.randint(3, 128, (2, 70), generator=torch.Generator().manual_seed(0))
-    run = dict(
-        max_new_tokens=12,
-        min_new_tokens=12,
-        do_sample=False,
-        return_dict_in_generate=True,
-        output_scores=True,
-    )
-    codec = RotatedKIVICodec(16, 3, 2, raw_window=16)
-    base = model.generate(ids, cache=FlashCodecCache.from_config(model.config, codec=codec), **run)
-    stats = apply_codec_attention(model, backend="torch")
-    try:
-        coded = model.generate(ids, cache=FlashCodecCache.from_config(model.config, codec=codec), **run)
-    finally:
-        remove_codec_attention(model)
-    assert stats.coded == 11 * 2 and stats.fallbacks == {}
-    assert torch.equal(coded.sequences, base.sequences)
-    for a, b in zip(coded.scores, base.scores, strict=True):
-        assert (a - b).abs().max() <= 1e-4 * b.abs().max()
+    assert_same_generation_on_the_codes(RotatedKIVICodec(16, 3, 2, raw_window=16))

@@ -212,31 +212,9 @@ def test_registered():
 def test_a_tiny_model_generates_on_the_codes():
     """FlashCodecCache on a tiny random Qwen3: attention on the codes gives the same tokens and
     logits as decoding then attending, and the cache holds only codes, norms and the short tail."""
-    pytest.importorskip("transformers")
-    from conftest import tiny_qwen3
-    from flashcodec.hf import FlashCodecCache, apply_codec_attention, remove_codec_attention
+    from conftest import assert_same_generation_on_the_codes
 
-    model = tiny_qwen3()
-    ids = torch.randint(3, 128, (2, 70), generator=torch.Generator().manual_seed(0))
-    run = dict(
-        max_new_tokens=12,
-        min_new_tokens=12,
-        do_sample=False,
-        return_dict_in_generate=True,
-        output_scores=True,
-    )
-    codec = TurboQuantCodec(block_size=16, bits=4)
-    base = model.generate(ids, cache=FlashCodecCache.from_config(model.config, codec=codec), **run)
-    stats = apply_codec_attention(model, backend="torch")
-    try:
-        cache = FlashCodecCache.from_config(model.config, codec=codec)
-        coded = model.generate(ids, cache=cache, **run)
-    finally:
-        remove_codec_attention(model)
-    assert stats.coded == 11 * 2 and stats.fallbacks == {}
-    assert torch.equal(coded.sequences, base.sequences)
-    for a, b in zip(coded.scores, base.scores, strict=True):
-        assert (a - b).abs().max() <= 1e-4 * b.abs().max()
+    cache = assert_same_generation_on_the_codes(TurboQuantCodec(block_size=16, bits=4))
     # 81 tokens cached: 5 blocks of 16 coded (16 + 2 bytes a token and head), 1 token raw (fp32)
     st = cache.storage_bytes()
     layers, heads, dim = 2, 2, 16
