@@ -1,7 +1,12 @@
 """Test helpers (uniquely named so other packages' conftest modules cannot shadow them):
-seeded synthetic K/V and a tiny random-weight mlx-lm qwen3 built in memory."""
+seeded synthetic K/V, a tiny random-weight mlx-lm qwen3 built in memory, and a served palu-mlx server."""
 
 from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -74,3 +79,17 @@ def reachable_nbytes(root: object) -> int:
         elif hasattr(obj, "__dict__") and not isinstance(obj, type):
             stack.extend(vars(obj).values())
     return total
+
+
+@contextmanager
+def palu_server(model: str, log: Path, *options: str, name: str = "palu-mlx server") -> Iterator[int]:
+    """``palu-mlx server --model MODEL OPTIONS`` on a free localhost port, from when it answers its
+    health check until the block ends; yields the port. Started and stopped by kvbench's process
+    helpers (a test using it needs kvbench), its output in ``log``."""
+    from kvbench.process import free_port, served
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "palu_mlx.cli", "server", "--model", model, "--port", str(port), *options]
+    health = f"http://127.0.0.1:{port}/health"
+    with served(cmd, health, log, timeout_s=180, poll_s=0.5, stop_timeout_s=20, name=name, log_chars=3000):
+        yield port

@@ -312,18 +312,14 @@ def test_a_request_naming_the_servers_model_is_served_without_a_reload(tmp_path)
     pytest.importorskip("kvbench")
     import http.client
 
-    from kvbench.process import free_port, served
+    from palu_helpers import palu_server
     from palu_mlx.serving import resolve_model_arg
 
     name = "tiny-qwen3"
     if not os.path.samefile(resolve_model_arg(name), MODEL):
         pytest.skip("kvbench's tiny-qwen3 is not the embedded model")
-    port = free_port()
     log = tmp_path / "server.log"
-    cmd = [sys.executable, "-m", "palu_mlx.cli", "server", "--model", name, "--port", str(port)]
-    cmd += ["--max-tokens", "4", "--palu-bits", "2"]
-    with served(cmd, f"http://127.0.0.1:{port}/health", log, timeout_s=180, poll_s=0.5, stop_timeout_s=20,
-                name="palu-mlx server", log_chars=3000):  # fmt: skip
+    with palu_server(name, log, "--max-tokens", "4", "--palu-bits", "2") as port:
         for model in (name, resolve_model_arg(name), "default_model"):
             body = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import sys
 import time
 import types
 from pathlib import Path
@@ -14,7 +13,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
-from palu_helpers import make_tiny_qwen3
+from palu_helpers import make_tiny_qwen3, palu_server
 from palu_mlx import KVCacheBuilder
 from palu_mlx.config import KVCacheConfig
 from palu_mlx.prompt_store import (
@@ -274,28 +273,12 @@ _TEXT = (
 
 
 def _serve(tmp_path, name, store_dir=None):
-    from kvbench.process import free_port, served
-
-    port = free_port()
-    cmd = [sys.executable, "-m", "palu_mlx.cli", "server", "--model", MODEL, "--port", str(port)]
-    cmd += ["--palu-bits", "2"]
+    """The server (:func:`palu_server`, entered with ``with``) and its log."""
+    options = ["--palu-bits", "2"]
     if store_dir is not None:
-        cmd += ["--prompt-cache-dir", str(store_dir)]
+        options += ["--prompt-cache-dir", str(store_dir)]
     log = tmp_path / f"{name}.log"
-    return (
-        served(
-            cmd,
-            f"http://127.0.0.1:{port}/health",
-            log,
-            timeout_s=180,
-            poll_s=0.5,
-            stop_timeout_s=20,
-            name=f"palu-mlx server ({name})",
-            log_chars=3000,
-        ),
-        port,
-        log,
-    )
+    return palu_server(MODEL, log, *options, name=f"palu-mlx server ({name})"), log
 
 
 def _ask(port, messages):
@@ -333,23 +316,23 @@ def test_a_restarted_server_continues_from_disk_as_an_uninterrupted_one(tmp_path
         return [*first, {"role": "assistant", "content": reply}, {"role": "user", "content": "And loads?"}]
 
     # the reference: one server without a directory, both turns in one process
-    context, port, _ = _serve(tmp_path, "memory")
-    with context:
+    context, _ = _serve(tmp_path, "memory")
+    with context as port:
         reply_1, _, _ = _ask(port, first)
         reference, cached_in_memory, _ = _ask(port, follow_up(reply_1))
     assert cached_in_memory > 0
 
     store_dir = tmp_path / "store"
-    context, port, log = _serve(tmp_path, "writer", store_dir)
-    with context:
+    context, log = _serve(tmp_path, "writer", store_dir)
+    with context as port:
         reply, _, total = _ask(port, first)
         assert reply == reply_1
         _wait_for(log, f"tokens (of {total}) written to palu-prompt-")
     entries = [n for n in os.listdir(store_dir) if n.startswith("palu-prompt-")]
     assert len(entries) == 1
 
-    context, port, log = _serve(tmp_path, "restarted", store_dir)
-    with context:
+    context, log = _serve(tmp_path, "restarted", store_dir)
+    with context as port:
         answer, cached, _ = _ask(port, follow_up(reply_1))
     assert answer == reference
     assert cached == cached_in_memory  # the prefix the first server kept in memory, read from disk

@@ -413,25 +413,13 @@ def _sliding_model_dir(path: Path) -> Path:
 @pytest.mark.slow
 @pytest.mark.skipif(not os.path.isdir(MODEL), reason="the embedded model's tokenizer is not checked out")
 def test_a_served_model_with_sliding_layers_answers_two_turns(tmp_path):
-    import sys
+    from palu_helpers import palu_server
 
     openai = pytest.importorskip("openai")
-    process = pytest.importorskip("kvbench.process")
+    pytest.importorskip("kvbench.process")
     model_dir = _sliding_model_dir(tmp_path / "sliding")
-    port = process.free_port()
-    cmd = [sys.executable, "-m", "palu_mlx.cli", "server", "--model", str(model_dir), "--port", str(port)]
-    cmd += ["--max-tokens", "12"]
     log = tmp_path / "server.log"
-    with process.served(
-        cmd,
-        f"http://127.0.0.1:{port}/health",
-        log,
-        timeout_s=180,
-        poll_s=0.5,
-        stop_timeout_s=20,
-        name="palu-mlx server",
-        log_chars=3000,
-    ):
+    with palu_server(str(model_dir), log, "--max-tokens", "12") as port:
         client = openai.OpenAI(
             base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120
         )

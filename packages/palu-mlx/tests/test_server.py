@@ -6,12 +6,11 @@ import http.client
 import json
 import os
 import socket
-import sys
 import threading
 from pathlib import Path
 
 import pytest
-from kvbench.process import free_port, served
+from palu_helpers import palu_server
 
 openai = pytest.importorskip("openai")
 
@@ -35,14 +34,8 @@ def test_every_mlx_lm_server_option_is_kept():
 def server(tmp_path_factory):
     if not os.path.isdir(MODEL):
         pytest.skip(f"the embedded model is not at {MODEL}")
-    port = free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
-    cmd = [sys.executable, "-m", "palu_mlx.cli", "server", "--model", MODEL, "--port", str(port)]
-    cmd += ["--max-tokens", "12", "--palu-bits", "2"]
-    health = f"http://127.0.0.1:{port}/health"
-    with served(
-        cmd, health, log, timeout_s=180, poll_s=0.5, stop_timeout_s=20, name="palu-mlx server", log_chars=3000
-    ):
+    with palu_server(MODEL, log, "--max-tokens", "12", "--palu-bits", "2") as port:
         client = openai.OpenAI(
             base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120
         )
