@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,19 @@ MODEL_DOC = ROOT / "docs" / "embedded-model.md"
 PALU_DOC = ROOT / "docs" / "palu-mlx.md"
 FLASHCODEC_DOC = ROOT / "docs" / "flashcodec.md"
 START, END = "<!-- results:start -->", "<!-- results:end -->"
+#: the blocks of docs/palu-mlx.md drawn from one results file each: (file, renderer, start and end
+#: markers); the renderer takes the file's result, its name and the markers
+PALU_FILE_BLOCKS = (
+    (PALU_LONG_FILE, render_palu_long_block, PALU_LONG_START, PALU_LONG_END),
+    (
+        PALU_LONG_REAL_FILE,
+        partial(render_palu_long_block, peak_target=PALU_PEAK_TARGET),
+        PALU_LONG_REAL_START,
+        PALU_LONG_REAL_END,
+    ),
+    (PALU_REAL_FILE, render_palu_real_block, PALU_REAL_START, PALU_REAL_END),
+    (PALU_FRONTIER_FILE, render_palu_real_block, PALU_FRONTIER_START, PALU_FRONTIER_END),
+)
 MODEL_START, MODEL_END = "<!-- model:start -->", "<!-- model:end -->"
 
 #: the real-model K/V statistics the flashcodec reference description publishes ("Real KV statistics",
@@ -690,33 +704,15 @@ def main(argv: list[str] | None = None) -> int:
     for stem, page in PACKAGE_PAGES.items():
         if stem in results:
             put(page, render_package_block(stem, results[stem]), REAL_START, REAL_END)
-    long_file = args.results / PALU_LONG_FILE
-    if long_file.is_file():
-        put(PALU_DOC, render_palu_long_block(read_json(long_file)), PALU_LONG_START, PALU_LONG_END)
-    long_real = args.results / PALU_LONG_REAL_FILE
-    if long_real.is_file():
-        block = render_palu_long_block(
-            read_json(long_real),
-            PALU_LONG_REAL_FILE,
-            PALU_LONG_REAL_START,
-            PALU_LONG_REAL_END,
-            PALU_PEAK_TARGET,
-        )
-        put(PALU_DOC, block, PALU_LONG_REAL_START, PALU_LONG_REAL_END)
+    for name, render, start, end in PALU_FILE_BLOCKS:
+        source = args.results / name
+        if source.is_file():
+            put(PALU_DOC, render(read_json(source), name, start, end), start, end)
     speed = {
         name: read_json(args.results / name) for name in PALU_SPEED_FILES if (args.results / name).is_file()
     }
     if speed:
         put(PALU_DOC, render_palu_speed_block(speed), PALU_SPEED_START, PALU_SPEED_END)
-    real_file = args.results / PALU_REAL_FILE
-    if real_file.is_file():
-        put(PALU_DOC, render_palu_real_block(read_json(real_file)), PALU_REAL_START, PALU_REAL_END)
-    frontier_file = args.results / PALU_FRONTIER_FILE
-    if frontier_file.is_file():
-        block = render_palu_real_block(
-            read_json(frontier_file), PALU_FRONTIER_FILE, PALU_FRONTIER_START, PALU_FRONTIER_END
-        )
-        put(PALU_DOC, block, PALU_FRONTIER_START, PALU_FRONTIER_END)
     families_file = args.results / PALU_FAMILIES_FILE
     if families_file.is_file():
         block = render_palu_families_block(read_json(families_file))
