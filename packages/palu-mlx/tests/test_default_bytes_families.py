@@ -3,9 +3,9 @@
 ``KVCacheBuilder.for_model(model, KVCacheConfig())`` after a 400-token prompt and 16 greedy tokens,
 bfloat16 (the MoE families in float32: MLX's CPU gather matmul has no bfloat16), 6 layers, hidden
 256, 2 KV heads of 64: every array reachable from the caches (once) over the same count for mlx-lm's
-own caches on the same run. Sliding layers (gemma3_text's, a window of 128) are counted with the rest:
-mlx-lm's RotatingKVCache against palu's rotating cache, whose windows this short take the data-free
-rotation code (:mod:`palu_mlx.rotation_code`).
+own caches on the same run. The default is the rotation code (:mod:`palu_mlx.rotation_code`) on
+every layer; sliding layers (gemma3_text's, a window of 128) are counted with the rest: mlx-lm's
+RotatingKVCache against palu's rotating cache.
 """
 
 from __future__ import annotations
@@ -69,13 +69,17 @@ def ratio(family: str) -> float:
     return got
 
 
+#: how each palu cache class holds a layer, in the words of the families table
+_KINDS = {"PaluKVCache": "fitted projection", "RotationKVCache": "rotation code"}
+
+
 def _code(cache) -> str:
-    """How a layer is held: a fitted projection, or (sliding windows) in a window of some size."""
+    """How a layer is held: the rotation code or a fitted projection, in a window of some size for
+    sliding layers."""
     inner = getattr(cache, "cache", None)
     if inner is None:
-        return "fitted projection" if type(cache).__name__ == "PaluKVCache" else type(cache).__name__
-    kind = "rotation code" if type(inner).__name__ == "RotationKVCache" else "fitted projection"
-    return f"{kind}, window {cache.max_size}"
+        return _KINDS.get(type(cache).__name__, type(cache).__name__)
+    return f"{_KINDS.get(type(inner).__name__, type(inner).__name__)}, window {cache.max_size}"
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
