@@ -124,7 +124,7 @@ class KVCacheBuilder:
                     "method='rotation' under tensor parallel: each rank would rotate its own heads; "
                     "allowed here: method='palu'"
                 )
-            return rotation_cache(config, None, None, None, rotary)  # built from the first update
+            return rotation_cache(config, rotary=rotary)  # built from the first update
         return PaluKVCache(config, allocation_policy, rotary, shard)
 
     @staticmethod
@@ -195,8 +195,7 @@ class KVCacheBuilder:
         head dim or its KV head count is not divisible by ``palu_n_head_groups`` (the
         default, None, takes one group per KV head and fits every model).
         """
-        check_model(model)
-        config = KVCacheBuilder.config_for(model, config, calibration)
+        config = KVCacheBuilder.config_for(model, config, calibration)  # checks the model first
         caches = KVCacheBuilder._build(model, config, allocation_policy, None, max_kv_size)
         route_attention(model)
         return caches
@@ -245,7 +244,7 @@ class KVCacheBuilder:
         if config.method == "rotation":
             # the codes are built from each layer's first update: its heads and dims are the layer's own
             made = [
-                rotation_cache(config, None, None, None, _at(rotaries, i))
+                rotation_cache(config, rotary=_at(rotaries, i))
                 if type(c) in replaceable or type(c) is mlx_cache.RotatingKVCache
                 else None
                 for i, c in enumerate(defaults)
@@ -291,8 +290,7 @@ class KVCacheBuilder:
         config against the model first; the pre-RoPE decision (and its warning) is taken once,
         here. Nothing but ``make_cache`` changes; :meth:`uninstall` undoes it.
         """
-        check_model(model)
-        config = KVCacheBuilder.config_for(model, config, calibration)
+        config = KVCacheBuilder.config_for(model, config, calibration)  # checks the model first
         rotaries = _rotaries(model, config, model_kv_dims(model)[0])
         KVCacheBuilder._build(model, config, allocation_policy, rotaries)
         route_attention(model)
@@ -413,7 +411,7 @@ def _short_window_code(
         if config.method == "palu" and (head_dim is None or fits_window(window, head_dim)):
             return None
         # the codes are built from the window's first update: its heads and dims are the layer's own
-        return rotation_cache(window_config(config, window, keep), None, None, None, rotary)
+        return rotation_cache(window_config(config, window, keep), rotary=rotary)
 
     return make
 

@@ -325,12 +325,10 @@ class KVCacheConfig:
         if not isinstance(coder, WaterFilling):
             return coder
         relative = coder.relative
-        if relative is None and (
-            self.fitting.calibration is not None or self.fitting.sensitivity is not None
-        ):
-            relative = False
-        resolved = dataclasses.replace(coder, relative=relative)
-        return dataclasses.replace(resolved, relative=resolved.relative_error)
+        if relative is None:
+            files = self.fitting.calibration is not None or self.fitting.sensitivity is not None
+            relative = False if files else coder.relative_error
+        return dataclasses.replace(coder, relative=relative)
 
     @property
     def uses_split(self) -> bool:
@@ -400,7 +398,7 @@ class KVCacheConfig:
         return cls(**data)
 
 
-#: the dataclass fields (the objects), besides ``method``, that the constructor takes by name
+#: what the constructor takes by name besides the flat keywords: ``method`` and the fields
 _FIELDS = (
     "method",
     "head_dim",

@@ -250,10 +250,10 @@ def rotation_bits(config: KVCacheConfig) -> tuple[int, int]:
 
 def rotation_cache(
     config: KVCacheConfig,
-    heads: int | None,
-    key_dim: int | None,
-    value_dim: int | None,
-    rotary: Rotary | None,
+    heads: int | None = None,
+    key_dim: int | None = None,
+    value_dim: int | None = None,
+    rotary: Rotary | None = None,
 ) -> RotationKVCache:
     """A layer cache coding with :func:`rotation_code` at :func:`rotation_bits`: ``config`` with its
     per-token scale on (the steps are relative to it) and its exact tokens as given. ``heads`` or a

@@ -231,10 +231,10 @@ def palu_config(
         )
     if tier_name is not None and tier_name not in TIERS:
         raise KVConfigError(f"--palu-tier {tier_name!r} is not a palu tier; allowed: {', '.join(TIERS)}")
+    choice: KVCacheConfig | str | None = tier_name
     bits = getattr(args, "palu_bits", None)
-    choice = (
-        tier_name if tier_name is not None else KVCacheConfig(palu_bits=bits) if bits is not None else None
-    )
+    if choice is None and bits is not None:
+        choice = KVCacheConfig(palu_bits=bits)
     return KVCacheBuilder.config_for(model, choice, calibration)
 
 
